@@ -1,0 +1,98 @@
+"""The `vllm.general_plugins` entry point: runs in every vLLM process (API server, engine
+core, each worker).
+
+In the process that builds the engine config (the API server, or the script that creates an
+`LLM`), it validates the `runtime_guard` config — a bad one stops start-up with a message naming
+the key and value — and hands the resolved config and a shared run id down to the processes it
+spawns through the environment. In a process that received a config, it binds the guard to the
+model runner classes as they are imported. With no config anywhere, it wraps nothing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import uuid
+
+import structlog
+
+from guard.config import (
+    RESOLVED_ENV,
+    RUN_ID_ENV,
+    GuardConfig,
+    GuardConfigError,
+    config_from_env,
+    resolve_config,
+)
+
+log = structlog.get_logger("ascend_guard.plugin")
+
+_state: dict[str, bool] = {"config_hook": False, "bound": False}
+
+
+def register() -> None:
+    """Entry point; must never break vLLM except to refuse an invalid guard config."""
+    try:
+        _hook_engine_config()
+        config = config_from_env() or resolve_config(None)
+    except GuardConfigError:
+        raise
+    except Exception:  # noqa: BLE001 - a guard bug must not stop vLLM from starting
+        log.exception("guard_plugin_failed")
+        return
+    if config is not None:
+        activate(config)
+
+
+def _hook_engine_config() -> None:
+    """Validate the guard config where vLLM builds its config, and pass it to child processes."""
+    if _state["config_hook"] or "vllm.engine.arg_utils" not in sys.modules:
+        return
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_engine_config
+
+    def create_engine_config(self, *args, **kwargs):
+        vllm_config = original(self, *args, **kwargs)
+        try:
+            config = resolve_config(getattr(vllm_config, "additional_config", None))
+        except GuardConfigError as exc:
+            log.error("guard_config_invalid", error=str(exc))
+            raise
+        publish(config)
+        return vllm_config
+
+    create_engine_config.__wrapped__ = original  # type: ignore[attr-defined]
+    EngineArgs.create_engine_config = create_engine_config
+    _state["config_hook"] = True
+
+
+def publish(config: GuardConfig | None) -> None:
+    """Hand the resolved config (with its run id) to processes spawned from this one."""
+    if config is None:
+        os.environ.pop(RESOLVED_ENV, None)
+        return
+    run_id = config.run_id or os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:16]
+    os.environ[RUN_ID_ENV] = run_id
+    os.environ[RESOLVED_ENV] = config.to_json()
+
+
+def activate(config: GuardConfig) -> None:
+    """Turn the guard on in this process: a processor, and bindings as runner modules load."""
+    if _state["bound"]:
+        return
+    from ascend_runtime.bindings import bind_all
+    from ascend_runtime.ranks import describe_rank
+    from guard.decorators import install
+    from guard.processor import GuardProcessor
+    from telemetry import logs
+
+    logs.configure()
+    run_id = config.run_id or os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:16]
+    os.environ.setdefault(RUN_ID_ENV, run_id)
+    processor = GuardProcessor(config, lambda runner: describe_rank(runner, config, run_id))
+    install(processor)
+    atexit.register(processor.close)
+    bind_all()
+    _state["bound"] = True

@@ -1,0 +1,247 @@
+"""Per-process wave accounting: what the step and sample decorators call when the guard is on.
+
+One `GuardProcessor` lives in each worker process. The step decorator opens a wave around
+`execute_model`, the sample decorator closes it around `sample_tokens`, and the finished wave
+goes to the streamer as a plain tuple. The wrapped method's own result and exceptions pass
+through untouched; anything that goes wrong in the guard's own code is caught, counted and
+logged at a bounded rate, and the engine carries on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from guard.config import GuardConfig
+from guard.schedule import EMPTY_SCHEDULE, PromptLengths, ScheduleSummary, count_sampled_tokens
+from guard.streamer import HeartbeatState, Streamer, WaveTuple
+from telemetry.proto import guard_pb2
+
+log = structlog.get_logger("ascend_guard.processor")
+
+RankDescriber = Callable[[Any], guard_pb2.RankInfo]
+
+
+class _OpenWave:
+    """A wave whose execute phase has finished and whose sample phase may still come."""
+
+    __slots__ = ("dummy", "execute_ns", "schedule", "start_perf_ns", "start_unix_nano", "wave")
+
+    def __init__(
+        self,
+        wave: int,
+        start_unix_nano: int,
+        start_perf_ns: int,
+        execute_ns: int,
+        schedule: ScheduleSummary,
+        dummy: bool,
+    ) -> None:
+        self.wave = wave
+        self.start_unix_nano = start_unix_nano
+        self.start_perf_ns = start_perf_ns
+        self.execute_ns = execute_ns
+        self.schedule = schedule
+        self.dummy = dummy
+
+
+class _RateLimitedErrors:
+    """Counts every guard-internal error; logs at most `per_minute` of them a minute."""
+
+    def __init__(self, per_minute: int) -> None:
+        self.total = 0
+        self._per_minute = per_minute
+        self._window_start = 0.0
+        self._in_window = 0
+
+    def record(self, where: str) -> None:
+        self.total += 1
+        now = time.monotonic()
+        if now - self._window_start >= 60.0:
+            self._window_start, self._in_window = now, 0
+        if self._in_window < self._per_minute:
+            self._in_window += 1
+            log.exception("guard_internal_error", where=where, errors_total=self.total)
+
+
+class GuardProcessor:
+    """Turns decorated runner calls into wave records for one rank."""
+
+    def __init__(
+        self,
+        config: GuardConfig,
+        describe_rank: RankDescriber,
+        streamer_factory: Callable[..., Streamer] = Streamer,
+    ) -> None:
+        self.config = config
+        self._describe_rank = describe_rank
+        self._streamer_factory = streamer_factory
+        self.streamer: Streamer | None = None
+        self.errors = _RateLimitedErrors(config.error_log_per_minute)
+        self.wave = 0
+        self._open: _OpenWave | None = None
+        self._prompts = PromptLengths()
+        self._depth = 0
+        self._phase = "idle"
+        self._phase_since_ns = time.perf_counter_ns()
+
+    # -- decorator entry points ---------------------------------------------------------------
+    def run_step(self, fn: Callable[..., Any], runner: Any, args: tuple, kwargs: dict) -> Any:
+        """Run `execute_model` and open (or, when it returns output itself, finish) a wave."""
+        if self._depth:  # an overriding subclass calling its decorated base: count once
+            return fn(runner, *args, **kwargs)
+        # Counted first and unconditionally: wave N must name the same step on every rank.
+        self.wave += 1
+        wave = self.wave
+        try:
+            self._begin_step(runner)
+            start_unix = time.time_ns()
+            start = time.perf_counter_ns()
+        except Exception:  # noqa: BLE001
+            self.errors.record("step_begin")
+            return fn(runner, *args, **kwargs)
+        self._depth += 1
+        try:
+            output = fn(runner, *args, **kwargs)
+        finally:
+            self._depth -= 1
+            end = time.perf_counter_ns()
+            self._enter_phase("idle", end)
+        try:
+            scheduler_output = args[0] if args else kwargs.get("scheduler_output")
+            dummy = bool(kwargs.get("dummy_run", False))
+            schedule = EMPTY_SCHEDULE if dummy else self._prompts.summarize(scheduler_output)
+            dummy = dummy or schedule.num_reqs == 0
+            opened = _OpenWave(wave, start_unix, start, end - start, schedule, dummy)
+            if output is None:
+                self._open = opened  # sample_tokens finishes this wave
+            else:
+                self._emit(opened, 0, 0, count_sampled_tokens(output), sampled=False)
+        except Exception:  # noqa: BLE001
+            self.errors.record("step_end")
+        return output
+
+    def run_sample(self, fn: Callable[..., Any], runner: Any, args: tuple, kwargs: dict) -> Any:
+        """Run `sample_tokens` and finish the open wave with its timing and sampled tokens."""
+        if self._depth:
+            return fn(runner, *args, **kwargs)
+        start = time.perf_counter_ns()
+        self._enter_phase("sample_tokens", start)
+        self._depth += 1
+        try:
+            output = fn(runner, *args, **kwargs)
+        finally:
+            self._depth -= 1
+            end = time.perf_counter_ns()
+            self._enter_phase("idle", end)
+        try:
+            opened, self._open = self._open, None
+            if opened is not None:
+                self._finish_sampled(opened, output, start, end)
+        except Exception:  # noqa: BLE001
+            self.errors.record("sample_end")
+        return output
+
+    # -- internals ----------------------------------------------------------------------------
+    def _begin_step(self, runner: Any) -> None:
+        if self.streamer is None:
+            self._start_streamer(runner)
+        if self._open is not None:  # the last wave never reached sample_tokens
+            opened, self._open = self._open, None
+            self._emit(opened, 0, 0, None, sampled=False)
+        self._enter_phase("execute_model", time.perf_counter_ns())
+
+    def _finish_sampled(self, opened: _OpenWave, output: Any, start: int, end: int) -> None:
+        offset = start - opened.start_perf_ns
+        tokens = count_sampled_tokens(output)
+        get_output = getattr(output, "get_output", None) if tokens is None else None
+        if get_output is None or not callable(get_output):
+            self._emit(opened, end - start, offset, tokens, sampled=True)
+            return
+
+        # Async output (GPU/NPU runners): token lists exist only once get_output() resolves,
+        # which the worker calls right after. Count them then, without forcing a sync here.
+        def resolved_get_output(*a: Any, **kw: Any) -> Any:
+            result = get_output(*a, **kw)
+            try:
+                self._emit(opened, end - start, offset, count_sampled_tokens(result), sampled=True)
+            except Exception:  # noqa: BLE001
+                self.errors.record("async_output")
+            return result
+
+        output.get_output = resolved_get_output
+
+    def _emit(
+        self,
+        opened: _OpenWave,
+        sample_ns: int,
+        sample_offset_ns: int,
+        tokens: int | None,
+        *,
+        sampled: bool,
+    ) -> None:
+        schedule = opened.schedule
+        streamer = self.streamer
+        if streamer is None:
+            return
+        streamer.offer(
+            WaveTuple(
+                opened.wave,
+                opened.start_unix_nano,
+                opened.execute_ns,
+                sample_ns,
+                sample_offset_ns,
+                schedule.num_reqs,
+                schedule.prefill_reqs,
+                schedule.decode_reqs,
+                schedule.prefill_tokens,
+                schedule.decode_tokens,
+                tokens or 0,
+                opened.dummy,
+                sampled,
+            )
+        )
+
+    def _enter_phase(self, phase: str, now_ns: int) -> None:
+        self._phase = phase
+        self._phase_since_ns = now_ns
+
+    def heartbeat(self) -> HeartbeatState:
+        """What this rank is doing right now; read by the streamer thread."""
+        phase, since = self._phase, self._phase_since_ns
+        return HeartbeatState(self.wave, phase, time.perf_counter_ns() - since)
+
+    def _start_streamer(self, runner: Any) -> None:
+        config = self.config
+        rank = self._describe_rank(runner)
+        self.streamer = self._streamer_factory(
+            config.sidecar,
+            rank,
+            buffer_size=config.buffer_size,
+            batch_max=config.batch_max,
+            flush_interval_s=config.flush_interval_ms / 1000.0,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            max_backoff_s=config.reconnect_max_backoff_s,
+            heartbeat_source=self.heartbeat,
+            error_counter=lambda: self.errors.total,
+        )
+        self.streamer.start()
+        log.info(
+            "guard_streaming",
+            sidecar=config.sidecar,
+            run_id=rank.run_id,
+            engine=rank.engine,
+            dp=rank.dp_rank,
+            tp=rank.tp_rank,
+            pp=rank.pp_rank,
+            runner=rank.runner,
+        )
+
+    def close(self) -> None:
+        if self._open is not None:
+            opened, self._open = self._open, None
+            self._emit(opened, 0, 0, None, sampled=False)
+        if self.streamer is not None:
+            self.streamer.stop()

@@ -1,0 +1,222 @@
+"""Worker side of the stream: a bounded buffer drained by a background thread over gRPC.
+
+The engine thread only appends a tuple to a deque (`offer`), which never blocks. A daemon
+thread turns buffered records into protobuf batches and feeds them into one long-lived gRPC
+client stream to the sidecar, adds a heartbeat about once a second, and reconnects with
+exponential backoff when the sidecar is away. While it is away records wait in the buffer; once
+the buffer is full the oldest are dropped and counted, and the cumulative drop count travels
+with every later batch so the sidecar can export it.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import NamedTuple
+
+import grpc
+import structlog
+
+from telemetry.proto import guard_pb2, guard_pb2_grpc
+
+log = structlog.get_logger("ascend_guard.streamer")
+
+
+class WaveTuple(NamedTuple):
+    """What the hot path records per wave; turned into a `WaveRecord` on the streamer thread."""
+
+    wave: int
+    start_unix_nano: int
+    execute_ns: int
+    sample_ns: int
+    sample_offset_ns: int
+    num_reqs: int
+    prefill_reqs: int
+    decode_reqs: int
+    prefill_tokens: int
+    decode_tokens: int
+    sampled_tokens: int
+    dummy: bool
+    sampled: bool
+
+
+class HeartbeatState(NamedTuple):
+    last_wave: int
+    phase: str
+    phase_age_ns: int
+
+
+class Streamer:
+    """Ships records of one rank to the sidecar without ever blocking the caller."""
+
+    def __init__(
+        self,
+        address: str,
+        rank: guard_pb2.RankInfo,
+        *,
+        buffer_size: int,
+        batch_max: int,
+        flush_interval_s: float,
+        heartbeat_interval_s: float,
+        max_backoff_s: float,
+        heartbeat_source: Callable[[], HeartbeatState],
+        error_counter: Callable[[], int] = lambda: 0,
+    ) -> None:
+        self._address = address
+        self._rank = rank
+        self._buffer: collections.deque[WaveTuple] = collections.deque()
+        self._buffer_size = buffer_size
+        self._batch_max = batch_max
+        self._flush_interval_s = flush_interval_s
+        self._heartbeat_interval_s = heartbeat_interval_s
+        self._max_backoff_s = max_backoff_s
+        self._heartbeat_source = heartbeat_source
+        self._error_counter = error_counter
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._seq = 0
+        self.dropped = 0
+        self.sent_waves = 0
+        self.connected = False
+        self.connects = 0
+
+    # -- engine thread ------------------------------------------------------------------------
+    def offer(self, record: WaveTuple) -> None:
+        """Queue one record; drop (and count) the oldest when the buffer is full."""
+        buffer = self._buffer
+        if len(buffer) >= self._buffer_size:
+            try:  # noqa: SIM105 - hot path: cheaper than contextlib.suppress
+                buffer.popleft()
+            except IndexError:
+                pass
+            self.dropped += 1
+        buffer.append(record)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ascend-guard-streamer", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 2.0) -> None:
+        """Flush what is buffered (best effort, bounded by timeout) and stop the thread."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # -- streamer thread ----------------------------------------------------------------------
+    def _run(self) -> None:
+        backoff = 0.05
+        while not self._stop.is_set():
+            channel = grpc.insecure_channel(self._address)
+            try:
+                grpc.channel_ready_future(channel).result(timeout=max(backoff, 0.5))
+            except grpc.FutureTimeoutError:
+                channel.close()
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, self._max_backoff_s)
+                continue
+            stub = guard_pb2_grpc.GuardIngestStub(channel)
+            self.connected = True
+            self.connects += 1
+            log.info("sidecar_connected", address=self._address, connects=self.connects)
+            in_flight = _InFlight()
+            try:
+                stub.Stream(self._batches(in_flight))
+                backoff = 0.05
+            except grpc.RpcError as exc:
+                # The last batch handed to gRPC when the stream broke may or may not have
+                # arrived; count it as dropped rather than pretend it was delivered.
+                self.dropped += in_flight.close()
+                log.warning(
+                    "sidecar_stream_lost",
+                    address=self._address,
+                    code=str(exc.code()) if hasattr(exc, "code") else "",
+                    details=exc.details() if hasattr(exc, "details") else str(exc),
+                )
+            except Exception:  # noqa: BLE001 - telemetry must never take the worker down
+                log.exception("sidecar_stream_error")
+            finally:
+                in_flight.close()
+                self.connected = False
+                channel.close()
+            self._stop.wait(backoff)
+            backoff = min(backoff * 2, self._max_backoff_s)
+
+    def _batches(self, in_flight: _InFlight) -> Iterator[guard_pb2.Batch]:
+        last_heartbeat = 0.0
+        first = True
+        while True:
+            stopping = self._stop.is_set()
+            now = time.monotonic()
+            with in_flight.lock:
+                if in_flight.closed:
+                    return
+                records = self._drain()
+                in_flight.records = len(records)
+            heartbeat_due = first or now - last_heartbeat >= self._heartbeat_interval_s
+            if records or heartbeat_due or stopping:
+                batch = self._make_batch(records, heartbeat_due)
+                if heartbeat_due:
+                    last_heartbeat = now
+                first = False
+                yield batch
+                self.sent_waves += len(records)
+            if stopping and not self._buffer:
+                return
+            if not self._buffer or len(self._buffer) < self._batch_max:
+                self._stop.wait(self._flush_interval_s)
+
+    def _drain(self) -> list[WaveTuple]:
+        out: list[WaveTuple] = []
+        buffer = self._buffer
+        for _ in range(min(len(buffer), self._batch_max)):
+            try:
+                out.append(buffer.popleft())
+            except IndexError:
+                break
+        return out
+
+    def _make_batch(self, records: list[WaveTuple], with_heartbeat: bool) -> guard_pb2.Batch:
+        self._seq += 1
+        batch = guard_pb2.Batch(
+            rank=self._rank,
+            dropped_total=self.dropped,
+            guard_errors_total=self._error_counter(),
+            seq=self._seq,
+        )
+        waves = batch.waves
+        for record in records:
+            waves.add(**record._asdict())
+        if with_heartbeat:
+            state = self._heartbeat_source()
+            batch.heartbeat.time_unix_nano = time.time_ns()
+            batch.heartbeat.last_wave = state.last_wave
+            batch.heartbeat.phase = state.phase
+            batch.heartbeat.phase_age_ns = state.phase_age_ns
+        return batch
+
+
+class _InFlight:
+    """The records of the batch last handed to gRPC, and whether its stream has ended.
+
+    Shared by the gRPC thread pulling batches and the streamer thread that sees the stream
+    fail; the lock makes "drain the buffer" and "the stream is closed" exclusive, so no record
+    is taken from the buffer for a stream that is already gone.
+    """
+
+    __slots__ = ("closed", "lock", "records")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.records = 0
+        self.closed = False
+
+    def close(self) -> int:
+        """Mark the stream ended; return how many records may have been lost with it."""
+        with self.lock:
+            if self.closed:
+                return 0
+            self.closed = True
+            return self.records

@@ -1,0 +1,187 @@
+"""`ascend-guard`: the sidecar and the on-call commands (query, trace)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import sys
+from collections.abc import Sequence
+
+from telemetry import logs
+from telemetry.addresses import default_sidecar_address
+from telemetry.query import (
+    QueryError,
+    SpanQuery,
+    attributes,
+    load_trace,
+    parse_duration_ns,
+    parse_rank,
+    parse_time_ns,
+    search,
+    span_tree,
+)
+from telemetry.store import connect, default_store_path
+from telemetry.table import format_duration_ns, render_table
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ascend-guard",
+        description="Runtime guard and observability for vLLM: node sidecar and on-call queries.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    side = sub.add_parser(
+        "sidecar", help="run the node sidecar (gRPC ingest, /metrics, trace store)"
+    )
+    side.add_argument(
+        "--listen",
+        default=default_sidecar_address(),
+        help="gRPC address: unix:///path.sock or HOST:PORT",
+    )
+    side.add_argument(
+        "--metrics-port", type=int, default=9464, help="port of the Prometheus /metrics endpoint"
+    )
+    side.add_argument(
+        "--metrics-host", default="0.0.0.0", help="interface for /metrics (default all)"
+    )
+    side.add_argument("--store", default=default_store_path(), help="SQLite trace store path")
+    side.add_argument(
+        "--otlp-endpoint", default=None, help="also export spans over OTLP/gRPC to this URL"
+    )
+    side.add_argument("--retention", default="24h", help="keep spans this long (e.g. 6h, 7d)")
+    side.add_argument(
+        "--max-spans", type=int, default=5_000_000, help="keep at most this many spans"
+    )
+    side.add_argument(
+        "--max-message-bytes", type=int, default=4 * 1024 * 1024, help="largest accepted batch"
+    )
+    side.add_argument("--log-json", action="store_true", help="log JSON lines instead of key=value")
+
+    query = sub.add_parser("query", help="search stored spans; prints the slowest first")
+    query.add_argument("--store", default=default_store_path())
+    query.add_argument(
+        "--since", default="1h", help="age (15m), unix seconds, ISO time or 'now' (default 1h)"
+    )
+    query.add_argument("--until", default=None, help="same forms as --since (default now)")
+    query.add_argument(
+        "--min-duration", default=None, help="only spans at least this long, e.g. 5ms"
+    )
+    query.add_argument("--rank", default=None, help="tp=1, dp=0,tp=1 or DP/TP/PP such as 0/1/0")
+    query.add_argument(
+        "--name", default=None, help="span name: wave, rank, execute_model, sample_tokens"
+    )
+    query.add_argument("--run", dest="run_id", default=None, help="run id")
+    query.add_argument("--engine", default=None, help="engine label")
+    query.add_argument("--wave", type=int, default=None, help="one wave number")
+    query.add_argument("--sort", default="duration", help="duration (default), start or wave")
+    query.add_argument("--limit", type=int, default=20)
+
+    trace = sub.add_parser("trace", help="print one trace as a tree")
+    trace.add_argument("trace_id", help="32 hex digits, as `ascend-guard query` prints")
+    trace.add_argument("--store", default=default_store_path())
+    return parser
+
+
+def _cmd_sidecar(args: argparse.Namespace) -> int:
+    from telemetry.sidecar import Sidecar, SidecarSettings, SidecarStartError
+
+    logs.configure(json_output=args.log_json)
+    try:
+        retention_s = parse_duration_ns(args.retention, "--retention") / 1e9
+    except QueryError as exc:
+        print(f"ascend-guard sidecar: {exc}", file=sys.stderr)
+        return 2
+    settings = SidecarSettings(
+        listen=args.listen, metrics_host=args.metrics_host, metrics_port=args.metrics_port, store=args.store,
+        otlp_endpoint=args.otlp_endpoint, retention_s=retention_s, max_spans=args.max_spans,
+        max_message_bytes=args.max_message_bytes,
+    )  # fmt: skip
+    try:
+        Sidecar(settings).serve_forever()
+    except SidecarStartError as exc:
+        print(f"ascend-guard sidecar: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _clock(ns: int) -> str:
+    return dt.datetime.fromtimestamp(ns / 1e9, tz=dt.timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+
+
+def _rank_text(row) -> str:
+    if row["dp"] is None:
+        return "-"
+    return f"dp{row['dp']} tp{row['tp']} pp{row['pp']}"
+
+
+def _cmd_query(args: argparse.Namespace) -> int:
+    query = SpanQuery(
+        since_ns=parse_time_ns(args.since, "--since"),
+        until_ns=parse_time_ns(args.until, "--until") if args.until else None,
+        min_duration_ns=parse_duration_ns(args.min_duration, "--min-duration") if args.min_duration else None,
+        rank=parse_rank(args.rank) if args.rank else {},
+        name=args.name, run_id=args.run_id, engine=args.engine, wave=args.wave, sort=args.sort, limit=args.limit,
+    )  # fmt: skip
+    rows = search(connect(args.store, readonly=True), query)
+    if not rows:
+        print("no spans match; widen --since or drop a filter")
+        return 0
+    table = [
+        (_clock(r["start_ns"]), r["wave"], _rank_text(r), r["name"], format_duration_ns(r["duration_ns"]),
+         attributes(r).get("ascend_guard.num_reqs", ""), r["trace_id"])
+        for r in rows
+    ]  # fmt: skip
+    print(
+        render_table(
+            ("start (UTC)", "wave", "rank", "span", "duration", "reqs", "trace id"),
+            table,
+            right=(1, 4, 5),
+        )
+    )
+    print(
+        f"\n{len(rows)} span(s); show one with: ascend-guard trace {rows[0]['trace_id']} --store {args.store}"
+    )
+    return 0
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    rows = load_trace(connect(args.store, readonly=True), args.trace_id)
+    if not rows:
+        print(f"trace {args.trace_id} is not in {args.store} (expired, or not flushed yet)")
+        return 1
+    origin = min(r["start_ns"] for r in rows)
+    first = rows[0]
+    print(
+        f"trace {first['trace_id']}  run {first['run_id']}  engine {first['engine']}  wave {first['wave']}"
+    )
+    table = []
+    for depth, row in span_tree(rows):
+        attrs = attributes(row)
+        detail = []
+        for key in ("num_reqs", "prefill_tokens", "decode_tokens", "sampled_tokens"):
+            if f"ascend_guard.{key}" in attrs:
+                detail.append(f"{key}={attrs[f'ascend_guard.{key}']}")
+        if attrs.get("ascend_guard.dummy"):
+            detail.append("dummy")
+        label = row["name"] if row["name"] != "rank" else f"rank {_rank_text(row)}"
+        table.append(
+            ("  " * depth + ("└─ " if depth else "") + label, f"+{format_duration_ns(row['start_ns'] - origin)}",
+             format_duration_ns(row["duration_ns"]), " ".join(detail))
+        )  # fmt: skip
+    print(render_table(("span", "start", "duration", "detail"), table, right=(1, 2)))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    handlers = {"sidecar": _cmd_sidecar, "query": _cmd_query, "trace": _cmd_trace}
+    try:
+        return handlers[args.command](args)
+    except (QueryError, FileNotFoundError) as exc:
+        print(f"ascend-guard {args.command}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Prometheus metrics of the sidecar, fed from validated wave batches.
+
+Per-rank series carry `engine`, `dp`, `tp`, `pp`. Workers send cumulative counts of dropped
+records and internal errors; the sidecar turns them into counter increments per worker process,
+so counters stay monotonic across worker and sidecar restarts.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from telemetry.proto import guard_pb2
+
+RANK_LABELS = ("engine", "dp", "tp", "pp")
+PHASES = ("execute_model", "sample_tokens", "step")
+# Host time per phase: 50 us .. 60 s
+DURATION_BUCKETS = (
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+    0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+RankLabels = tuple[str, str, str, str]
+
+
+class SidecarMetrics:
+    """All metric families the sidecar exports, on one registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.waves = Counter(
+            "ascend_guard_waves",
+            "Engine steps (waves) reported by a rank.",
+            RANK_LABELS,
+            registry=r,
+        )
+        self.dummy_waves = Counter(
+            "ascend_guard_dummy_waves",
+            "Idle or dummy waves (nothing scheduled) reported by a rank.",
+            RANK_LABELS,
+            registry=r,
+        )
+        self.sampled_tokens = Counter(
+            "ascend_guard_sampled_tokens",
+            "Tokens a rank's runner returned from sampling.",
+            RANK_LABELS,
+            registry=r,
+        )
+        self.scheduled_tokens = Counter(
+            "ascend_guard_scheduled_tokens",
+            "Tokens scheduled on a rank, by prefill or decode.",
+            (*RANK_LABELS, "kind"),
+            registry=r,
+        )
+        self.step_duration = Histogram(
+            "ascend_guard_step_duration_seconds",
+            "Host time of a wave's phases on a rank.",
+            (*RANK_LABELS, "phase"),
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.dropped = Counter(
+            "ascend_guard_records_dropped",
+            "Records a rank dropped before they reached the sidecar.",
+            RANK_LABELS,
+            registry=r,
+        )
+        self.guard_errors = Counter(
+            "ascend_guard_guard_errors",
+            "Guard-internal errors caught (and survived) on a rank.",
+            RANK_LABELS,
+            registry=r,
+        )
+        self.last_wave = Gauge(
+            "ascend_guard_last_wave",
+            "Latest wave number reported by a rank.",
+            RANK_LABELS,
+            registry=r,
+        )
+        self.last_heartbeat = Gauge(
+            "ascend_guard_last_heartbeat_timestamp_seconds",
+            "Unix time of a rank's latest heartbeat.",
+            RANK_LABELS,
+            registry=r,
+        )
+        self.ranks_connected = Gauge(
+            "ascend_guard_ranks_connected",
+            "Worker streams connected to this sidecar.",
+            ("engine",),
+            registry=r,
+        )
+        self.rejected = Counter(
+            "ascend_guard_ingest_rejected",
+            "Messages the sidecar refused, by reason.",
+            ("reason",),
+            registry=r,
+        )
+        self._cumulative: dict[tuple, tuple[int, int]] = {}
+        self._lock = threading.Lock()
+
+    def observe_batch(self, labels: RankLabels, batch: guard_pb2.Batch, source: tuple) -> None:
+        """Count one validated batch from the worker process identified by `source`."""
+        waves = batch.waves
+        if waves:
+            self._observe_waves(labels, waves)
+        if batch.HasField("heartbeat"):
+            self.last_heartbeat.labels(*labels).set(batch.heartbeat.time_unix_nano / 1e9)
+        with self._lock:
+            seen_dropped, seen_errors = self._cumulative.get(source, (0, 0))
+            self._cumulative[source] = (
+                max(seen_dropped, batch.dropped_total),
+                max(seen_errors, batch.guard_errors_total),
+            )
+        if batch.dropped_total > seen_dropped:
+            self.dropped.labels(*labels).inc(batch.dropped_total - seen_dropped)
+        if batch.guard_errors_total > seen_errors:
+            self.guard_errors.labels(*labels).inc(batch.guard_errors_total - seen_errors)
+        # make the series exist (at 0) as soon as a rank speaks, so dashboards and alerts see it
+        self.dropped.labels(*labels)
+        self.guard_errors.labels(*labels)
+
+    def _observe_waves(self, labels: RankLabels, waves) -> None:
+        execute = self.step_duration.labels(*labels, "execute_model")
+        sample = self.step_duration.labels(*labels, "sample_tokens")
+        step = self.step_duration.labels(*labels, "step")
+        sampled = prefill = decode = dummies = 0
+        last = 0
+        for wave in waves:
+            execute.observe(wave.execute_ns / 1e9)
+            if wave.sampled:
+                sample.observe(wave.sample_ns / 1e9)
+            step.observe((wave.execute_ns + wave.sample_ns) / 1e9)
+            sampled += wave.sampled_tokens
+            prefill += wave.prefill_tokens
+            decode += wave.decode_tokens
+            dummies += wave.dummy
+            last = max(last, wave.wave)
+        self.waves.labels(*labels).inc(len(waves))
+        self.dummy_waves.labels(*labels).inc(dummies)
+        self.sampled_tokens.labels(*labels).inc(sampled)
+        self.scheduled_tokens.labels(*labels, "prefill").inc(prefill)
+        self.scheduled_tokens.labels(*labels, "decode").inc(decode)
+        self.last_wave.labels(*labels).set(last)

@@ -1,0 +1,154 @@
+"""The node sidecar: gRPC ingest, Prometheus `/metrics`, traces into the store (and OTLP)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import socket
+import threading
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+import structlog
+from prometheus_client import start_http_server
+
+from telemetry.ingest import DEFAULT_MAX_MESSAGE_BYTES, IngestService
+from telemetry.metrics import SidecarMetrics
+from telemetry.store import SqliteSpanExporter
+from telemetry.traces import WaveTracer, build_provider
+
+log = structlog.get_logger("ascend_guard.sidecar")
+
+
+@dataclasses.dataclass
+class SidecarSettings:
+    listen: str
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 9464
+    store: str = ""
+    otlp_endpoint: str | None = None
+    retention_s: float = 24 * 3600
+    max_spans: int = 5_000_000
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_streams: int = 256
+
+
+class SidecarStartError(RuntimeError):
+    """The sidecar cannot start; the message says what is in the way."""
+
+
+def _unix_path(address: str) -> str | None:
+    if address.startswith("unix://"):
+        return address[len("unix://") :]
+    if address.startswith("unix:"):
+        return address[len("unix:") :]
+    return None
+
+
+def _claim_socket(path: str) -> None:
+    """Remove a stale socket file, but refuse to take over a live sidecar's socket."""
+    if not os.path.exists(path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except OSError:
+        os.unlink(path)  # nobody listens: a leftover from a sidecar that died
+        return
+    finally:
+        probe.close()
+    raise SidecarStartError(
+        f"another process is already listening on {path}; stop it or pick another --listen"
+    )
+
+
+class Sidecar:
+    def __init__(self, settings: SidecarSettings) -> None:
+        self.settings = settings
+        self.metrics = SidecarMetrics()
+        exporters = [
+            SqliteSpanExporter(
+                settings.store, retention_s=settings.retention_s, max_spans=settings.max_spans
+            )
+        ]
+        self.store_exporter = exporters[0]
+        if settings.otlp_endpoint:
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+            exporters.append(OTLPSpanExporter(endpoint=settings.otlp_endpoint, insecure=True))
+        self.provider, ids = build_provider(exporters, socket.gethostname())
+        self.ingest = IngestService(
+            self.metrics,
+            WaveTracer(self.provider, ids),
+            max_message_bytes=settings.max_message_bytes,
+        )
+        self._server: grpc.Server | None = None
+        self._http = None
+        self._stopped = threading.Event()
+
+    def start(self) -> None:
+        settings = self.settings
+        unix_path = _unix_path(settings.listen)
+        if unix_path:
+            _claim_socket(unix_path)
+        server = grpc.server(
+            futures.ThreadPoolExecutor(
+                max_workers=settings.max_streams + 8, thread_name_prefix="ingest"
+            ),
+            handlers=[self.ingest.handler()],
+            maximum_concurrent_rpcs=settings.max_streams,
+            options=[
+                # gRPC's own cap sits above ours so that oversize is answered by IngestService
+                ("grpc.max_receive_message_length", settings.max_message_bytes * 2),
+                ("grpc.so_reuseport", 0),
+            ],
+        )
+        try:
+            bound = server.add_insecure_port(settings.listen)
+        except RuntimeError as exc:
+            raise SidecarStartError(f"cannot listen on {settings.listen}: {exc}") from exc
+        if not bound and not unix_path:
+            raise SidecarStartError(
+                f"cannot listen on {settings.listen}: address in use or invalid"
+            )
+        try:
+            self._http, _ = start_http_server(
+                settings.metrics_port, settings.metrics_host, registry=self.metrics.registry
+            )
+        except OSError as exc:
+            server.stop(0)
+            raise SidecarStartError(
+                f"cannot serve /metrics on {settings.metrics_host}:{settings.metrics_port}: {exc.strerror}"
+            ) from exc
+        server.start()
+        self._server = server
+        log.info(
+            "sidecar_ready", listen=settings.listen, metrics=f"http://{settings.metrics_host}:{settings.metrics_port}/metrics",
+            store=settings.store, otlp=settings.otlp_endpoint or "off",
+        )  # fmt: skip
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        if self._server is not None:
+            self._server.stop(grace_s).wait(grace_s + 1)
+        self.provider.shutdown()  # flushes pending spans into the store
+        if self._http is not None:
+            self._http.shutdown()
+        unix_path = _unix_path(self.settings.listen)
+        if unix_path and os.path.exists(unix_path):
+            os.unlink(unix_path)
+        log.info("sidecar_stopped", spans_stored=self.store_exporter.exported)
+
+    def serve_forever(self) -> None:
+        """Run until SIGINT or SIGTERM, then stop cleanly."""
+        done = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: done.set())
+        self.start()
+        done.wait()
+        self.stop()

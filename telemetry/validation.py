@@ -1,0 +1,53 @@
+"""Checks on every `Batch` before the sidecar uses it; each failure names the field."""
+
+from __future__ import annotations
+
+from telemetry.proto import guard_pb2
+
+MAX_RANK = 65_535
+MAX_TEXT = 128
+MAX_WAVES_PER_BATCH = 100_000
+MAX_DURATION_NS = 24 * 3600 * 10**9
+
+
+class InvalidBatch(ValueError):
+    """A batch that parsed but makes no sense; the message says which field is wrong."""
+
+
+def validate_batch(batch: guard_pb2.Batch) -> None:
+    if not batch.HasField("rank"):
+        raise InvalidBatch("batch.rank: missing; every batch must say which rank sent it")
+    rank = batch.rank
+    if not rank.run_id:
+        raise InvalidBatch("rank.run_id: empty")
+    for name in ("run_id", "engine", "node", "runner"):
+        value = getattr(rank, name)
+        if len(value) > MAX_TEXT:
+            raise InvalidBatch(f"rank.{name}: {len(value)} characters, at most {MAX_TEXT}")
+    for name in ("dp_rank", "tp_rank", "pp_rank", "dp_size", "tp_size", "pp_size"):
+        value = getattr(rank, name)
+        if value > MAX_RANK:
+            raise InvalidBatch(f"rank.{name}: {value} exceeds {MAX_RANK}")
+    for coord, size in (("dp", rank.dp_size), ("tp", rank.tp_size), ("pp", rank.pp_size)):
+        value = getattr(rank, f"{coord}_rank")
+        if size and value >= size:
+            raise InvalidBatch(f"rank.{coord}_rank: {value} is not below {coord}_size {size}")
+    if len(batch.waves) > MAX_WAVES_PER_BATCH:
+        raise InvalidBatch(
+            f"batch.waves: {len(batch.waves)} records, at most {MAX_WAVES_PER_BATCH}"
+        )
+    for index, wave in enumerate(batch.waves):
+        if wave.wave == 0:
+            raise InvalidBatch(f"waves[{index}].wave: must be 1 or more")
+        for name in ("execute_ns", "sample_ns", "sample_offset_ns"):
+            value = getattr(wave, name)
+            if not 0 <= value <= MAX_DURATION_NS:
+                raise InvalidBatch(
+                    f"waves[{index}].{name}: {value} is outside [0, {MAX_DURATION_NS}]"
+                )
+        if wave.start_unix_nano <= 0:
+            raise InvalidBatch(
+                f"waves[{index}].start_unix_nano: {wave.start_unix_nano} is not a time"
+            )
+    if batch.HasField("heartbeat") and batch.heartbeat.phase_age_ns < 0:
+        raise InvalidBatch(f"heartbeat.phase_age_ns: {batch.heartbeat.phase_age_ns} is negative")

@@ -1,0 +1,75 @@
+"""Streams synthetic wave records into a sidecar through the real worker-side client."""
+
+from __future__ import annotations
+
+import time
+
+from guard.streamer import HeartbeatState, Streamer, WaveTuple
+from telemetry.proto import guard_pb2
+
+
+def make_streamer(
+    address: str,
+    *,
+    engine: str = "test",
+    rank: tuple[int, int, int] = (0, 0, 0),
+    sizes=(1, 2, 1),
+    run_id: str = "run-test",
+    pid: int = 4242,
+    buffer_size: int = 8192,
+) -> Streamer:
+    dp, tp, pp = rank
+    info = guard_pb2.RankInfo(
+        run_id=run_id, engine=engine, dp_rank=dp, tp_rank=tp, pp_rank=pp, dp_size=sizes[0], tp_size=sizes[1],
+        pp_size=sizes[2], node="test-node", pid=pid, runner="tests.FakeRunner",
+    )  # fmt: skip
+    return Streamer(
+        address, info, buffer_size=buffer_size, batch_max=256, flush_interval_s=0.02, heartbeat_interval_s=0.2,
+        max_backoff_s=0.2, heartbeat_source=lambda: HeartbeatState(0, "idle", 0),
+    )  # fmt: skip
+
+
+def wave_tuple(
+    wave: int, *, sampled: int = 4, execute_ns: int = 2_000_000, sample_ns: int = 500_000
+) -> WaveTuple:
+    start = time.time_ns()
+    return WaveTuple(
+        wave=wave, start_unix_nano=start, execute_ns=execute_ns, sample_ns=sample_ns, sample_offset_ns=execute_ns + 1000,
+        num_reqs=sampled, prefill_reqs=0, decode_reqs=sampled, prefill_tokens=0, decode_tokens=sampled,
+        sampled_tokens=sampled, dummy=False, sampled=True,
+    )  # fmt: skip
+
+
+def send_waves(
+    address: str,
+    *,
+    engine: str = "test",
+    ranks=((0, 0, 0), (0, 1, 0)),
+    waves: int = 50,
+    sampled_per_wave: int = 4,
+    drop: int = 0,
+    run_id: str = "run-test",
+    timeout: float = 10.0,
+) -> None:
+    """Send `waves` waves from each rank and return once the streamers have handed them all over.
+
+    `drop` records per rank are reported as dropped (the client's drop counter is set directly).
+    """
+    streamers = []
+    for index, rank in enumerate(ranks):
+        streamer = make_streamer(address, engine=engine, rank=rank, run_id=run_id, pid=4000 + index)
+        streamer.dropped = drop
+        for n in range(1, waves + 1):
+            streamer.offer(wave_tuple(n, sampled=sampled_per_wave))
+        streamer.start()
+        streamers.append(streamer)
+    deadline = time.monotonic() + timeout
+    while any(s.sent_waves < waves for s in streamers):
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"sent {[s.sent_waves for s in streamers]} of {waves} waves per rank"
+            )
+        time.sleep(0.02)
+    time.sleep(0.3)  # a heartbeat and the last batch reach the sidecar
+    for streamer in streamers:
+        streamer.stop()

@@ -1,0 +1,20 @@
+"""Reading Prometheus exposition text in tests."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def samples(text: str, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:
+    """All samples called `name` whose labels include `labels`."""
+    out = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                out.append((sample.labels, sample.value))
+    return out
+
+
+def value(text: str, name: str, **labels: str) -> float:
+    """Sum of the matching samples (0 when there are none)."""
+    return sum(v for _, v in samples(text, name, **labels))

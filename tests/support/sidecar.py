@@ -1,0 +1,97 @@
+"""A real `ascend-guard sidecar` process for tests: started, polled until ready, stopped."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from tests.support.ports import free_port
+
+
+class SidecarProcess:
+    def __init__(
+        self,
+        proc: subprocess.Popen,
+        address: str,
+        metrics_port: int,
+        store_path: Path,
+        log_path: Path,
+    ):
+        self.proc = proc
+        self.address = address
+        self.metrics_port = metrics_port
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        self.store_path = store_path
+        self.log_path = log_path
+
+    @classmethod
+    def start(
+        cls,
+        tmp_path: Path,
+        *,
+        address: str | None = None,
+        metrics_port: int | None = None,
+        store_path: Path | None = None,
+        extra_args: tuple[str, ...] = (),
+        timeout: float = 20.0,
+    ) -> SidecarProcess:
+        tmp_path = Path(tmp_path)
+        address = address or f"unix://{tmp_path / 'guard.sock'}"
+        metrics_port = metrics_port or free_port()
+        store_path = store_path or tmp_path / "store.db"
+        log_path = tmp_path / f"sidecar-{metrics_port}-{int(time.time() * 1000)}.log"
+        cmd = [
+            sys.executable, "-m", "telemetry.cli", "sidecar", "--listen", address,
+            "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port), "--store", str(store_path),
+            *extra_args,
+        ]  # fmt: skip
+        log = open(log_path, "w")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        sidecar = cls(proc, address, metrics_port, store_path, log_path)
+        sidecar._wait_ready(timeout)
+        return sidecar
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"sidecar exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                with urllib.request.urlopen(self.metrics_url, timeout=1) as resp:
+                    if resp.status == 200 and self._socket_ready():
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise RuntimeError(f"sidecar not ready after {timeout}s:\n{self.log()}")
+
+    def _socket_ready(self) -> bool:
+        if self.address.startswith("unix://"):
+            return os.path.exists(self.address[len("unix://") :])
+        return True
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
+            return resp.read().decode()
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text()
+        except OSError:
+            return ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode

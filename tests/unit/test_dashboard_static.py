@@ -1,0 +1,293 @@
+"""Static checks of the Grafana dashboards, provisioning files and Prometheus alert rules.
+
+No server is started; `promtool` (Debian package `prometheus`) must be installed.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+if str(ROOT) not in sys.path:  # `tests.support` without a root conftest / pythonpath setting
+    sys.path.insert(0, str(ROOT))
+
+from tests.support.dashboard import (  # noqa: E402
+    iter_panels,
+    load_dashboard,
+    metric_names_in,
+    panel_queries,
+    render_expr,
+)
+
+DASHBOARDS = ROOT / "dashboards"
+DASHBOARD_FILES = sorted(DASHBOARDS.glob("*.json"))
+OVERVIEW = DASHBOARDS / "ascend-guard-overview.json"
+ALERTS = DASHBOARDS / "prometheus" / "alerts.yml"
+DATASOURCES_YAML = DASHBOARDS / "provisioning" / "datasources" / "ascend-guard.yaml"
+PROVIDERS_YAML = DASHBOARDS / "provisioning" / "dashboards" / "ascend-guard.yaml"
+
+# The metric families the sidecar exports (see dashboards/README.md).
+WORKER_METRICS = {
+    "ascend_guard_waves_total",
+    "ascend_guard_dummy_waves_total",
+    "ascend_guard_sampled_tokens_total",
+    "ascend_guard_scheduled_tokens_total",
+    "ascend_guard_step_duration_seconds",
+    "ascend_guard_records_dropped_total",
+    "ascend_guard_guard_errors_total",
+    "ascend_guard_last_wave",
+    "ascend_guard_last_heartbeat_timestamp_seconds",
+    "ascend_guard_ranks_connected",
+}
+SIDECAR_METRICS = {"ascend_guard_ingest_rejected_total"}  # no engine label
+HISTOGRAMS = {"ascend_guard_step_duration_seconds"}
+EXPORTED = WORKER_METRICS | SIDECAR_METRICS
+ALLOWED = (
+    EXPORTED | {f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
+) - HISTOGRAMS  # a bare histogram name is not a queryable series
+
+PROMTOOL_HINT = (
+    "promtool not found: run `make deps` or "
+    "`apt-get update && apt-get install -y --no-install-recommends prometheus` "
+    "(or `sudo tools/ensure_prometheus.sh`)"
+)
+
+
+def family(name: str) -> str:
+    for h in HISTOGRAMS:
+        if name in (f"{h}_bucket", f"{h}_sum", f"{h}_count"):
+            return h
+    return name
+
+
+def promtool() -> str:
+    path = shutil.which("promtool") or (
+        "/usr/bin/promtool" if Path("/usr/bin/promtool").exists() else None
+    )
+    if not path:
+        pytest.fail(PROMTOOL_HINT)
+    return path
+
+
+def alert_rules() -> list[dict]:
+    doc = yaml.safe_load(ALERTS.read_text())
+    return [rule for group in doc["groups"] for rule in group["rules"]]
+
+
+@pytest.fixture(scope="module")
+def overview() -> dict:
+    return load_dashboard(OVERVIEW)
+
+
+# --------------------------------------------------------------------------- dashboard JSON
+def test_dashboard_files_load_and_uids_are_unique():
+    assert OVERVIEW in DASHBOARD_FILES
+    uids = {}
+    for path in DASHBOARD_FILES:
+        dash = load_dashboard(path)
+        uid = dash.get("uid")
+        assert uid, f"{path.name}: no uid"
+        assert re.fullmatch(r"[A-Za-z0-9_-]{1,40}", uid), f"{path.name}: bad uid {uid!r}"
+        assert uid not in uids, f"uid {uid!r} in both {uids[uid]} and {path.name}"
+        uids[uid] = path.name
+        assert dash.get("title"), f"{path.name}: no title"
+        assert dash.get("id") is None, f"{path.name}: remove the instance-specific numeric id"
+        assert int(dash.get("schemaVersion", 0)) >= 39, f"{path.name}: schemaVersion < 39"
+
+
+def test_overview_identity(overview):
+    assert overview["uid"] == "ascend-guard-overview"
+    assert overview["title"] == "ascend-guard / overview"
+
+
+def test_template_variables(overview):
+    variables = {v["name"]: v for v in overview["templating"]["list"]}
+    ds = variables["datasource"]
+    assert ds["type"] == "datasource" and ds["query"] == "prometheus"
+    engine = variables["engine"]
+    assert engine["type"] == "query"
+    query = engine["query"]["query"] if isinstance(engine["query"], dict) else engine["query"]
+    assert query.replace(" ", "") == "label_values(ascend_guard_waves_total,engine)"
+    assert engine["multi"] is True and engine["includeAll"] is True
+    assert engine["datasource"]["uid"] == "${datasource}"
+
+
+def test_panel_ids_refids_and_layout(overview):
+    panels = [p for p in iter_panels(overview)]
+    ids = [p["id"] for p in panels]
+    assert len(ids) == len(set(ids)), f"duplicate panel ids: {ids}"
+    titles = [p["title"] for p in panels if p.get("type") != "row"]
+    assert len(titles) == len(set(titles)), "duplicate panel titles"
+    cells = {}
+    for p in panels:
+        assert p.get("type") in {"timeseries", "stat", "row"}, (p["title"], p.get("type"))
+        pos = p["gridPos"]
+        assert pos["x"] >= 0 and pos["x"] + pos["w"] <= 24, (p["title"], pos)
+        for dx in range(pos["w"]):
+            for dy in range(pos["h"]):
+                cell = (pos["x"] + dx, pos["y"] + dy)
+                assert cell not in cells, f"{p['title']!r} overlaps {cells[cell]!r}"
+                cells[cell] = p["title"]
+        refids = [t["refId"] for t in p.get("targets", [])]
+        assert len(refids) == len(set(refids)), f"{p['title']}: duplicate refIds"
+
+
+def test_every_panel_has_a_prometheus_query(overview):
+    for panel in iter_panels(overview):
+        if panel.get("type") == "row":
+            continue
+        targets = panel.get("targets") or []
+        assert targets and all(t.get("expr", "").strip() for t in targets), panel["title"]
+        assert panel["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, panel["title"]
+        for t in targets:
+            assert t.get("datasource", panel["datasource"])["uid"] == "${datasource}"
+        unit = panel["fieldConfig"]["defaults"].get("unit")
+        assert unit in {"s", "ops", "short"}, f"{panel['title']}: unit {unit!r}"
+
+
+def test_panel_metrics_are_exported_families(overview):
+    queries = panel_queries(overview)
+    assert queries
+    used = set()
+    for title, expr in queries:
+        names = metric_names_in(expr)
+        assert names, f"{title!r}: no metric found in {expr!r}"
+        unknown = names - ALLOWED
+        assert not unknown, f"{title!r}: unknown metrics {sorted(unknown)} in {expr!r}"
+        used |= {family(n) for n in names}
+    # Every exported family has a place on the overview.
+    assert used == EXPORTED, f"families without a panel: {sorted(EXPORTED - used)}"
+
+
+def test_worker_queries_filter_by_engine(overview):
+    for title, expr in panel_queries(overview):
+        for m in re.finditer(r"(ascend_guard_\w+)(\{[^}]*\})?", expr):
+            name, selector = m.group(1), m.group(2) or ""
+            if family(name) in SIDECAR_METRICS:
+                assert "engine" not in selector, f"{title!r}: {name} has no engine label"
+                continue
+            assert 'engine=~"$engine"' in selector, f"{title!r}: {name} not filtered by engine"
+
+
+def test_rate_queries_use_rate_interval(overview):
+    for title, expr in panel_queries(overview):
+        for window in re.findall(r"\[([^\]]+)\]", expr):
+            assert window == "$__rate_interval", f"{title!r}: use $__rate_interval, not {window}"
+
+
+def test_histogram_quantiles_keep_le(overview):
+    for title, expr in panel_queries(overview):
+        if "histogram_quantile" in expr:
+            assert re.search(r"by \([^)]*\ble\b", expr), f"{title!r}: aggregate `by (..., le)`"
+            assert "_bucket" in expr, title
+
+
+def test_rendered_panel_queries_parse(tmp_path):
+    """Every rendered query is valid PromQL: promtool parses it as a recording rule."""
+    rules = []
+    for i, (title, expr) in enumerate(panel_queries(load_dashboard(OVERVIEW))):
+        rendered = render_expr(expr, engine="test")
+        assert "$" not in rendered, (title, rendered)
+        rules.append({"record": f"ascend_guard:panel_query_{i}", "expr": rendered})
+    path = tmp_path / "panel_rules.yml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
+    proc = subprocess.run(
+        [promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------- helpers
+def test_metric_names_in():
+    assert metric_names_in(
+        'sum by (engine,dp,tp,pp) (rate(ascend_guard_waves_total{engine=~"$engine"}[5m]))'
+    ) == {"ascend_guard_waves_total"}
+    assert metric_names_in("histogram_quantile(0.9, sum by (le, phase) (rate(h_bucket[1m])))") == {
+        "h_bucket"
+    }
+    assert metric_names_in("time() - hb_seconds > 10") == {"hb_seconds"}
+    assert metric_names_in("max by (engine) (a) - on (engine) group_right () b") == {"a", "b"}
+    assert metric_names_in('x{le="0.1", job="sum"} or y offset 5m unless z') == {"x", "y", "z"}
+    assert metric_names_in('{__name__="named_metric"}') == {"named_metric"}
+
+
+def test_render_expr():
+    expr = 'rate(m{engine=~"$engine"}[$__rate_interval]) + rate(m[${__interval}]) + m[$__range]'
+    assert render_expr(expr, "e1", "1m", range_="1h") == (
+        'rate(m{engine=~"e1"}[1m]) + rate(m[1m]) + m[1h]'
+    )
+    assert render_expr('m{engine=~"${engine:regex}"}', "x") == 'm{engine=~"x"}'
+    with pytest.raises(ValueError):
+        render_expr('m{x="$unknown"}', "e")
+
+
+# --------------------------------------------------------------------------- provisioning
+def test_datasource_provisioning():
+    doc = yaml.safe_load(DATASOURCES_YAML.read_text())
+    assert doc["apiVersion"] == 1
+    (ds,) = doc["datasources"]
+    assert ds["type"] == "prometheus"
+    assert ds["url"] == "${PROMETHEUS_URL}"
+    assert ds.get("access", "proxy") == "proxy"
+    assert "PROMETHEUS_URL" in DATASOURCES_YAML.read_text().split("url:")[0]  # documented above
+
+
+def test_dashboard_provisioning():
+    doc = yaml.safe_load(PROVIDERS_YAML.read_text())
+    assert doc["apiVersion"] == 1
+    (provider,) = doc["providers"]
+    assert provider["type"] == "file"
+    path = provider["options"]["path"]
+    assert path.startswith("/") or path.startswith("$"), path
+    assert path in PROVIDERS_YAML.read_text().split("providers:")[0], "mount path not documented"
+
+
+# --------------------------------------------------------------------------- alert rules
+def test_alert_rules_pass_promtool():
+    proc = subprocess.run(
+        [promtool(), "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS" in proc.stdout
+
+
+def test_alert_rules_cover_the_failure_modes():
+    rules = alert_rules()
+    by_metric = {}
+    for rule in rules:
+        assert rule.get("alert"), f"recording rule in alerts.yml: {rule}"
+        assert rule.get("labels", {}).get("severity") in {"critical", "warning", "info"}
+        assert rule.get("annotations", {}).get("summary"), rule["alert"]
+        for name in metric_names_in(rule["expr"]):
+            by_metric.setdefault(name, []).append(rule["alert"])
+    for needed in (
+        "ascend_guard_last_heartbeat_timestamp_seconds",
+        "ascend_guard_records_dropped_total",
+        "ascend_guard_guard_errors_total",
+        "ascend_guard_ranks_connected",
+    ):
+        assert needed in by_metric, f"no alert on {needed}"
+    (stale,) = [r for r in rules if "ascend_guard_last_heartbeat_timestamp_seconds" in r["expr"]]
+    assert re.search(r">\s*10\b", stale["expr"]), "heartbeat alert threshold is 10 s"
+
+
+def test_alert_metrics_are_exported_families():
+    for rule in alert_rules():
+        names = metric_names_in(rule["expr"])
+        assert names, rule["alert"]
+        unknown = names - ALLOWED
+        assert not unknown, f"{rule['alert']}: unknown metrics {sorted(unknown)}"
+
+
+def test_dashboard_json_is_canonical():
+    """The JSON is stored with 2-space indent, so diffs of hand edits stay reviewable."""
+    text = OVERVIEW.read_text()
+    assert text == json.dumps(json.loads(text), indent=2) + "\n"
