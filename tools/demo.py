@@ -59,13 +59,23 @@ def rank_summary(text: str, tp: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tp", type=int, default=2, choices=(1, 2), help="tensor parallel size (default 2)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--tp", type=int, default=2, choices=(1, 2), help="tensor parallel size (default 2)"
+    )
     parser.add_argument("--requests", type=int, default=16, help="concurrent requests in the load")
     parser.add_argument("--max-tokens", type=int, default=64, help="tokens per request")
-    parser.add_argument("--metrics-port", type=int, default=0, help="sidecar /metrics port (default: free port)")
-    parser.add_argument("--keep", action="store_true", help="keep sidecar and vLLM running until Ctrl-C")
-    parser.add_argument("--workdir", default=str(REPO / ".demo"), help="socket, store and logs go here")
+    parser.add_argument(
+        "--metrics-port", type=int, default=0, help="sidecar /metrics port (default: free port)"
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep sidecar and vLLM running until Ctrl-C"
+    )
+    parser.add_argument(
+        "--workdir", default=str(REPO / ".demo"), help="socket, store and logs go here"
+    )
     args = parser.parse_args(argv)
 
     work = Path(args.workdir)
@@ -90,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = step(f"starting vllm serve on CPU with the guard on (TP={args.tp}); about 30-60 s")
         guard = {"sidecar": sidecar.address, "engine": "demo"}
         server = VllmServer.start(model, work, tp=args.tp, guard=guard)
-        print(f"    healthy after {time.monotonic() - t0:.0f}s at {server.base} (log {server.log_path})")
+        print(
+            f"    healthy after {time.monotonic() - t0:.0f}s at {server.base} (log {server.log_path})"
+        )
 
         vllm_before = value(server.metrics_text(), "vllm:generation_tokens_total")
         t0 = step(f"sending {args.requests} concurrent completions x {args.max_tokens} tokens")
@@ -104,7 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         deadline = time.monotonic() + 10
         labels = {"engine": "demo", "dp": "0", "tp": "0", "pp": "0"}
         text = sidecar.metrics_text()
-        while value(text, "ascend_guard_sampled_tokens_total", **labels) < api_tokens and time.monotonic() < deadline:
+        while (
+            value(text, "ascend_guard_sampled_tokens_total", **labels) < api_tokens
+            and time.monotonic() < deadline
+        ):
             time.sleep(0.2)
             text = sidecar.metrics_text()
         time.sleep(1.0)  # let the span batch reach the store
@@ -119,13 +134,23 @@ def main(argv: list[str] | None = None) -> int:
             f"API returned {api_tokens}: {agree}"
         )
 
-        rows = search(connect(store, readonly=True), SpanQuery(name="rank", sort="duration", limit=5))
+        rows = search(
+            connect(store, readonly=True), SpanQuery(name="rank", sort="duration", limit=5)
+        )
         print("\nSlowest waves (ascend-guard query --name rank)")
         print(
             render_table(
                 ("wave", "rank", "duration", "reqs", "trace id"),
-                [(r["wave"], f"dp{r['dp']} tp{r['tp']} pp{r['pp']}", format_duration_ns(r["duration_ns"]),
-                  cli.attributes(r).get("ascend_guard.num_reqs", ""), r["trace_id"]) for r in rows],  # fmt: skip
+                [
+                    (
+                        r["wave"],
+                        f"dp{r['dp']} tp{r['tp']} pp{r['pp']}",
+                        format_duration_ns(r["duration_ns"]),
+                        cli.attributes(r).get("ascend_guard.num_reqs", ""),
+                        r["trace_id"],
+                    )
+                    for r in rows
+                ],  # fmt: skip
                 right=(0, 2, 3),
             )
         )
@@ -139,11 +164,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    logs      {sidecar.log_path}  {server.log_path}")
         print("    dashboard dashboards/ascend-guard-overview.json (see dashboards/README.md)")
         if args.keep:
-            print(f"\nRunning; send requests to {server.base}/v1/completions. Ctrl-C stops everything.")
+            print(
+                f"\nRunning; send requests to {server.base}/v1/completions. Ctrl-C stops everything."
+            )
             with contextlib.suppress(KeyboardInterrupt):
                 signal.pause()
         else:
-            print("\nNext: `make demo DEMO_ARGS=--keep` keeps it running; `make test` runs the test suite.")
+            print(
+                "\nNext: `make demo DEMO_ARGS=--keep` keeps it running; `make test` runs the test suite."
+            )
         return 0 if agree == "agree" else 1
     finally:
         step("shutting down")

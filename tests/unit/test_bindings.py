@@ -139,7 +139,9 @@ def test_guard_on_exception_from_the_real_method_propagates(upstream):
     processor = GuardProcessor(
         GuardConfig(sidecar="localhost:1"),
         lambda runner: guard_pb2.RankInfo(run_id="r"),
-        lambda *a, **k: SimpleNamespace(start=lambda: None, offer=lambda r: None, stop=lambda: None),
+        lambda *a, **k: SimpleNamespace(
+            start=lambda: None, offer=lambda r: None, stop=lambda: None
+        ),
     )
     install(processor)
     arg = RaisingOutput()
@@ -185,9 +187,7 @@ def test_attach_points_name_the_installed_classes():
     assert {"v1-gpu-runner", "mrv2-gpu-runner"} <= set(found)
     # classes that only inherit the methods are covered by the attach point of a base class
     for name, cls in found.items():
-        owners = {
-            next(k for k in cls.__mro__ if method in k.__dict__) for method in METHODS
-        }
+        owners = {next(k for k in cls.__mro__ if method in k.__dict__) for method in METHODS}
         assert owners <= set(found.values()), name
 
 

@@ -235,7 +235,9 @@ def test_env_file_bad_value_names_key_and_value(tmp_path):
 
 
 def test_inline_wins_over_file_key_by_key(tmp_path):
-    path = _write(tmp_path, {"runtime_guard": {"engine": "file", "buffer_size": 64, "batch_max": 8}})
+    path = _write(
+        tmp_path, {"runtime_guard": {"engine": "file", "buffer_size": 64, "batch_max": 8}}
+    )
     config = resolve_config(
         {"runtime_guard": {"engine": "inline", "batch_max": 16}},
         environ={CONFIG_FILE_ENV: str(path)},

@@ -479,7 +479,6 @@ def test_processor_installed_mid_run_is_used_and_removed():
     assert decorators.active_processor() is None
 
 
-
 class ReentrantSub(Runner):
     @runtime_guard_step
     def execute_model(self, scheduler_output, intermediate_tensors=None):

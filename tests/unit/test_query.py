@@ -342,7 +342,9 @@ def test_cli_trace_prints_the_tree(store, capsys):
     assert cli.main(["trace", trace.upper(), "--store", str(store)]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0].startswith(f"trace {trace}") and "run run-q" in lines[0] and "wave 2" in lines[0]
+    assert (
+        lines[0].startswith(f"trace {trace}") and "run run-q" in lines[0] and "wave 2" in lines[0]
+    )
     rows = [line.split("  +")[0].rstrip() for line in _table_rows(out)]
     assert rows == [
         "wave",
@@ -389,7 +391,7 @@ def test_cli_query_bad_arguments_exit_2(store, capsys, args, fragment):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="telemetry/query.py:43 (OverflowError on inf) and telemetry/cli.py:190 (catches only "
+    reason="telemetry/query.py:43 (OverflowError on inf) and telemetry/cli.py:181 (catches only "
     "QueryError/FileNotFoundError): `query --since inf` dies with a traceback instead of exit 2",
 )
 def test_cli_query_infinite_since_exits_2(store, capsys):
@@ -453,7 +455,10 @@ def test_prune_nothing_to_do(tmp_path):
 def test_export_prunes_by_itself(tmp_path):
     """With the default prune interval, exporting enforces retention against the real clock."""
     old = time.time_ns() - 3600 * 10**9
-    waves = [(rank_info(0), wave_record(1, old, 1)), (rank_info(0), wave_record(2, time.time_ns(), 1))]
+    waves = [
+        (rank_info(0), wave_record(1, old, 1)),
+        (rank_info(0), wave_record(2, time.time_ns(), 1)),
+    ]
     path = tmp_path / "auto.db"
     build_store(path, waves, retention_s=60)
     assert {r["wave"] for r in _rows(path)} == {2}
@@ -492,7 +497,12 @@ def test_ids_differ_between_waves_runs_and_ranks():
     assert len({wave_trace_id("run-a", n) for n in range(1, 1001)}) == 1000
     assert 0 < wave_trace_id("run-a", 1) < 2**128
     assert 0 < wave_span_id("run-a", 1) < 2**64
-    spans = {rank_span_id("run-a", 1, dp, tp, pp) for dp in range(2) for tp in range(4) for pp in range(2)}
+    spans = {
+        rank_span_id("run-a", 1, dp, tp, pp)
+        for dp in range(2)
+        for tp in range(4)
+        for pp in range(2)
+    }
     assert len(spans) == 16
     assert wave_span_id("run-a", 1) not in spans
 
