@@ -349,7 +349,8 @@ def run_macro(args: argparse.Namespace, model: Path, children: Children, sidecar
             worker_cpu[label].append(w_cpu / tokens / 1e3)
             server_cpu[label].append(s_cpu / tokens / 1e3)
             _say(
-                f"  round {label:>3}: {tokens} tokens in {wall:.3f} s = {tokens / wall:,.0f} tok/s"
+                f"  round {label:>3}: {tokens} tokens in {wall:.3f} s = {tokens / wall:,.0f} tok/s,"
+                f" worker CPU {w_cpu / tokens / 1e3:.1f} us/tok"
             )
     os.sched_setaffinity(0, all_cpus)
     guard_after = _settled_guard_metrics(
@@ -654,14 +655,14 @@ def report_macro(res: MacroResult, args: argparse.Namespace) -> str:
         f"guard errors {d['ascend_guard_guard_errors_total']:.0f}"
         + ("; WARNING: another engine streamed waves" if res.other_engines_streamed else "")
     )
-    cpu_ratios = {
-        kind: statistics.median(values["on"]) / statistics.median(values["off"])
-        for kind, values in (("worker", res.worker_cpu_us), ("whole server", res.server_cpu_us))
-    }
-    lines.append(
-        "CPU time per output token on/off (less sensitive to other load than tok/s): "
-        + ", ".join(f"{k} {r:.4f} ({(r - 1) * 100:+.2f}%)" for k, r in cpu_ratios.items())
-    )
+    for kind, values in (("worker", res.worker_cpu_us), ("whole server", res.server_cpu_us)):
+        paired = [on / off for on, off in zip(values["on"], values["off"], strict=True)]
+        c1, c3 = _quartiles(paired)
+        r = statistics.median(values["on"]) / statistics.median(values["off"])
+        lines.append(
+            f"{kind} CPU per output token on/off (medians) {r:.4f} ({(r - 1) * 100:+.2f}%); "
+            f"paired median {statistics.median(paired):.4f}, IQR {c1:.4f}..{c3:.4f}"
+        )
     loss = (1 - ratio) * 100
     noise = (q3 - q1) / 2 * 100
     goal = THROUGHPUT_LOSS_GOAL_PCT

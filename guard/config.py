@@ -16,7 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from telemetry.addresses import default_sidecar_address
+from telemetry.addresses import address_problem, default_sidecar_address
 
 CONFIG_KEY = "runtime_guard"
 CONFIG_FILE_ENV = "ASCEND_GUARD_CONFIG"
@@ -26,7 +26,6 @@ RESOLVED_ENV = "ASCEND_GUARD_RESOLVED_CONFIG"
 RUN_ID_ENV = "ASCEND_GUARD_RUN_ID"
 
 _LABEL_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-_ADDRESS_RE = re.compile(r"^(unix://?/.+|unix:[^/].*|[A-Za-z0-9_.\-\[\]:]+:\d{1,5})$")
 
 
 class GuardConfigError(ValueError):
@@ -112,10 +111,9 @@ def parse_config(raw: Mapping[str, Any]) -> GuardConfig:
                 )
         values[key] = value
     sidecar = values.get("sidecar")
-    if sidecar is not None and not _ADDRESS_RE.match(sidecar):
-        raise GuardConfigError(
-            f"runtime_guard.sidecar: {sidecar!r} is not an address; use unix:///path/guard.sock or HOST:PORT"
-        )
+    problem = address_problem(sidecar) if sidecar is not None else None
+    if problem:
+        raise GuardConfigError(f"runtime_guard.sidecar: {sidecar!r} is not an address; {problem}")
     for key in ("engine", "run_id"):
         if values.get(key) and not _LABEL_RE.match(values[key]):
             raise GuardConfigError(

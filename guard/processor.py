@@ -97,11 +97,10 @@ class GuardProcessor:
         wave = self.wave
         try:
             self._begin_step(runner)
-            start_unix = time.time_ns()
-            start = time.perf_counter_ns()
         except Exception:  # noqa: BLE001
             self.errors.record("step_begin")
-            return fn(runner, *args, **kwargs)
+        start_unix = time.time_ns()
+        start = time.perf_counter_ns()
         self._depth += 1
         try:
             output = fn(runner, *args, **kwargs)

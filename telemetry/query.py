@@ -8,6 +8,7 @@ import json
 import re
 import sqlite3
 import time
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ns|us|µs|ms|s|m|h|d)\s*$")
@@ -28,7 +29,7 @@ def parse_duration_ns(text: str, what: str) -> int:
         raise QueryError(
             f"{what}: {text!r} is not a duration; use a number and a unit, e.g. 5ms, 1.5s, 10m"
         )
-    return int(float(match.group(1)) * _UNIT_NS[match.group(2)])
+    return int(Decimal(match.group(1)) * _UNIT_NS[match.group(2)])  # exact: 1.005s → 1005000000
 
 
 def parse_time_ns(text: str, what: str, now_ns: int | None = None) -> int:
@@ -40,9 +41,13 @@ def parse_time_ns(text: str, what: str, now_ns: int | None = None) -> int:
     if _DURATION.match(text):
         return now_ns - parse_duration_ns(text, what)
     try:
-        return int(float(text) * 1e9)
-    except ValueError:
+        seconds = Decimal(text)
+    except InvalidOperation:
         pass
+    else:
+        if not seconds.is_finite() or not 0 <= seconds < 10**11:
+            raise QueryError(f"{what}: {text!r} is not a unix time in seconds")
+        return int(seconds * 10**9)
     try:
         parsed = dt.datetime.fromisoformat(text)
     except ValueError:

@@ -14,12 +14,16 @@ import grpc
 import structlog
 from prometheus_client import start_http_server
 
+from telemetry.addresses import address_problem, unix_socket_path
 from telemetry.ingest import DEFAULT_MAX_MESSAGE_BYTES, IngestService
 from telemetry.metrics import SidecarMetrics
 from telemetry.store import SqliteSpanExporter
 from telemetry.traces import WaveTracer, build_provider
 
 log = structlog.get_logger("ascend_guard.sidecar")
+
+# Memory guard: gRPC buffers a whole message before the sidecar sees it.
+GRPC_HARD_CAP_BYTES = 64 * 1024 * 1024
 
 
 @dataclasses.dataclass
@@ -37,14 +41,6 @@ class SidecarSettings:
 
 class SidecarStartError(RuntimeError):
     """The sidecar cannot start; the message says what is in the way."""
-
-
-def _unix_path(address: str) -> str | None:
-    if address.startswith("unix://"):
-        return address[len("unix://") :]
-    if address.startswith("unix:"):
-        return address[len("unix:") :]
-    return None
 
 
 def _claim_socket(path: str) -> None:
@@ -91,7 +87,10 @@ class Sidecar:
 
     def start(self) -> None:
         settings = self.settings
-        unix_path = _unix_path(settings.listen)
+        problem = address_problem(settings.listen)
+        if problem:
+            raise SidecarStartError(f"--listen {settings.listen!r} is not an address; {problem}")
+        unix_path = unix_socket_path(settings.listen)
         if unix_path:
             _claim_socket(unix_path)
         server = grpc.server(
@@ -101,8 +100,12 @@ class Sidecar:
             handlers=[self.ingest.handler()],
             maximum_concurrent_rpcs=settings.max_streams,
             options=[
-                # gRPC's own cap sits above ours so that oversize is answered by IngestService
-                ("grpc.max_receive_message_length", settings.max_message_bytes * 2),
+                # gRPC's own cap sits well above ours so that oversize is answered (and counted)
+                # by IngestService; only messages past GRPC_HARD_CAP_BYTES are refused by gRPC.
+                (
+                    "grpc.max_receive_message_length",
+                    max(GRPC_HARD_CAP_BYTES, settings.max_message_bytes * 2),
+                ),
                 ("grpc.so_reuseport", 0),
             ],
         )
@@ -139,7 +142,7 @@ class Sidecar:
         self.provider.shutdown()  # flushes pending spans into the store
         if self._http is not None:
             self._http.shutdown()
-        unix_path = _unix_path(self.settings.listen)
+        unix_path = unix_socket_path(self.settings.listen)
         if unix_path and os.path.exists(unix_path):
             os.unlink(unix_path)
         log.info("sidecar_stopped", spans_stored=self.store_exporter.exported)

@@ -485,12 +485,6 @@ class ReentrantSub(Runner):
         return super().execute_model(scheduler_output, intermediate_tensors)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="guard/processor.py:102-104: when _begin_step fails, run_step calls fn without "
-    "raising _depth, so a decorated override calling its decorated base counts the wave twice "
-    "(wave numbers diverge from the other ranks; invariant 4)",
-)
 def test_reentrant_override_counts_one_wave_even_when_the_guard_fails():
     def describe(runner):
         raise KeyError("no tp group")
