@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 
 from guard.config import GuardConfig
-from guard.schedule import EMPTY_SCHEDULE, PromptLengths, ScheduleSummary, count_sampled_tokens
+from guard.schedule import EMPTY_SCHEDULE, PrefillTracker, ScheduleSummary, count_sampled_tokens
 from guard.streamer import HeartbeatState, Streamer, WaveTuple
 from telemetry.proto import guard_pb2
 
@@ -25,26 +25,14 @@ log = structlog.get_logger("ascend_guard.processor")
 RankDescriber = Callable[[Any], guard_pb2.RankInfo]
 
 
-class _OpenWave:
-    """A wave whose execute phase has finished and whose sample phase may still come."""
+# A wave between execute_model and sample_tokens: (wave, start_perf_ns, execute_ns, schedule).
+# A plain tuple: this is built on every step, on the engine thread.
+OpenWave = tuple[int, int, int, ScheduleSummary]
 
-    __slots__ = ("dummy", "execute_ns", "schedule", "start_perf_ns", "start_unix_nano", "wave")
-
-    def __init__(
-        self,
-        wave: int,
-        start_unix_nano: int,
-        start_perf_ns: int,
-        execute_ns: int,
-        schedule: ScheduleSummary,
-        dummy: bool,
-    ) -> None:
-        self.wave = wave
-        self.start_unix_nano = start_unix_nano
-        self.start_perf_ns = start_perf_ns
-        self.execute_ns = execute_ns
-        self.schedule = schedule
-        self.dummy = dummy
+_IDLE = "idle"
+_EXECUTE = "execute_model"
+_SAMPLE = "sample_tokens"
+_new_tuple = tuple.__new__  # builds a WaveTuple without the Python-level __new__ frame
 
 
 class _RateLimitedErrors:
@@ -67,7 +55,12 @@ class _RateLimitedErrors:
 
 
 class GuardProcessor:
-    """Turns decorated runner calls into wave records for one rank."""
+    """Turns decorated runner calls into wave records for one rank.
+
+    The engine thread runs `run_step` / `run_sample` on every step, so they are written for
+    cost: one clock read on each side of the call, a tuple per wave, and the schedule summary,
+    whose cost does not grow with the batch (see `PrefillTracker`).
+    """
 
     def __init__(
         self,
@@ -81,11 +74,13 @@ class GuardProcessor:
         self.streamer: Streamer | None = None
         self.errors = _RateLimitedErrors(config.error_log_per_minute)
         self.wave = 0
-        self._open: _OpenWave | None = None
-        self._prompts = PromptLengths()
+        self._open: OpenWave | None = None
+        self._prefill = PrefillTracker()
         self._depth = 0
-        self._phase = "idle"
-        self._phase_since_ns = time.perf_counter_ns()
+        # (phase, since perf_counter_ns), replaced as a whole so the heartbeat reads a pair
+        self._phase: tuple[str, int] = (_IDLE, time.perf_counter_ns())
+        # wall clock = perf_counter_ns + offset; refreshed by the streamer thread's heartbeat
+        self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()
 
     # -- decorator entry points ---------------------------------------------------------------
     def run_step(self, fn: Callable[..., Any], runner: Any, args: tuple, kwargs: dict) -> Any:
@@ -93,31 +88,29 @@ class GuardProcessor:
         if self._depth:  # an overriding subclass calling its decorated base: count once
             return fn(runner, *args, **kwargs)
         # Counted first and unconditionally: wave N must name the same step on every rank.
-        self.wave += 1
-        wave = self.wave
-        try:
-            self._begin_step(runner)
-        except Exception:  # noqa: BLE001
-            self.errors.record("step_begin")
-        start_unix = time.time_ns()
+        self.wave = wave = self.wave + 1
+        if self.streamer is None or self._open is not None:
+            self._prepare_step(runner)
         start = time.perf_counter_ns()
-        self._depth += 1
+        self._phase = (_EXECUTE, start)
+        self._depth = 1
         try:
             output = fn(runner, *args, **kwargs)
         finally:
-            self._depth -= 1
+            self._depth = 0
             end = time.perf_counter_ns()
-            self._enter_phase("idle", end)
+            self._phase = (_IDLE, end)
         try:
-            scheduler_output = args[0] if args else kwargs.get("scheduler_output")
-            dummy = bool(kwargs.get("dummy_run", False))
-            schedule = EMPTY_SCHEDULE if dummy else self._prompts.summarize(scheduler_output)
-            dummy = dummy or schedule.num_reqs == 0
-            opened = _OpenWave(wave, start_unix, start, end - start, schedule, dummy)
+            if kwargs and kwargs.get("dummy_run"):
+                schedule = EMPTY_SCHEDULE
+            else:
+                scheduler_output = args[0] if args else kwargs.get("scheduler_output")
+                schedule = self._prefill.summarize(scheduler_output)
+            opened = (wave, start, end - start, schedule)
             if output is None:
                 self._open = opened  # sample_tokens finishes this wave
             else:
-                self._emit(opened, 0, 0, count_sampled_tokens(output), sampled=False)
+                self._emit(opened, 0, 0, count_sampled_tokens(output), False)
         except Exception:  # noqa: BLE001
             self.errors.record("step_end")
         return output
@@ -127,37 +120,42 @@ class GuardProcessor:
         if self._depth:
             return fn(runner, *args, **kwargs)
         start = time.perf_counter_ns()
-        self._enter_phase("sample_tokens", start)
-        self._depth += 1
+        self._phase = (_SAMPLE, start)
+        self._depth = 1
         try:
             output = fn(runner, *args, **kwargs)
         finally:
-            self._depth -= 1
+            self._depth = 0
             end = time.perf_counter_ns()
-            self._enter_phase("idle", end)
-        try:
-            opened, self._open = self._open, None
-            if opened is not None:
+            self._phase = (_IDLE, end)
+        opened = self._open
+        if opened is not None:
+            self._open = None
+            try:
                 self._finish_sampled(opened, output, start, end)
-        except Exception:  # noqa: BLE001
-            self.errors.record("sample_end")
+            except Exception:  # noqa: BLE001
+                self.errors.record("sample_end")
         return output
 
     # -- internals ----------------------------------------------------------------------------
-    def _begin_step(self, runner: Any) -> None:
-        if self.streamer is None:
-            self._start_streamer(runner)
-        if self._open is not None:  # the last wave never reached sample_tokens
-            opened, self._open = self._open, None
-            self._emit(opened, 0, 0, None, sampled=False)
-        self._enter_phase("execute_model", time.perf_counter_ns())
+    def _prepare_step(self, runner: Any) -> None:
+        """Start streaming on the first wave; flush a wave that never reached sample_tokens."""
+        try:
+            if self.streamer is None:
+                self._start_streamer(runner)
+            opened = self._open
+            if opened is not None:
+                self._open = None
+                self._emit(opened, 0, 0, None, False)
+        except Exception:  # noqa: BLE001
+            self.errors.record("step_begin")
 
-    def _finish_sampled(self, opened: _OpenWave, output: Any, start: int, end: int) -> None:
-        offset = start - opened.start_perf_ns
+    def _finish_sampled(self, opened: OpenWave, output: Any, start: int, end: int) -> None:
+        offset = start - opened[1]
         tokens = count_sampled_tokens(output)
         get_output = getattr(output, "get_output", None) if tokens is None else None
         if get_output is None or not callable(get_output):
-            self._emit(opened, end - start, offset, tokens, sampled=True)
+            self._emit(opened, end - start, offset, tokens, True)
             return
 
         # Async output (GPU/NPU runners): token lists exist only once get_output() resolves,
@@ -165,7 +163,7 @@ class GuardProcessor:
         def resolved_get_output(*a: Any, **kw: Any) -> Any:
             result = get_output(*a, **kw)
             try:
-                self._emit(opened, end - start, offset, count_sampled_tokens(result), sampled=True)
+                self._emit(opened, end - start, offset, count_sampled_tokens(result), True)
             except Exception:  # noqa: BLE001
                 self.errors.record("async_output")
             return result
@@ -174,43 +172,44 @@ class GuardProcessor:
 
     def _emit(
         self,
-        opened: _OpenWave,
+        opened: OpenWave,
         sample_ns: int,
         sample_offset_ns: int,
         tokens: int | None,
-        *,
         sampled: bool,
     ) -> None:
-        schedule = opened.schedule
         streamer = self.streamer
         if streamer is None:
             return
+        wave, start, execute_ns, schedule = opened
+        num_reqs, prefill_reqs, decode_reqs, prefill_tokens, decode_tokens = schedule
         streamer.offer(
-            WaveTuple(
-                opened.wave,
-                opened.start_unix_nano,
-                opened.execute_ns,
-                sample_ns,
-                sample_offset_ns,
-                schedule.num_reqs,
-                schedule.prefill_reqs,
-                schedule.decode_reqs,
-                schedule.prefill_tokens,
-                schedule.decode_tokens,
-                tokens or 0,
-                opened.dummy,
-                sampled,
-            )
+            _new_tuple(
+                WaveTuple,
+                (
+                    wave,
+                    start + self._wall_offset_ns,
+                    execute_ns,
+                    sample_ns,
+                    sample_offset_ns,
+                    num_reqs,
+                    prefill_reqs,
+                    decode_reqs,
+                    prefill_tokens,
+                    decode_tokens,
+                    tokens or 0,
+                    num_reqs == 0,
+                    sampled,
+                ),
+            )  # fmt: skip
         )
 
-    def _enter_phase(self, phase: str, now_ns: int) -> None:
-        self._phase = phase
-        self._phase_since_ns = now_ns
-
     def heartbeat(self) -> HeartbeatState:
-        """What this rank is doing right now; read by the streamer thread."""
-        phase, since = self._phase, self._phase_since_ns
-        return HeartbeatState(self.wave, phase, time.perf_counter_ns() - since)
+        """What this rank is doing right now; called on the streamer thread."""
+        now = time.perf_counter_ns()
+        self._wall_offset_ns = time.time_ns() - now
+        phase, since = self._phase
+        return HeartbeatState(self.wave, phase, now - since)
 
     def _start_streamer(self, runner: Any) -> None:
         config = self.config
@@ -239,8 +238,8 @@ class GuardProcessor:
         )
 
     def close(self) -> None:
-        if self._open is not None:
-            opened, self._open = self._open, None
-            self._emit(opened, 0, 0, None, sampled=False)
+        opened, self._open = self._open, None
+        if opened is not None:
+            self._emit(opened, 0, 0, None, False)
         if self.streamer is not None:
             self.streamer.stop()

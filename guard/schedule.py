@@ -20,65 +20,93 @@ class ScheduleSummary(NamedTuple):
 EMPTY_SCHEDULE = ScheduleSummary(0, 0, 0, 0, 0)
 
 
-class PromptLengths:
-    """Prompt length per live request, so later waves can tell prefill chunks from decode."""
+class PrefillTracker:
+    """Splits each wave into prefill and decode work, at a cost that does not grow with the batch.
 
-    __slots__ = ("_lengths",)
+    It remembers only the requests whose prompt is not fully computed yet (new requests,
+    chunked-prefill continuations, resumed requests) and how many prompt tokens each still has
+    to compute. Every scheduled request it does not hold is decoding, so a wave costs O(new +
+    still-prefilling requests), not O(running requests).
+    """
+
+    __slots__ = ("_remaining",)
 
     def __init__(self) -> None:
-        self._lengths: dict[str, int] = {}
+        self._remaining: dict[str, int] = {}
 
     def summarize(self, scheduler_output: Any) -> ScheduleSummary:
-        """Split a `SchedulerOutput` into prefill and decode requests and tokens.
-
-        A request is in prefill while the tokens it has computed are fewer than its prompt
-        (new requests, chunked-prefill continuations, resumed requests); otherwise it decodes,
-        and its scheduled tokens (1 + speculative drafts) count as decode tokens.
-        """
         if scheduler_output is None:
             return EMPTY_SCHEDULE
         scheduled: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
-        lengths = self._lengths
+        remaining = self._remaining
         for req_id in getattr(scheduler_output, "finished_req_ids", None) or ():
-            lengths.pop(req_id, None)
-        prefill_reqs = prefill_tokens = 0
+            remaining.pop(req_id, None)
         for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
-            req_id = new.req_id
-            prompt = getattr(new, "prompt_token_ids", None)
-            lengths[req_id] = len(prompt) if prompt is not None else 0
-            prefill_reqs += 1
-            prefill_tokens += scheduled.get(req_id, 0)
+            remaining[new.req_id] = _prompt_len(new) - (getattr(new, "num_computed_tokens", 0) or 0)
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-        if cached is not None:
-            computed = getattr(cached, "num_computed_tokens", None) or ()
-            for req_id, done in zip(getattr(cached, "req_ids", ()), computed, strict=False):
-                if done < lengths.get(req_id, 0):
-                    prefill_reqs += 1
-                    prefill_tokens += scheduled.get(req_id, 0)
+        resumed = getattr(cached, "resumed_req_ids", None)
+        if resumed:
+            self._resume(cached, resumed, scheduled)
+
+        prefill_reqs = prefill_tokens = 0
+        finished_prefill = []
+        for req_id, left in remaining.items():
+            tokens = scheduled.get(req_id)
+            if not tokens:
+                continue
+            prefill_reqs += 1
+            prefill_tokens += tokens
+            if tokens >= left:
+                finished_prefill.append(req_id)
+            else:
+                remaining[req_id] = left - tokens
+        for req_id in finished_prefill:
+            del remaining[req_id]
+
         num_reqs = len(scheduled)
         total = getattr(scheduler_output, "total_num_scheduled_tokens", None)
         if total is None:
             total = sum(scheduled.values())
         return ScheduleSummary(
-            num_reqs=num_reqs,
-            prefill_reqs=prefill_reqs,
-            decode_reqs=num_reqs - prefill_reqs,
-            prefill_tokens=prefill_tokens,
-            decode_tokens=total - prefill_tokens,
+            num_reqs, prefill_reqs, num_reqs - prefill_reqs, prefill_tokens, total - prefill_tokens
         )
 
+    def _resume(self, cached: Any, resumed: Any, scheduled: dict[str, int]) -> None:
+        """A preempted request that comes back recomputes its prompt and its output so far.
+
+        The V1 runner's step objects carry the resumed request's tokens; where they do not
+        (MRV2), a resumed request scheduled for more than one token counts as prefill for
+        this wave only.
+        """
+        all_tokens = getattr(cached, "all_token_ids", None) or {}
+        req_ids = list(getattr(cached, "req_ids", ()))
+        computed = getattr(cached, "num_computed_tokens", None) or ()
+        for req_id in resumed:
+            tokens = all_tokens.get(req_id)
+            if tokens is not None and req_id in req_ids:
+                index = req_ids.index(req_id)
+                done = computed[index] if index < len(computed) else 0
+                self._remaining[req_id] = len(tokens) - done
+            elif scheduled.get(req_id, 0) > 1:
+                self._remaining[req_id] = scheduled[req_id]
+
     def __len__(self) -> int:
-        return len(self._lengths)
+        """Requests whose prefill is still under way."""
+        return len(self._remaining)
+
+
+def _prompt_len(new_request: Any) -> int:
+    prompt = getattr(new_request, "prompt_token_ids", None)
+    if prompt is not None:
+        return len(prompt)
+    embeds = getattr(new_request, "prompt_embeds", None)
+    shape = getattr(embeds, "shape", None)
+    return int(shape[0]) if shape else 0
 
 
 def count_sampled_tokens(output: Any) -> int | None:
     """Tokens a runner output carries, or None when it carries no host-side token lists yet."""
     ids = getattr(output, "sampled_token_ids", None)
-    if ids is None:
-        return None
     if isinstance(ids, list):
-        total = 0
-        for row in ids:
-            total += len(row)
-        return total
+        return sum(map(len, ids))
     return None

@@ -187,8 +187,14 @@ class Streamer:
             seq=self._seq,
         )
         waves = batch.waves
-        for record in records:
-            waves.add(**record._asdict())
+        add = waves.add
+        for r in records:  # explicit keywords: about twice as fast as add(**r._asdict())
+            add(
+                wave=r[0], start_unix_nano=r[1], execute_ns=r[2], sample_ns=r[3],
+                sample_offset_ns=r[4], num_reqs=r[5], prefill_reqs=r[6], decode_reqs=r[7],
+                prefill_tokens=r[8], decode_tokens=r[9], sampled_tokens=r[10], dummy=r[11],
+                sampled=r[12],
+            )  # fmt: skip
         if with_heartbeat:
             state = self._heartbeat_source()
             batch.heartbeat.time_unix_nano = time.time_ns()

@@ -1,10 +1,10 @@
-"""PromptLengths / count_sampled_tokens on vLLM's real step objects."""
+"""PrefillTracker / count_sampled_tokens on vLLM's real step objects."""
 
 from __future__ import annotations
 
 import pytest
 
-from guard.schedule import EMPTY_SCHEDULE, PromptLengths, ScheduleSummary, count_sampled_tokens
+from guard.schedule import EMPTY_SCHEDULE, PrefillTracker, ScheduleSummary, count_sampled_tokens
 
 sched_output = pytest.importorskip("vllm.v1.core.sched.output")
 outputs = pytest.importorskip("vllm.v1.outputs")
@@ -47,18 +47,18 @@ def step(
 
 
 def test_new_requests_are_prefill():
-    prompts = PromptLengths()
+    prompts = PrefillTracker()
     summary = prompts.summarize(
         step(new=[new_req("a", 10), new_req("b", 100)], tokens={"a": 10, "b": 64})
     )
     assert summary == ScheduleSummary(
         num_reqs=2, prefill_reqs=2, decode_reqs=0, prefill_tokens=74, decode_tokens=0
     )
-    assert len(prompts) == 2
+    assert len(prompts) == 1  # a computed its whole prompt; b has 36 prompt tokens to go
 
 
 def test_chunked_prefill_then_decode_with_spec_tokens_then_finish():
-    prompts = PromptLengths()
+    prompts = PrefillTracker()
     prompts.summarize(step(new=[new_req("a", 10), new_req("b", 100)], tokens={"a": 10, "b": 64}))
 
     # a decodes (1 token + 2 drafts), b continues its prefill (chunked), c is new
@@ -82,14 +82,11 @@ def test_chunked_prefill_then_decode_with_spec_tokens_then_finish():
     assert prompts.summarize(wave3) == ScheduleSummary(
         num_reqs=2, prefill_reqs=0, decode_reqs=2, prefill_tokens=0, decode_tokens=3
     )
-    assert len(prompts) == 2  # a forgotten
-
-    prompts.summarize(step(finished={"b", "c"}))
-    assert len(prompts) == 0
+    assert len(prompts) == 0  # nobody is in prefill any more: only prefilling requests are kept
 
 
 def test_cached_request_exactly_at_prompt_length_decodes():
-    prompts = PromptLengths()
+    prompts = PrefillTracker()
     prompts.summarize(step(new=[new_req("a", 8)], tokens={"a": 4}))
     partial = prompts.summarize(step(cached_reqs=cached(("a", 4, 0)), tokens={"a": 4}))
     assert (partial.prefill_reqs, partial.prefill_tokens, partial.decode_tokens) == (1, 4, 0)
@@ -98,13 +95,13 @@ def test_cached_request_exactly_at_prompt_length_decodes():
 
 
 def test_new_request_with_prefix_cache_hit_is_still_prefill():
-    prompts = PromptLengths()
+    prompts = PrefillTracker()
     summary = prompts.summarize(step(new=[new_req("a", 32, computed=16)], tokens={"a": 16}))
     assert (summary.prefill_reqs, summary.prefill_tokens, summary.decode_tokens) == (1, 16, 0)
 
 
 def test_finished_id_forgotten_so_a_reused_id_starts_over():
-    prompts = PromptLengths()
+    prompts = PrefillTracker()
     prompts.summarize(step(new=[new_req("x", 50)], tokens={"x": 50}))
     prompts.summarize(step(finished={"x"}))
     assert len(prompts) == 0
@@ -114,7 +111,7 @@ def test_finished_id_forgotten_so_a_reused_id_starts_over():
 
 
 def test_empty_and_none_schedules():
-    prompts = PromptLengths()
+    prompts = PrefillTracker()
     assert prompts.summarize(None) == EMPTY_SCHEDULE
     assert prompts.summarize(step()) == EMPTY_SCHEDULE
     assert prompts.summarize(SchedulerOutput.make_empty()) == EMPTY_SCHEDULE
@@ -139,3 +136,45 @@ def test_count_sampled_tokens_without_host_lists_is_none():
     assert count_sampled_tokens(Pending()) is None
     assert count_sampled_tokens(None) is None
     assert count_sampled_tokens(object()) is None
+
+
+def test_request_finished_during_prefill_is_forgotten():
+    prompts = PrefillTracker()
+    prompts.summarize(step(new=[new_req("a", 100)], tokens={"a": 32}))
+    assert len(prompts) == 1
+    prompts.summarize(step(finished={"a"}))
+    assert len(prompts) == 0
+
+
+def test_resumed_request_recomputes_prompt_and_output_as_prefill():
+    prompts = PrefillTracker()
+    prompts.summarize(step(new=[new_req("a", 6)], tokens={"a": 6}))
+    resumed = CachedRequestData(
+        req_ids=["a"], resumed_req_ids={"a"}, new_token_ids=[[]], all_token_ids={"a": list(range(10))},
+        new_block_ids=[None], num_computed_tokens=[0], num_output_tokens=[4],
+    )  # fmt: skip
+    first = prompts.summarize(step(cached_reqs=resumed, tokens={"a": 8}))
+    assert (first.prefill_reqs, first.prefill_tokens, first.decode_tokens) == (1, 8, 0)
+    rest = prompts.summarize(step(cached_reqs=cached(("a", 8, 4)), tokens={"a": 2}))
+    assert (rest.prefill_reqs, rest.prefill_tokens) == (1, 2)
+    decode = prompts.summarize(step(cached_reqs=cached(("a", 10, 5)), tokens={"a": 1}))
+    assert (decode.prefill_reqs, decode.decode_reqs, decode.decode_tokens) == (0, 1, 1)
+
+
+def test_cost_does_not_depend_on_running_decode_requests():
+    """Only prefilling requests are visited: 512 decoding requests are not looked at one by one."""
+    prompts = PrefillTracker()
+
+    class CountingDict(dict):
+        lookups = 0
+
+        def get(self, key, default=None):
+            CountingDict.lookups += 1
+            return super().get(key, default)
+
+    tokens = CountingDict({f"r{i}": 1 for i in range(512)})
+    summary = prompts.summarize(
+        step(cached_reqs=cached(*[(f"r{i}", 10, 1) for i in range(512)]), tokens=tokens)
+    )
+    assert summary == ScheduleSummary(512, 0, 512, 0, 512)
+    assert CountingDict.lookups == 0

@@ -1,0 +1,73 @@
+"""The vLLM plugin entry point, run in a fresh interpreter as vLLM runs it in each process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from guard.config import RESOLVED_ENV, RUN_ID_ENV, GuardConfig
+
+pytestmark = pytest.mark.timeout(180)
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    from ascend_runtime.plugin import register
+    from guard.decorators import active_processor, is_guarded
+
+    register()
+    import vllm.v1.worker.gpu_model_runner as v1
+    import vllm.v1.worker.cpu_model_runner as cpu
+
+    print(json.dumps({
+        "execute_guarded": is_guarded(v1.GPUModelRunner.__dict__["execute_model"]),
+        "sample_guarded": is_guarded(v1.GPUModelRunner.__dict__["sample_tokens"]),
+        "cpu_inherits_guarded": is_guarded(cpu.CPUModelRunner.execute_model),
+        "processor": active_processor() is not None,
+        "run_id": os.environ.get("ASCEND_GUARD_RUN_ID"),
+    }))
+    """
+)
+
+
+def _run(env_extra: dict[str, str]) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_GUARD_")}
+    env.update(env_extra)
+    env["VLLM_TARGET_DEVICE"] = "cpu"
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=150
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_without_config_the_plugin_wraps_nothing() -> None:
+    seen = _run({})
+    assert seen == {
+        "execute_guarded": False,
+        "sample_guarded": False,
+        "cpu_inherits_guarded": False,
+        "processor": False,
+        "run_id": None,
+    }
+
+
+def test_with_a_handed_down_config_the_runner_is_bound_on_import() -> None:
+    config = GuardConfig(sidecar="unix:///tmp/nowhere.sock", engine="unit")
+    seen = _run({RESOLVED_ENV: config.to_json(), RUN_ID_ENV: "run-from-parent"})
+    assert seen["execute_guarded"] and seen["sample_guarded"] and seen["cpu_inherits_guarded"]
+    assert seen["processor"]
+    assert seen["run_id"] == "run-from-parent"
+
+
+def test_config_file_env_turns_the_guard_on(tmp_path) -> None:
+    path = tmp_path / "guard.json"
+    path.write_text(json.dumps({"runtime_guard": {"sidecar": "127.0.0.1:50051"}}))
+    seen = _run({"ASCEND_GUARD_CONFIG": str(path)})
+    assert seen["execute_guarded"] and seen["processor"]
+    assert seen["run_id"]  # generated once, for the processes this one spawns
