@@ -14,6 +14,7 @@ import atexit
 import os
 import sys
 import uuid
+from typing import Any
 
 import structlog
 
@@ -55,17 +56,30 @@ def _hook_engine_config() -> None:
 
     def create_engine_config(self, *args, **kwargs):
         vllm_config = original(self, *args, **kwargs)
-        try:
-            config = resolve_config(getattr(vllm_config, "additional_config", None))
-        except GuardConfigError as exc:
-            log.error("guard_config_invalid", error=str(exc))
-            raise
-        publish(config)
+        on_engine_config(getattr(vllm_config, "additional_config", None))
         return vllm_config
 
     create_engine_config.__wrapped__ = original  # type: ignore[attr-defined]
     EngineArgs.create_engine_config = create_engine_config
     _state["config_hook"] = True
+
+
+def on_engine_config(additional_config: Any) -> GuardConfig | None:
+    """Validate the guard config of a new engine config; publish it and turn the guard on here.
+
+    Turning it on in this process too matters when vLLM runs the engine in-process
+    (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): plugins were loaded before the config existed, and
+    no child process will load them again. Elsewhere it only arms the import hooks.
+    """
+    try:
+        config = resolve_config(additional_config)
+    except GuardConfigError as exc:
+        log.error("guard_config_invalid", error=str(exc))
+        raise
+    publish(config)
+    if config is not None:
+        activate(config)
+    return config
 
 
 def publish(config: GuardConfig | None) -> None:

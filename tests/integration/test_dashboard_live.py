@@ -7,7 +7,6 @@ Needs the `prometheus` binary (`make deps` or `apt-get install prometheus`).
 from __future__ import annotations
 
 import re
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -15,26 +14,12 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.dashboard import load_dashboard, metric_names_in, panel_queries, render_expr
+from tests.support.feed import send_waves
+from tests.support.prometheus import PrometheusServer
+from tests.support.sidecar import SidecarProcess
+
 ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # `tests.support` without a root conftest / pythonpath setting
-    sys.path.insert(0, str(ROOT))
-
-from tests.support.dashboard import (  # noqa: E402
-    load_dashboard,
-    metric_names_in,
-    panel_queries,
-    render_expr,
-)
-from tests.support.prometheus import PrometheusServer  # noqa: E402
-
-try:  # written alongside this test; keep the module importable until they land
-    from tests.support.feed import send_waves
-    from tests.support.sidecar import SidecarProcess
-except ImportError as exc:  # pragma: no cover - only while the helpers are missing
-    SidecarProcess = send_waves = None
-    _HELPER_IMPORT_ERROR: ImportError | None = exc
-else:
-    _HELPER_IMPORT_ERROR = None
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.timeout(240)]
 
@@ -101,11 +86,6 @@ def _expected_ranks() -> set[tuple[str, str, str]]:
 
 @pytest.fixture
 def sidecar(tmp_path):
-    if _HELPER_IMPORT_ERROR is not None:
-        pytest.fail(
-            "tests.support.sidecar.SidecarProcess / tests.support.feed.send_waves are needed by "
-            f"this test and could not be imported: {_HELPER_IMPORT_ERROR!r}"
-        )
     workdir = tmp_path / "sidecar"
     workdir.mkdir()
     proc = SidecarProcess.start(workdir)

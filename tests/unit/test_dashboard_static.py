@@ -9,23 +9,20 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:  # `tests.support` without a root conftest / pythonpath setting
-    sys.path.insert(0, str(ROOT))
-
-from tests.support.dashboard import (  # noqa: E402
+from tests.support.dashboard import (
     iter_panels,
     load_dashboard,
     metric_names_in,
     panel_queries,
     render_expr,
 )
+
+ROOT = Path(__file__).resolve().parents[2]
 
 DASHBOARDS = ROOT / "dashboards"
 DASHBOARD_FILES = sorted(DASHBOARDS.glob("*.json"))

@@ -71,3 +71,32 @@ def test_config_file_env_turns_the_guard_on(tmp_path) -> None:
     seen = _run({"ASCEND_GUARD_CONFIG": str(path)})
     assert seen["execute_guarded"] and seen["processor"]
     assert seen["run_id"]  # generated once, for the processes this one spawns
+
+
+def test_engine_config_with_a_guard_turns_it_on_in_this_process_too() -> None:
+    """With the engine in-process (no multiprocessing), the config arrives after the plugins
+    loaded; the engine-config hook must still bind the runner in this process."""
+    script = textwrap.dedent(
+        """
+        import json, os
+        from ascend_runtime.plugin import on_engine_config
+        from guard.decorators import active_processor
+
+        assert active_processor() is None
+        config = on_engine_config({"runtime_guard": {"sidecar": "127.0.0.1:50051", "engine": "x"}})
+        print(json.dumps({
+            "engine": config.engine,
+            "active": active_processor() is not None,
+            "published": json.loads(os.environ["ASCEND_GUARD_RESOLVED_CONFIG"])["engine"],
+            "run_id": bool(os.environ.get("ASCEND_GUARD_RUN_ID")),
+        }))
+        on_engine_config({})
+        print(json.dumps({"published_after_off": "ASCEND_GUARD_RESOLVED_CONFIG" in os.environ}))
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_GUARD_")}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, second = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
+    assert first == {"engine": "x", "active": True, "published": "x", "run_id": True}
+    assert second == {"published_after_off": False}

@@ -1,0 +1,201 @@
+"""Guard overhead on ONE engine: the guard's decorators swapped in and out between rounds.
+
+`overhead.py` compares two servers, which on a 2-core machine differ by more than the effect
+being measured (its rounds spread by tens of percent). Here a single in-process vLLM engine
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, TP=1, pinned to core 0) runs every round; between rounds
+the runner class's `execute_model` / `sample_tokens` are set either to the bare functions
+(exactly what runs without the guard) or to the guarded ones, which stream every wave to a
+real sidecar (a separate process on core 1). Rounds go off, on, on, off, ... so drift cancels.
+
+    python bench/toggle.py [--rounds 12] [--requests 16] [--max-tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from telemetry.table import render_table  # noqa: E402
+from tests.support.metrics import value  # noqa: E402
+from tests.support.sidecar import SidecarProcess  # noqa: E402
+from tools.make_tiny_model import build_tiny_model  # noqa: E402
+
+GOAL_LOSS_PCT = 1.0
+GOAL_ADDED_US = 30.0
+PROMPTS = (
+    "The quick brown fox jumps over the lazy dog.",
+    "A small model can still answer a simple question.",
+    "The weather today is sunny with a light breeze.",
+    "She opened the window and listened to the birds.",
+)
+
+
+def abba(rounds: int) -> list[str]:
+    """off, on, on, off, off, on, ... (`rounds` of each)."""
+    order: list[str] = []
+    while len(order) < 2 * rounds:
+        order += ["off", "on"] if (len(order) // 2) % 2 == 0 else ["on", "off"]
+    return order
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--rounds", type=int, default=12, help="measured rounds per mode")
+    parser.add_argument("--requests", type=int, default=16, help="requests per round (one batch)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
+    args = parser.parse_args(argv)
+
+    os.environ.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_TARGET_DEVICE="cpu", VLLM_CPU_OMP_THREADS_BIND="0",
+        TOKENIZERS_PARALLELISM="false",
+    )  # fmt: skip
+    model = build_tiny_model(REPO / ".cache" / "tiny-llama")
+    work = Path(tempfile.mkdtemp(prefix="guard-toggle-"))
+    sidecar = SidecarProcess.start(work, address=f"unix://{work / 'guard.sock'}")
+    with contextlib.suppress(AttributeError, OSError):
+        os.sched_setaffinity(sidecar.proc.pid, {1})
+    try:
+        return _run(args, model, sidecar)
+    finally:
+        sidecar.stop()
+
+
+def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
+    from vllm import LLM, SamplingParams
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from guard.decorators import is_guarded, unwrap
+
+    llm = LLM(
+        model=str(model), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1, max_model_len=1024,
+        seed=0, additional_config={"runtime_guard": {"sidecar": sidecar.address, "engine": "toggle"}},
+    )  # fmt: skip
+    names = ("execute_model", "sample_tokens")
+    guarded = {name: GPUModelRunner.__dict__[name] for name in names}
+    if not all(is_guarded(m) for m in guarded.values()):
+        print("the guard did not bind GPUModelRunner; nothing to measure", file=sys.stderr)
+        return 2
+    bare = {name: unwrap(m) for name, m in guarded.items()}
+
+    def set_mode(mode: str) -> None:
+        for name in names:
+            setattr(GPUModelRunner, name, guarded[name] if mode == "on" else bare[name])
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    prompts = [f"{PROMPTS[i % len(PROMPTS)]} #{i}" for i in range(args.requests)]
+
+    def one_round(mode: str) -> tuple[float, float, int, list[list[int]]]:
+        """Wall seconds, process CPU seconds (engine and streamer threads), tokens, token ids."""
+        set_mode(mode)
+        cpu = time.process_time()
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        took = time.perf_counter() - start
+        cpu = time.process_time() - cpu
+        ids = [list(o.outputs[0].token_ids) for o in outputs]
+        return took, cpu, sum(map(len, ids)), ids
+
+    print(
+        f"warming up; then {args.rounds} rounds per mode of {args.requests} x {args.max_tokens} tokens"
+    )
+    tokens_on = 0
+    reference: list[list[int]] | None = None
+    for mode in ("off", "on", "off", "on"):
+        _, _, tokens, ids = one_round(mode)
+        tokens_on += tokens if mode == "on" else 0
+        reference = reference or ids
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    cpus: dict[str, list[float]] = {"off": [], "on": []}
+    identical = True
+    for index, mode in enumerate(abba(args.rounds)):
+        took, cpu, tokens, ids = one_round(mode)
+        times[mode].append(took)
+        cpus[mode].append(cpu)
+        identical &= ids == reference
+        if mode == "on":
+            tokens_on += tokens
+        print(f"  round {index + 1:2d} {mode:>3}: {tokens / took:8.0f} tok/s", flush=True)
+    set_mode("on")
+    # each (off, on) pair of adjacent rounds is one paired sample
+    paired = [on / off for off, on in zip(times["off"], times["on"], strict=True)]
+    paired_cpu = [on / off for off, on in zip(cpus["off"], cpus["on"], strict=True)]
+
+    deadline = time.monotonic() + 15
+    text = sidecar.metrics_text()
+    while (
+        value(text, "ascend_guard_sampled_tokens_total", engine="toggle") < tokens_on
+        and time.monotonic() < deadline
+    ):
+        time.sleep(0.2)
+        text = sidecar.metrics_text()
+    guard_tokens = value(text, "ascend_guard_sampled_tokens_total", engine="toggle")
+    dropped = value(text, "ascend_guard_records_dropped_total", engine="toggle")
+    waves = value(text, "ascend_guard_waves_total", engine="toggle")
+
+    tokens_per_round = args.requests * args.max_tokens
+    med = {mode: statistics.median(values) for mode, values in times.items()}
+    rate = {mode: tokens_per_round / med[mode] for mode in med}
+    steps_per_round = waves / (args.rounds + 2) if waves else float("nan")
+    q = statistics.quantiles(paired, n=4) if len(paired) >= 2 else [paired[0]] * 3
+    rows = [
+        (mode, f"{rate[mode]:,.0f}", f"{med[mode] * 1e3:.1f}", f"{min(times[mode]) * 1e3:.1f}", f"{max(times[mode]) * 1e3:.1f}")
+        for mode in ("off", "on")
+    ]  # fmt: skip
+    print(
+        "\nSAME ENGINE, guard decorators swapped between rounds (TP=1, in-process, engine on core 0)"
+    )
+    print(
+        render_table(
+            ("guard", "median tok/s", "median ms", "min ms", "max ms"), rows, right=(1, 2, 3, 4)
+        )
+    )
+    loss = (1 - rate["on"] / rate["off"]) * 100
+    paired_loss = (statistics.median(paired) - 1) * 100
+    added_us = (med["on"] - med["off"]) / steps_per_round * 1e6
+    print(
+        f"ratio on/off (medians) {rate['on'] / rate['off']:.4f} -> throughput loss {loss:+.2f}%; "
+        f"paired rounds on/off time: median {statistics.median(paired):.4f} (IQR {q[0]:.4f}..{q[2]:.4f})"
+    )
+    print(f"wall time added per wave: {added_us:+.1f} us ({steps_per_round:.0f} waves per round)")
+    qc = statistics.quantiles(paired_cpu, n=4) if len(paired_cpu) >= 2 else [paired_cpu[0]] * 3
+    cpu_added = (statistics.median(cpus["on"]) - statistics.median(cpus["off"])) / steps_per_round
+    print(
+        f"process CPU per round on/off: paired median {statistics.median(paired_cpu):.4f} "
+        f"(IQR {qc[0]:.4f}..{qc[2]:.4f}); CPU added per wave {cpu_added * 1e6:+.1f} us"
+    )
+    print(
+        f"cross-check: sidecar sampled tokens {guard_tokens:.0f} vs tokens generated in guarded rounds "
+        f"{tokens_on} ({'match' if guard_tokens == tokens_on else 'MISMATCH'}); dropped {dropped:.0f}; "
+        f"greedy outputs identical across all rounds: {identical}"
+    )
+    # 95% interval of the median paired loss: sigma from the IQR, standard error of a median
+    sigma = (q[2] - q[0]) / 1.349
+    half_width = 2 * 1.2533 * sigma / math.sqrt(len(paired)) * 100
+    low, high = paired_loss - half_width, paired_loss + half_width
+    if high < GOAL_LOSS_PCT:
+        verdict = "PASS"
+    elif low > GOAL_LOSS_PCT:
+        verdict = "FAIL"
+    else:
+        verdict = "UNRESOLVED: the interval straddles the goal; this machine is too noisy to tell"
+    print(
+        f"verdict: paired throughput loss {paired_loss:+.2f}% (95% interval {low:+.2f}% .. {high:+.2f}%), "
+        f"goal < {GOAL_LOSS_PCT}%: {verdict}"
+    )
+    return 0 if guard_tokens == tokens_on and identical else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
