@@ -49,6 +49,7 @@ test-fast: deps
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py $(BENCH_ARGS)
+	$(PY) bench/toggle.py
 
 # regenerate the gRPC code after editing telemetry/proto/guard.proto
 proto: $(STAMP)
