@@ -87,9 +87,15 @@ def publish(config: GuardConfig | None) -> None:
     if config is None:
         os.environ.pop(RESOLVED_ENV, None)
         return
+    shared_run_id(config)
+    os.environ[RESOLVED_ENV] = config.to_json()
+
+
+def shared_run_id(config: GuardConfig) -> str:
+    """The run id every process of this server uses: configured, inherited, or made here once."""
     run_id = config.run_id or os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:16]
     os.environ[RUN_ID_ENV] = run_id
-    os.environ[RESOLVED_ENV] = config.to_json()
+    return run_id
 
 
 def activate(config: GuardConfig) -> None:
@@ -103,8 +109,7 @@ def activate(config: GuardConfig) -> None:
     from telemetry import logs
 
     logs.configure()
-    run_id = config.run_id or os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:16]
-    os.environ.setdefault(RUN_ID_ENV, run_id)
+    run_id = shared_run_id(config)
     processor = GuardProcessor(config, lambda runner: describe_rank(runner, config, run_id))
     install(processor)
     atexit.register(processor.close)

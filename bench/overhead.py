@@ -38,9 +38,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from telemetry.table import render_table
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run as a script: make the repo's tests.support importable
+
+from telemetry.table import render_table  # noqa: E402
+from tests.support.metrics import value  # noqa: E402
+from tests.support.ports import free_port  # noqa: E402
+
 DEFAULT_MODEL_DIR = REPO / ".cache" / "tiny-llama"
 THROUGHPUT_LOSS_GOAL_PCT = 1.0
 ADDED_HOST_TIME_GOAL_US = 30.0
@@ -118,14 +122,6 @@ def _group_alive(pgid: int, leader: subprocess.Popen) -> bool:
     return True
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _descendants(pid: int) -> list[int]:
     """Pids below `pid`, from /proc."""
     children: dict[int, list[int]] = {}
@@ -194,14 +190,7 @@ def _post_json(url: str, body: dict[str, Any], timeout: float = 300.0) -> dict[s
 
 def _metric_sums(text: str, names: Sequence[str], **labels: str) -> dict[str, float]:
     """Sum of each named sample over the series whose labels include `labels`."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    sums = dict.fromkeys(names, 0.0)
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in sums and all(sample.labels.get(k) == v for k, v in labels.items()):
-                sums[sample.name] += sample.value
-    return sums
+    return {name: value(text, name, **labels) for name in names}
 
 
 # -- macro -----------------------------------------------------------------------------------------
@@ -309,7 +298,7 @@ def run_macro(
     guard_config = {"runtime_guard": {"sidecar": sidecar.address, "engine": "bench-on"}}
     servers = {}
     for label, extra in (("off", []), ("on", ["--additional-config", json.dumps(guard_config)])):
-        port = _free_port()
+        port = free_port()
         cmd = [*base, "--port", str(port), *extra]
         proc = children.start(f"vllm-{label}", cmd, cpus=all_cpus, env=env)
         servers[label] = Server(label, port, proc)
@@ -763,7 +752,6 @@ def _resolve(args: argparse.Namespace) -> argparse.Namespace:
 def _model_dir(path: Path | None) -> Path:
     if path is not None:
         return path
-    sys.path.insert(0, str(REPO))
     from tools.make_tiny_model import build_tiny_model
 
     return build_tiny_model(DEFAULT_MODEL_DIR)
@@ -832,7 +820,7 @@ class _Sidecar:
 
 def _start_sidecar(children: Children, tmp: Path) -> _Sidecar:
     address = f"unix://{tmp / 'guard.sock'}"
-    port = _free_port()
+    port = free_port()
     cmd = [
         sys.executable, "-m", "telemetry.cli", "sidecar", "--listen", address,
         "--metrics-host", "127.0.0.1", "--metrics-port", str(port), "--store", str(tmp / "store.db"),

@@ -132,14 +132,12 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
     paired = [on / off for off, on in zip(times["off"], times["on"], strict=True)]
     paired_cpu = [on / off for off, on in zip(cpus["off"], cpus["on"], strict=True)]
 
-    deadline = time.monotonic() + 15
+    with contextlib.suppress(TimeoutError):  # the cross-check below says what arrived
+        sidecar.wait_for(
+            lambda t: value(t, "ascend_guard_sampled_tokens_total", engine="toggle") >= tokens_on,
+            15,
+        )
     text = sidecar.metrics_text()
-    while (
-        value(text, "ascend_guard_sampled_tokens_total", engine="toggle") < tokens_on
-        and time.monotonic() < deadline
-    ):
-        time.sleep(0.2)
-        text = sidecar.metrics_text()
     guard_tokens = value(text, "ascend_guard_sampled_tokens_total", engine="toggle")
     dropped = value(text, "ascend_guard_records_dropped_total", engine="toggle")
     waves = value(text, "ascend_guard_waves_total", engine="toggle")

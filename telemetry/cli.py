@@ -17,6 +17,7 @@ from telemetry.query import (
     parse_duration_ns,
     parse_rank,
     parse_time_ns,
+    rank_label,
     search,
     span_tree,
 )
@@ -109,12 +110,6 @@ def _clock(ns: int) -> str:
     return dt.datetime.fromtimestamp(ns / 1e9, tz=dt.timezone.utc).strftime("%H:%M:%S.%f")[:-3]
 
 
-def _rank_text(row) -> str:
-    if row["dp"] is None:
-        return "-"
-    return f"dp{row['dp']} tp{row['tp']} pp{row['pp']}"
-
-
 def _cmd_query(args: argparse.Namespace) -> int:
     query = SpanQuery(
         since_ns=parse_time_ns(args.since, "--since"),
@@ -128,7 +123,7 @@ def _cmd_query(args: argparse.Namespace) -> int:
         print("no spans match; widen --since or drop a filter")
         return 0
     table = [
-        (_clock(r["start_ns"]), r["wave"], _rank_text(r), r["name"], format_duration_ns(r["duration_ns"]),
+        (_clock(r["start_ns"]), r["wave"], rank_label(r), r["name"], format_duration_ns(r["duration_ns"]),
          attributes(r).get("ascend_guard.num_reqs", ""), r["trace_id"])
         for r in rows
     ]  # fmt: skip
@@ -164,7 +159,7 @@ def _cmd_trace(args: argparse.Namespace) -> int:
                 detail.append(f"{key}={attrs[f'ascend_guard.{key}']}")
         if attrs.get("ascend_guard.dummy"):
             detail.append("dummy")
-        label = row["name"] if row["name"] != "rank" else f"rank {_rank_text(row)}"
+        label = row["name"] if row["name"] != "rank" else f"rank {rank_label(row)}"
         table.append(
             ("  " * depth + ("└─ " if depth else "") + label, f"+{format_duration_ns(row['start_ns'] - origin)}",
              format_duration_ns(row["duration_ns"]), " ".join(detail))

@@ -169,5 +169,12 @@ def span_tree(rows: list[sqlite3.Row]) -> list[tuple[int, sqlite3.Row]]:
     return out
 
 
+def rank_label(row: sqlite3.Row) -> str:
+    """'dp0 tp1 pp0' for a span that belongs to a rank, '-' for the wave root."""
+    if row["dp"] is None:
+        return "-"
+    return f"dp{row['dp']} tp{row['tp']} pp{row['pp']}"
+
+
 def attributes(row: sqlite3.Row) -> dict[str, Any]:
     return json.loads(row["attributes"] or "{}")

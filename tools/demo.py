@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from telemetry import cli  # noqa: E402
-from telemetry.query import SpanQuery, search  # noqa: E402
+from telemetry.query import SpanQuery, attributes, rank_label, search  # noqa: E402
 from telemetry.store import connect  # noqa: E402
 from telemetry.table import format_duration_ns, render_table  # noqa: E402
 from tests.support.metrics import value  # noqa: E402
@@ -113,15 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"    {api_tokens} tokens in {took:.2f}s ({api_tokens / took:.0f} tok/s)")
         vllm_tokens = value(server.metrics_text(), "vllm:generation_tokens_total") - vllm_before
 
-        deadline = time.monotonic() + 10
         labels = {"engine": "demo", "dp": "0", "tp": "0", "pp": "0"}
-        text = sidecar.metrics_text()
-        while (
-            value(text, "ascend_guard_sampled_tokens_total", **labels) < api_tokens
-            and time.monotonic() < deadline
-        ):
-            time.sleep(0.2)
-            text = sidecar.metrics_text()
+        with contextlib.suppress(TimeoutError):  # the cross-check below says what arrived
+            sidecar.wait_for(
+                lambda t: value(t, "ascend_guard_sampled_tokens_total", **labels) >= api_tokens, 10
+            )
         time.sleep(1.0)  # let the span batch reach the store
         text = sidecar.metrics_text()
 
@@ -144,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
                 [
                     (
                         r["wave"],
-                        f"dp{r['dp']} tp{r['tp']} pp{r['pp']}",
+                        rank_label(r),
                         format_duration_ns(r["duration_ns"]),
-                        cli.attributes(r).get("ascend_guard.num_reqs", ""),
+                        attributes(r).get("ascend_guard.num_reqs", ""),
                         r["trace_id"],
                     )
                     for r in rows

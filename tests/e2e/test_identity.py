@@ -30,14 +30,11 @@ def test_greedy_outputs_identical_with_guard_on_and_off(tiny_model, tmp_path: Pa
         try:
             outputs[mode] = [token_ids(r) for r in server.complete_many(prompts, max_tokens=48)]
             if sidecar is not None:
+                text = sidecar.wait_for(
+                    lambda t: value(t, "ascend_guard_sampled_tokens_total") >= 6 * 48, timeout=10
+                )
+                time.sleep(0.5)  # anything extra would show up now
                 text = sidecar.metrics_text()
-                deadline = time.monotonic() + 10
-                while (
-                    value(text, "ascend_guard_sampled_tokens_total") < 6 * 48
-                    and time.monotonic() < deadline
-                ):
-                    time.sleep(0.2)
-                    text = sidecar.metrics_text()
                 assert value(text, "ascend_guard_sampled_tokens_total") == 6 * 48
             else:
                 assert "guard_streaming" not in server.log_path.read_text()

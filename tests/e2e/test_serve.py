@@ -61,15 +61,8 @@ class Deployment:
         return self.sidecar.metrics_text()
 
     def wait_settled(self, predicate, timeout: float = 15.0) -> str:
-        """Poll the sidecar's /metrics until `predicate(text)` holds (records are in flight)."""
-        deadline = time.monotonic() + timeout
-        text = self.guard_metrics()
-        while not predicate(text):
-            if time.monotonic() > deadline:
-                raise AssertionError(f"sidecar metrics did not settle:\n{_guard_lines(text)}")
-            time.sleep(0.1)
-            text = self.guard_metrics()
-        return text
+        """The sidecar's /metrics once `predicate(text)` holds (records are in flight)."""
+        return self.sidecar.wait_for(predicate, timeout)
 
     def stop(self) -> None:
         self.server.stop()

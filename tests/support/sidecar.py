@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.support.ports import free_port
@@ -79,6 +80,24 @@ class SidecarProcess:
     def metrics_text(self) -> str:
         with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
             return resp.read().decode()
+
+    def wait_for(self, predicate: Callable[[str], bool], timeout: float = 15.0) -> str:
+        """Poll /metrics until `predicate(text)` holds (records are in flight); return the text."""
+        deadline = time.monotonic() + timeout
+        text = self.metrics_text()
+        while not predicate(text):
+            if time.monotonic() > deadline:
+                lines = [
+                    line
+                    for line in text.splitlines()
+                    if line.startswith("ascend_guard_") and "_bucket" not in line
+                ]
+                raise TimeoutError(
+                    f"sidecar metrics did not settle in {timeout}s:\n" + "\n".join(lines)
+                )
+            time.sleep(0.1)
+            text = self.metrics_text()
+        return text
 
     def log(self) -> str:
         try:
