@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,23 +40,31 @@ def step(message: str) -> float:
     return time.monotonic()
 
 
-def rank_summary(text: str, tp: int) -> str:
+def rank_summary(text: str, tp: int, store: Path) -> str:
+    """Per rank: counters from the sidecar's /metrics, step times from the trace store."""
+    conn = connect(store, readonly=True)
     rows = []
     for rank in range(tp):
         labels = {"engine": "demo", "dp": "0", "tp": str(rank), "pp": "0"}
-        count = value(text, "ascend_guard_step_duration_seconds_count", phase="step", **labels)
-        total = value(text, "ascend_guard_step_duration_seconds_sum", phase="step", **labels)
+        steps = [
+            d
+            for (d,) in conn.execute(
+                "SELECT duration_ns FROM spans WHERE name = 'rank' AND tp = ?", (rank,)
+            )
+        ]
         rows.append((
             f"dp0 tp{rank} pp0",
             int(value(text, "ascend_guard_waves_total", **labels)),
             int(value(text, "ascend_guard_scheduled_tokens_total", kind="prefill", **labels)),
             int(value(text, "ascend_guard_scheduled_tokens_total", kind="decode", **labels)),
             int(value(text, "ascend_guard_sampled_tokens_total", **labels)),
-            format_duration_ns(total / count * 1e9) if count else "-",
+            format_duration_ns(statistics.median(steps)) if steps else "-",
+            format_duration_ns(max(steps)) if steps else "-",
             int(value(text, "ascend_guard_records_dropped_total", **labels)),
         ))  # fmt: skip
-    headers = ("rank", "waves", "prefill tok", "decode tok", "sampled tok", "mean step", "dropped")
-    return render_table(headers, rows, right=(1, 2, 3, 4, 5, 6))
+    headers = ("rank", "waves", "prefill tok", "decode tok", "sampled tok", "median step", "max step",
+               "dropped")  # fmt: skip
+    return render_table(headers, rows, right=(1, 2, 3, 4, 5, 6, 7))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         text = sidecar.metrics_text()
 
         print("\nWhat the guard saw, per rank")
-        print(rank_summary(text, args.tp))
+        print(rank_summary(text, args.tp, store))
         guard_tokens = int(value(text, "ascend_guard_sampled_tokens_total", **labels))
         agree = "agree" if guard_tokens == vllm_tokens == api_tokens else "DISAGREE"
         print(
