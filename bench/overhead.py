@@ -44,6 +44,7 @@ sys.path.insert(0, str(REPO))  # run as a script: make the repo's tests.support 
 from telemetry.table import render_table  # noqa: E402
 from tests.support.metrics import value  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
+from tests.support.ready import wait_http_ok  # noqa: E402
 
 DEFAULT_MODEL_DIR = REPO / ".cache" / "tiny-llama"
 THROUGHPUT_LOSS_GOAL_PCT = 1.0
@@ -230,19 +231,15 @@ class MacroResult:
 
 
 def _wait_healthy(children: Children, servers: Sequence[Server], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    pending = list(servers)
-    while pending:
-        for server in list(pending):
-            if server.proc.poll() is not None:
-                tail = children.log_tail(f"vllm-{server.label}")
-                raise RuntimeError(f"vLLM server '{server.label}' exited during start-up:\n{tail}")
-            with contextlib.suppress(OSError):
-                _get(f"{server.url}/health", timeout=2)
-                pending.remove(server)
-        if pending and time.monotonic() > deadline:
+    deadline = time.monotonic() + timeout  # the servers start in parallel; one deadline
+    for server in servers:
+        left = max(0.0, deadline - time.monotonic())
+        status = wait_http_ok(server.proc, f"{server.url}/health", left, interval=0.5)
+        if status == "exited":
+            tail = children.log_tail(f"vllm-{server.label}")
+            raise RuntimeError(f"vLLM server '{server.label}' exited during start-up:\n{tail}")
+        if status == "timeout":
             raise RuntimeError(f"vLLM server(s) not healthy after {timeout:.0f}s")
-        time.sleep(0.5)
 
 
 def _round(pool: ThreadPoolExecutor, server: Server, model: str, n: int, max_tokens: int):
@@ -827,17 +824,10 @@ def _start_sidecar(children: Children, tmp: Path) -> _Sidecar:
     ]  # fmt: skip
     proc = children.start("sidecar", cmd, cpus=_helper_cpus())
     sidecar = _Sidecar(address, f"http://127.0.0.1:{port}/metrics")
-    deadline = time.monotonic() + 30
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"sidecar exited:\n{children.log_tail('sidecar')}")
-        with contextlib.suppress(OSError):
-            _get(sidecar.metrics_url, timeout=1)
-            if (tmp / "guard.sock").exists():
-                return sidecar
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"sidecar not ready:\n{children.log_tail('sidecar')}")
-        time.sleep(0.1)
+    status = wait_http_ok(proc, sidecar.metrics_url, 30, also=(tmp / "guard.sock").exists)
+    if status == "ready":
+        return sidecar
+    raise RuntimeError(f"sidecar {status} before it was ready:\n{children.log_tail('sidecar')}")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from tests.support.ready import wait_http_ok
+
 INSTALL_HINT = (
     "the Prometheus server binary was not found: run `make deps` "
     "(or `apt-get update && apt-get install -y --no-install-recommends prometheus`, "
@@ -156,23 +158,13 @@ class PrometheusServer:
         raise PrometheusError(f"Prometheus did not become ready: {last_error}")
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise PrometheusError(
-                    f"prometheus exited with code {self.proc.returncode}:\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                raise PrometheusError(
-                    f"/-/ready not answered within {timeout}s:\n{self.log_tail()}"
-                )
-            time.sleep(0.1)
+        status = wait_http_ok(self.proc, f"{self.url}/-/ready", timeout)
+        if status == "exited":
+            raise PrometheusError(
+                f"prometheus exited with code {self.proc.returncode}:\n{self.log_tail()}"
+            )
+        if status == "timeout":
+            raise PrometheusError(f"/-/ready not answered within {timeout}s:\n{self.log_tail()}")
 
     def stop(self, remove_workdir: bool = True) -> None:
         """Stop the server (SIGTERM, then SIGKILL) and remove its temporary directory."""

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tests.support.ports import free_port
+from tests.support.ready import wait_http_ok
 
 
 class SidecarProcess:
@@ -58,17 +59,11 @@ class SidecarProcess:
         return sidecar
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"sidecar exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                with urllib.request.urlopen(self.metrics_url, timeout=1) as resp:
-                    if resp.status == 200 and self._socket_ready():
-                        return
-            except OSError:
-                pass
-            time.sleep(0.1)
+        status = wait_http_ok(self.proc, self.metrics_url, timeout, also=self._socket_ready)
+        if status == "ready":
+            return
+        if status == "exited":
+            raise RuntimeError(f"sidecar exited with {self.proc.returncode}:\n{self.log()}")
         self.stop()
         raise RuntimeError(f"sidecar not ready after {timeout}s:\n{self.log()}")
 

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.support.ports import free_port
+from tests.support.ready import wait_http_ok
 
 
 def cpu_env(tp: int, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -80,19 +80,13 @@ class VllmServer:
         return server
 
     def wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"vllm exited with {self.proc.returncode}; log tail:\n{self.log_tail()}"
-                )
-            try:
-                with urllib.request.urlopen(f"{self.base}/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.5)
+        status = wait_http_ok(self.proc, f"{self.base}/health", timeout, interval=0.5)
+        if status == "ready":
+            return
+        if status == "exited":
+            raise RuntimeError(
+                f"vllm exited with {self.proc.returncode}; log tail:\n{self.log_tail()}"
+            )
         raise RuntimeError(f"vllm not healthy after {timeout}s; log tail:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 60) -> str:
