@@ -110,7 +110,9 @@ def activate(config: GuardConfig) -> None:
 
     logs.configure()
     run_id = shared_run_id(config)
-    processor = GuardProcessor(config, lambda runner: describe_rank(runner, config, run_id))
+    processor = GuardProcessor(
+        config, lambda runner: describe_rank(runner, config, run_id), run_id=run_id
+    )
     install(processor)
     atexit.register(processor.close)
     bind_all()

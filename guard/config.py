@@ -13,8 +13,9 @@ import dataclasses
 import json
 import os
 import re
+import typing
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 from telemetry.addresses import address_problem, default_sidecar_address
 
@@ -25,11 +26,37 @@ CONFIG_FILE_ENV = "ASCEND_GUARD_CONFIG"
 RESOLVED_ENV = "ASCEND_GUARD_RESOLVED_CONFIG"
 RUN_ID_ENV = "ASCEND_GUARD_RUN_ID"
 
+T = TypeVar("T")
+
 _LABEL_RE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
 class GuardConfigError(ValueError):
     """A `runtime_guard` config that does not validate. The message names key and value."""
+
+
+def _range(low: float, high: float) -> dict[str, Any]:
+    return {"range": (low, high)}
+
+
+def _choices(*values: str) -> dict[str, Any]:
+    return {"choices": values}
+
+
+ACTIONS = ("report", "dump")
+
+
+@dataclasses.dataclass(frozen=True)
+class IncidentsConfig:
+    """How often one kind of incident is reported for one request (all hits are counted)."""
+
+    # reports of one (type, request) on one rank before backing off
+    per_request_cap: int = dataclasses.field(default=3, metadata=_range(1, 100_000))
+    # after the cap, report again at occurrence cap * factor**k (k = 1, 2, ...)
+    backoff_factor: float = dataclasses.field(default=4.0, metadata=_range(1.0, 1000.0))
+    # where a worker keeps incidents while the sidecar is away; default: $TMPDIR/ascend-guard-spool
+    spool_dir: str = ""
+    spool_max_bytes: int = dataclasses.field(default=64 << 20, metadata=_range(4096, 1 << 40))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,89 +71,109 @@ class GuardConfig:
     # shared by all processes of one server; generated when empty
     run_id: str = ""
     # records held in each worker while the sidecar is slow or away; beyond it, drops are counted
-    buffer_size: int = 8192
+    buffer_size: int = dataclasses.field(default=8192, metadata=_range(16, 10_000_000))
     # most records in one gRPC message
-    batch_max: int = 512
+    batch_max: int = dataclasses.field(default=512, metadata=_range(1, 100_000))
     # how often the streamer thread wakes up to send
-    flush_interval_ms: int = 50
-    heartbeat_interval_s: float = 1.0
-    reconnect_max_backoff_s: float = 2.0
+    flush_interval_ms: int = dataclasses.field(default=50, metadata=_range(1, 10_000))
+    heartbeat_interval_s: float = dataclasses.field(default=1.0, metadata=_range(0.05, 60.0))
+    reconnect_max_backoff_s: float = dataclasses.field(default=2.0, metadata=_range(0.05, 600.0))
     # at most this many guard-internal errors are logged per minute and rank (all are counted)
-    error_log_per_minute: int = 5
+    error_log_per_minute: int = dataclasses.field(default=5, metadata=_range(0, 10_000))
+    incidents: IncidentsConfig = dataclasses.field(default_factory=IncidentsConfig)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
 
 
-_FIELDS = {f.name: f for f in dataclasses.fields(GuardConfig)}
-
-
-def _check_type(key: str, value: Any, expected: type) -> Any:
+def _check_type(key: str, value: Any, expected: Any) -> Any:
     if expected is bool:
         if not isinstance(value, bool):
-            raise GuardConfigError(f"runtime_guard.{key}: expected true or false, got {value!r}")
+            raise GuardConfigError(f"{key}: expected true or false, got {value!r}")
         return value
     if expected is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise GuardConfigError(f"runtime_guard.{key}: expected an integer, got {value!r}")
+            raise GuardConfigError(f"{key}: expected an integer, got {value!r}")
         return value
     if expected is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise GuardConfigError(f"runtime_guard.{key}: expected a number, got {value!r}")
+            raise GuardConfigError(f"{key}: expected a number, got {value!r}")
         return float(value)
+    if expected == tuple[str, ...]:
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise GuardConfigError(f"{key}: expected a list of strings, got {value!r}")
+        return tuple(value)
+    if expected == tuple[int, ...]:
+        if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value
+        ):
+            raise GuardConfigError(f"{key}: expected a list of integers, got {value!r}")
+        return tuple(value)
     if not isinstance(value, str):
-        raise GuardConfigError(f"runtime_guard.{key}: expected a string, got {value!r}")
+        raise GuardConfigError(f"{key}: expected a string, got {value!r}")
     return value
 
 
-_BOUNDS: dict[str, tuple[float, float]] = {
-    "buffer_size": (16, 10_000_000),
-    "batch_max": (1, 100_000),
-    "flush_interval_ms": (1, 10_000),
-    "heartbeat_interval_s": (0.05, 60.0),
-    "reconnect_max_backoff_s": (0.05, 600.0),
-    "error_log_per_minute": (0, 10_000),
-}
+def parse_section(cls: type[T], raw: Any, path: str) -> T:
+    """Validate one config object against the frozen dataclass `cls`, recursively.
+
+    `path` is the dotted key of `raw` (e.g. "runtime_guard.detectors"), so every error names
+    the full key. Bounds and enumerations come from each field's metadata.
+    """
+    if not isinstance(raw, Mapping):
+        raise GuardConfigError(f"{path}: expected a JSON object, got {raw!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        field = fields.get(key)
+        dotted = f"{path}.{key}"
+        if field is None:
+            known = ", ".join(sorted(fields))
+            raise GuardConfigError(f"{dotted}: unknown key (value {value!r}); known keys: {known}")
+        expected = hints[key]
+        if dataclasses.is_dataclass(expected):
+            values[key] = parse_section(expected, value, dotted)
+            continue
+        value = _check_type(dotted, value, expected)
+        bounds = field.metadata.get("range")
+        if bounds is not None and not bounds[0] <= value <= bounds[1]:
+            raise GuardConfigError(f"{dotted}: {value!r} is outside [{bounds[0]:g}, {bounds[1]:g}]")
+        choices = field.metadata.get("choices")
+        if choices is not None and value not in choices:
+            raise GuardConfigError(f"{dotted}: {value!r} is not one of {', '.join(choices)}")
+        values[key] = value
+    section = cls(**values)
+    check = getattr(section, "check", None)
+    if callable(check):
+        check(path)  # cross-field rules; raises GuardConfigError naming the key
+    return section
 
 
 def parse_config(raw: Mapping[str, Any]) -> GuardConfig:
     """Validate a `runtime_guard` object and fill in defaults."""
-    if not isinstance(raw, Mapping):
-        raise GuardConfigError(f"runtime_guard: expected a JSON object, got {raw!r}")
-    values: dict[str, Any] = {}
-    for key, value in raw.items():
-        field = _FIELDS.get(key)
-        if field is None:
-            known = ", ".join(sorted(_FIELDS))
+    config = parse_section(GuardConfig, raw, CONFIG_KEY)
+    if "sidecar" in raw:
+        problem = address_problem(config.sidecar)
+        if problem:
             raise GuardConfigError(
-                f"runtime_guard.{key}: unknown key (value {value!r}); known keys: {known}"
+                f"runtime_guard.sidecar: {config.sidecar!r} is not an address; {problem}"
             )
-        expected = {"bool": bool, "int": int, "float": float, "str": str}[str(field.type)]
-        value = _check_type(key, value, expected)
-        if key in _BOUNDS:
-            low, high = _BOUNDS[key]
-            if not low <= value <= high:
-                raise GuardConfigError(
-                    f"runtime_guard.{key}: {value!r} is outside [{low:g}, {high:g}]"
-                )
-        values[key] = value
-    sidecar = values.get("sidecar")
-    problem = address_problem(sidecar) if sidecar is not None else None
-    if problem:
-        raise GuardConfigError(f"runtime_guard.sidecar: {sidecar!r} is not an address; {problem}")
     for key in ("engine", "run_id"):
-        if values.get(key) and not _LABEL_RE.match(values[key]):
+        value = getattr(config, key)
+        if value and not _LABEL_RE.match(value):
             raise GuardConfigError(
-                f"runtime_guard.{key}: {values[key]!r} must be 1-64 characters of letters, digits, _ . : -"
+                f"runtime_guard.{key}: {value!r} must be 1-64 characters of letters, digits, _ . : -"
             )
-    if values.get("batch_max", GuardConfig.batch_max) > values.get(
-        "buffer_size", GuardConfig.buffer_size
-    ):
+    if config.batch_max > config.buffer_size:
         raise GuardConfigError(
-            f"runtime_guard.batch_max: {values.get('batch_max', GuardConfig.batch_max)!r} exceeds "
-            f"buffer_size {values.get('buffer_size', GuardConfig.buffer_size)!r}"
+            f"runtime_guard.batch_max: {config.batch_max!r} exceeds buffer_size {config.buffer_size!r}"
         )
-    return GuardConfig(**values)
+    return config
+
+
+def config_from_json(text: str) -> GuardConfig:
+    return parse_config(json.loads(text))
 
 
 def _load_file(path: str) -> Mapping[str, Any]:

@@ -9,14 +9,19 @@ logged at a bounded rate, and the engine carries on.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
 import structlog
 
-from guard.config import GuardConfig
+from guard.config import RUN_ID_ENV, GuardConfig
+from guard.incidents import IncidentReporter
 from guard.schedule import EMPTY_SCHEDULE, PrefillTracker, ScheduleSummary, count_sampled_tokens
+from guard.spool import IncidentSpool
 from guard.streamer import HeartbeatState, Streamer, WaveTuple
 from telemetry.proto import guard_pb2
 
@@ -67,6 +72,8 @@ class GuardProcessor:
         config: GuardConfig,
         describe_rank: RankDescriber,
         streamer_factory: Callable[..., Streamer] = Streamer,
+        *,
+        run_id: str = "",
     ) -> None:
         self.config = config
         self._describe_rank = describe_rank
@@ -81,6 +88,16 @@ class GuardProcessor:
         self._phase: tuple[str, int] = (_IDLE, time.perf_counter_ns())
         # wall clock = perf_counter_ns + offset; refreshed by the streamer thread's heartbeat
         self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()
+        # incidents and probe readings raised before the first wave starts the streamer
+        self._early_incidents: list[guard_pb2.Incident] = []
+        self._early_probes: list[tuple[str, float, dict[str, str]]] = []
+        self._early_lock = threading.Lock()
+        self.incidents = IncidentReporter(
+            config.incidents,
+            run_id=run_id or config.run_id or os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:16],
+            current_wave=lambda: self.wave,
+            sink=self._queue_incident,
+        )
 
     # -- decorator entry points ---------------------------------------------------------------
     def run_step(self, fn: Callable[..., Any], runner: Any, args: tuple, kwargs: dict) -> Any:
@@ -204,6 +221,31 @@ class GuardProcessor:
             )  # fmt: skip
         )
 
+    def _queue_incident(self, incident: guard_pb2.Incident) -> None:
+        streamer = self.streamer
+        if streamer is None:
+            with self._early_lock:
+                streamer = self.streamer
+                if streamer is None:
+                    self._early_incidents.append(incident)
+                    return
+        streamer.offer_incident(incident)
+
+    def offer_probe(self, name: str, value: float, labels: dict[str, str]) -> None:
+        streamer = self.streamer
+        if streamer is None:
+            with self._early_lock:
+                streamer = self.streamer
+                if streamer is None:
+                    self._early_probes.append((name, value, labels))
+                    return
+        streamer.offer_probe(name, value, labels)
+
+    def _hits(self) -> dict[str, int]:
+        reporter = self.incidents
+        with reporter._lock:
+            return dict(reporter.hits)
+
     def heartbeat(self) -> HeartbeatState:
         """What this rank is doing right now; called on the streamer thread."""
         now = time.perf_counter_ns()
@@ -214,7 +256,7 @@ class GuardProcessor:
     def _start_streamer(self, runner: Any) -> None:
         config = self.config
         rank = self._describe_rank(runner)
-        self.streamer = self._streamer_factory(
+        streamer = self._streamer_factory(
             config.sidecar,
             rank,
             buffer_size=config.buffer_size,
@@ -224,8 +266,19 @@ class GuardProcessor:
             max_backoff_s=config.reconnect_max_backoff_s,
             heartbeat_source=self.heartbeat,
             error_counter=lambda: self.errors.total,
+            hits_source=self._hits,
+            spool=IncidentSpool(
+                config.incidents.spool_dir, rank.run_id, rank.pid, config.incidents.spool_max_bytes
+            ),
         )
-        self.streamer.start()
+        with self._early_lock:
+            for incident in self._early_incidents:
+                streamer.offer_incident(incident)
+            for probe in self._early_probes:
+                streamer.offer_probe(*probe)
+            self._early_incidents, self._early_probes = [], []
+            self.streamer = streamer
+        streamer.start()
         log.info(
             "guard_streaming",
             sidecar=config.sidecar,

@@ -6,6 +6,10 @@ client stream to the sidecar, adds a heartbeat about once a second, and reconnec
 exponential backoff when the sidecar is away. While it is away records wait in the buffer; once
 the buffer is full the oldest are dropped and counted, and the cumulative drop count travels
 with every later batch so the sidecar can export it.
+
+Incidents take another road, because none may be lost: they wait in their own queue, the ones
+sent on a stream that breaks are sent again on the next one, and while the sidecar is away they
+go to an on-disk spool (`guard/spool.py`). The sidecar deduplicates them by id.
 """
 
 from __future__ import annotations
@@ -19,9 +23,15 @@ from typing import NamedTuple
 import grpc
 import structlog
 
+from guard.spool import IncidentSpool
 from telemetry.proto import guard_pb2, guard_pb2_grpc
 
 log = structlog.get_logger("ascend_guard.streamer")
+
+# incidents per batch, and how many sent on one stream are kept for re-sending if it breaks
+INCIDENTS_PER_BATCH = 256
+RESEND_WINDOW = 4096
+ProbeKey = tuple[str, tuple[tuple[str, str], ...]]
 
 
 class WaveTuple(NamedTuple):
@@ -63,6 +73,8 @@ class Streamer:
         max_backoff_s: float,
         heartbeat_source: Callable[[], HeartbeatState],
         error_counter: Callable[[], int] = lambda: 0,
+        hits_source: Callable[[], dict[str, int]] = dict,
+        spool: IncidentSpool | None = None,
     ) -> None:
         self._address = address
         self._rank = rank
@@ -74,6 +86,16 @@ class Streamer:
         self._max_backoff_s = max_backoff_s
         self._heartbeat_source = heartbeat_source
         self._error_counter = error_counter
+        self._hits_source = hits_source
+        self._spool = spool
+        self._incidents: collections.deque[guard_pb2.Incident] = collections.deque()
+        self._unconfirmed: collections.deque[guard_pb2.Incident] = collections.deque(
+            maxlen=RESEND_WINDOW
+        )
+        self._probes: dict[ProbeKey, float] = {}
+        self._probes_lock = threading.Lock()
+        self.incidents_sent = 0
+        self.incidents_spooled = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._seq = 0
@@ -94,6 +116,19 @@ class Streamer:
             self.dropped += 1
         buffer.append(record)
 
+    def offer_incident(self, incident: guard_pb2.Incident) -> None:
+        """Queue an incident (any thread). Incidents are never dropped."""
+        self._incidents.append(incident)
+
+    def offer_probe(self, name: str, value: float, labels: dict[str, str]) -> None:
+        """Set the latest reading of a probe (any thread); sent with the next batch."""
+        with self._probes_lock:
+            self._probes[(name, tuple(sorted(labels.items())))] = value
+
+    @property
+    def pending_incidents(self) -> int:
+        return len(self._incidents)
+
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="ascend-guard-streamer", daemon=True)
@@ -104,6 +139,38 @@ class Streamer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        self._spill()  # whatever could not be sent waits on disk
+
+    def _spill(self) -> None:
+        """Move pending incidents to the spool (streamer thread, or after it stopped)."""
+        if self._spool is None or not self._incidents:
+            return
+        pending = []
+        while self._incidents:
+            try:
+                pending.append(self._incidents.popleft())
+            except IndexError:
+                break
+        try:
+            written = self._spool.append(pending)
+        except OSError as exc:
+            written = 0
+            log.warning("incident_spool_failed", path=str(self._spool.path), error=str(exc))
+        self.incidents_spooled += written
+        # what did not fit stays in memory, in order
+        self._incidents.extendleft(reversed(pending[written:]))
+
+    def _unspool(self) -> None:
+        if self._spool is None:
+            return
+        try:
+            spooled = self._spool.take()
+        except OSError as exc:
+            log.warning("incident_spool_unreadable", path=str(self._spool.path), error=str(exc))
+            return
+        if spooled:
+            log.info("incident_spool_replayed", incidents=len(spooled))
+            self._incidents.extendleft(reversed(spooled))
 
     # -- streamer thread ----------------------------------------------------------------------
     def _run(self) -> None:
@@ -114,6 +181,7 @@ class Streamer:
                 grpc.channel_ready_future(channel).result(timeout=max(backoff, 0.5))
             except grpc.FutureTimeoutError:
                 channel.close()
+                self._spill()
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, self._max_backoff_s)
                 continue
@@ -121,6 +189,8 @@ class Streamer:
             self.connected = True
             self.connects += 1
             log.info("sidecar_connected", address=self._address, connects=self.connects)
+            self._unspool()
+            self._unconfirmed.clear()
             in_flight = _InFlight()
             try:
                 stub.Stream(self._batches(in_flight))
@@ -129,6 +199,7 @@ class Streamer:
                 # The last batch handed to gRPC when the stream broke may or may not have
                 # arrived; count it as dropped rather than pretend it was delivered.
                 self.dropped += in_flight.close()
+                self._requeue_unconfirmed()
                 log.warning(
                     "sidecar_stream_lost",
                     address=self._address,
@@ -136,6 +207,7 @@ class Streamer:
                     details=exc.details() if hasattr(exc, "details") else str(exc),
                 )
             except Exception:  # noqa: BLE001 - telemetry must never take the worker down
+                self._requeue_unconfirmed()
                 log.exception("sidecar_stream_error")
             finally:
                 in_flight.close()
@@ -143,6 +215,12 @@ class Streamer:
                 channel.close()
             self._stop.wait(backoff)
             backoff = min(backoff * 2, self._max_backoff_s)
+
+    def _requeue_unconfirmed(self) -> None:
+        """Incidents sent on a stream that broke may not have arrived: send them again."""
+        unconfirmed = list(self._unconfirmed)
+        self._unconfirmed.clear()
+        self._incidents.extendleft(reversed(unconfirmed))
 
     def _batches(self, in_flight: _InFlight) -> Iterator[guard_pb2.Batch]:
         last_heartbeat = 0.0
@@ -155,18 +233,43 @@ class Streamer:
                     return
                 records = self._drain()
                 in_flight.records = len(records)
+            incidents = self._drain_incidents()
             heartbeat_due = first or now - last_heartbeat >= self._heartbeat_interval_s
-            if records or heartbeat_due or stopping:
+            if records or incidents or self._probes or heartbeat_due or stopping:
                 batch = self._make_batch(records, heartbeat_due)
+                batch.incidents.extend(incidents)
+                self._add_probes(batch)
                 if heartbeat_due:
                     last_heartbeat = now
                 first = False
+                # counted as unconfirmed before the hand-over: if the stream breaks from here
+                # on, they are sent again
+                self._unconfirmed.extend(incidents)
                 yield batch
                 self.sent_waves += len(records)
-            if stopping and not self._buffer:
+                self.incidents_sent += len(incidents)
+            if stopping and not self._buffer and not self._incidents:
                 return
             if not self._buffer or len(self._buffer) < self._batch_max:
                 self._stop.wait(self._flush_interval_s)
+
+    def _drain_incidents(self) -> list[guard_pb2.Incident]:
+        out: list[guard_pb2.Incident] = []
+        queue = self._incidents
+        while queue and len(out) < INCIDENTS_PER_BATCH:
+            try:
+                out.append(queue.popleft())
+            except IndexError:
+                break
+        return out
+
+    def _add_probes(self, batch: guard_pb2.Batch) -> None:
+        if not self._probes:
+            return
+        with self._probes_lock:
+            probes, self._probes = self._probes, {}
+        for (name, labels), value in probes.items():
+            batch.probes.add(name=name, labels=dict(labels), value=value)
 
     def _drain(self) -> list[WaveTuple]:
         out: list[WaveTuple] = []
@@ -186,6 +289,9 @@ class Streamer:
             guard_errors_total=self._error_counter(),
             seq=self._seq,
         )
+        hits = self._hits_source()
+        if hits:
+            batch.detector_hits_total.update(hits)
         waves = batch.waves
         add = waves.add
         for r in records:  # explicit keywords: about twice as fast as add(**r._asdict())

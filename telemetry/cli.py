@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import sys
 from collections.abc import Sequence
 
 from telemetry import logs
 from telemetry.addresses import default_sidecar_address
+from telemetry.incidents import IncidentFilter, list_incidents
 from telemetry.query import (
     QueryError,
     SpanQuery,
@@ -23,6 +25,7 @@ from telemetry.query import (
 )
 from telemetry.store import connect, default_store_path
 from telemetry.table import format_duration_ns, render_table
+from telemetry.validation import SEVERITIES
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -77,6 +80,17 @@ def _parser() -> argparse.ArgumentParser:
     query.add_argument("--wave", type=int, default=None, help="one wave number")
     query.add_argument("--sort", default="duration", help="duration (default), start or wave")
     query.add_argument("--limit", type=int, default=20)
+
+    incidents = sub.add_parser("incidents", help="list incidents, newest first")
+    incidents.add_argument("--store", default=default_store_path())
+    incidents.add_argument("--since", default="24h", help="age (15m), unix seconds or ISO time")
+    incidents.add_argument("--type", default=None, help="incident type, e.g. logits_finite")
+    incidents.add_argument("--request", default=None, help="request id (a prefix matches)")
+    incidents.add_argument("--severity", default=None, choices=SEVERITIES)
+    incidents.add_argument("--run", dest="run_id", default=None, help="run id")
+    incidents.add_argument("--engine", default=None, help="engine label")
+    incidents.add_argument("--limit", type=int, default=50)
+    incidents.add_argument("--json", action="store_true", help="one JSON object per line")
 
     trace = sub.add_parser("trace", help="print one trace as a tree")
     trace.add_argument("trace_id", help="32 hex digits, as `ascend-guard query` prints")
@@ -140,6 +154,57 @@ def _cmd_query(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_incidents(args: argparse.Namespace) -> int:
+    if args.limit < 1:
+        raise QueryError(f"--limit: {args.limit} must be 1 or more")
+    flt = IncidentFilter(
+        since_ns=parse_time_ns(args.since, "--since"), type=args.type, request_id=args.request,
+        run_id=args.run_id, engine=args.engine, severity=args.severity, limit=args.limit,
+    )  # fmt: skip
+    rows = list_incidents(connect(args.store, readonly=True), flt)
+    if args.json:
+        for row in rows:
+            record = dict(row)
+            record["evidence"] = json.loads(record["evidence"] or "{}")
+            record["actions"] = json.loads(record["actions"] or "[]")
+            print(json.dumps(record, sort_keys=True))
+        return 0
+    if not rows:
+        print("no incidents match; widen --since or drop a filter")
+        return 0
+    table = [
+        (_clock(r["time_ns"]), r["type"], r["severity"], r["wave"] or "", rank_label(r) if r["tp"] is not None else "-",
+         r["request_id"] or "-", f"{r['occurrence']}" + (f" (+{r['suppressed']})" if r["suppressed"] else ""),
+         ",".join(json.loads(r["actions"] or "[]")), r["summary"])
+        for r in rows
+    ]  # fmt: skip
+    print(
+        render_table(
+            (
+                "time (UTC)",
+                "type",
+                "severity",
+                "wave",
+                "rank",
+                "request",
+                "hit",
+                "actions",
+                "summary",
+            ),
+            table,
+            right=(3,),
+        )
+    )
+    traced = next((r for r in rows if r["trace_id"]), None)
+    hint = (
+        f"see its wave with: ascend-guard trace {traced['trace_id']} --store {args.store}"
+        if traced
+        else "filter with --type, --request or --since"
+    )
+    print(f"\n{len(rows)} incident(s); {hint}")
+    return 0
+
+
 def _cmd_trace(args: argparse.Namespace) -> int:
     rows = load_trace(connect(args.store, readonly=True), args.trace_id)
     if not rows:
@@ -170,7 +235,12 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    handlers = {"sidecar": _cmd_sidecar, "query": _cmd_query, "trace": _cmd_trace}
+    handlers = {
+        "sidecar": _cmd_sidecar,
+        "query": _cmd_query,
+        "trace": _cmd_trace,
+        "incidents": _cmd_incidents,
+    }
     try:
         return handlers[args.command](args)
     except (QueryError, FileNotFoundError) as exc:

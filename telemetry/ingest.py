@@ -15,6 +15,7 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
+from telemetry.incidents import IncidentLedger
 from telemetry.labels import EngineLabels
 from telemetry.metrics import SidecarMetrics
 from telemetry.proto import guard_pb2
@@ -62,12 +63,14 @@ class IngestService:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         engines: EngineLabels | None = None,
         on_batch: Callable[[guard_pb2.Batch], None] | None = None,
+        incidents: IncidentLedger | None = None,
     ) -> None:
         self.metrics = metrics
         self.tracer = tracer
         self.max_message_bytes = max_message_bytes
         self.engines = engines or EngineLabels()
         self._on_batch = on_batch
+        self.incidents = incidents
         self._lock = threading.Lock()
         self.streams: dict[int, RankView] = {}
         self._next_stream = 0
@@ -162,6 +165,12 @@ class IngestService:
         if self.tracer is not None:
             for wave in batch.waves:
                 self.tracer.record(rank, engine, wave)
+        if self.incidents is not None:
+            for incident in batch.incidents:
+                self.incidents.add(engine, rank, incident)
+        for probe in batch.probes:
+            if not self.metrics.observe_probe(labels, probe):
+                self.metrics.rejected.labels("unknown_probe").inc()
         view.batches += 1
         view.waves += len(batch.waves)
         if batch.waves:

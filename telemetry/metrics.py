@@ -11,6 +11,7 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from telemetry.probes import PROBE_METRICS
 from telemetry.proto import guard_pb2
 
 RANK_LABELS = ("engine", "dp", "tp", "pp")
@@ -100,7 +101,26 @@ class SidecarMetrics:
             ("reason",),
             registry=r,
         )
+        self.incidents = Counter(
+            "ascend_guard_incidents",
+            "Incidents recorded (deduplicated), by type and severity.",
+            (*RANK_LABELS, "type", "severity"),
+            registry=r,
+        )
+        self.detector_hits = Counter(
+            "ascend_guard_detector_hits",
+            "Detector hits on a rank, reported or held back by the per-request cap.",
+            (*RANK_LABELS, "type"),
+            registry=r,
+        )
+        self.probes = {
+            name: Gauge(
+                f"ascend_guard_{name}", probe.help, (*RANK_LABELS, *probe.labels), registry=r
+            )
+            for name, probe in PROBE_METRICS.items()
+        }
         self._cumulative: dict[tuple, tuple[int, int]] = {}
+        self._hits_seen: dict[tuple, int] = {}
         self._lock = threading.Lock()
 
     def observe_batch(self, labels: RankLabels, batch: guard_pb2.Batch, source: tuple) -> None:
@@ -123,6 +143,22 @@ class SidecarMetrics:
         # make the series exist (at 0) as soon as a rank speaks, so dashboards and alerts see it
         self.dropped.labels(*labels)
         self.guard_errors.labels(*labels)
+        for type_, total in batch.detector_hits_total.items():
+            key = (*source, type_)
+            with self._lock:
+                seen = self._hits_seen.get(key, 0)
+                self._hits_seen[key] = max(seen, total)
+            if total > seen:
+                self.detector_hits.labels(*labels, type_).inc(total - seen)
+
+    def observe_probe(self, labels: RankLabels, probe: guard_pb2.ProbeValue) -> bool:
+        """Set a registered probe gauge; False for an unknown name or undeclared labels."""
+        spec = PROBE_METRICS.get(probe.name)
+        if spec is None or set(probe.labels) != set(spec.labels):
+            return False
+        extra = [probe.labels[name] for name in spec.labels]
+        self.probes[probe.name].labels(*labels, *extra).set(probe.value)
+        return True
 
     def _observe_waves(self, labels: RankLabels, waves) -> None:
         execute = self.step_duration.labels(*labels, "execute_model")

@@ -15,6 +15,7 @@ import structlog
 from prometheus_client import start_http_server
 
 from telemetry.addresses import address_problem, unix_socket_path
+from telemetry.incidents import IncidentLedger
 from telemetry.ingest import DEFAULT_MAX_MESSAGE_BYTES, IngestService
 from telemetry.metrics import SidecarMetrics
 from telemetry.store import SqliteSpanExporter
@@ -76,10 +77,18 @@ class Sidecar:
 
             exporters.append(OTLPSpanExporter(endpoint=settings.otlp_endpoint, insecure=True))
         self.provider, ids = build_provider(exporters, socket.gethostname())
+        tracer = WaveTracer(self.provider, ids)
+        self.incidents = IncidentLedger(
+            settings.store,
+            counter=self.metrics.incidents,
+            spanner=tracer.record_incident,
+            retention_s=max(settings.retention_s, 7 * 24 * 3600),
+        )
         self.ingest = IngestService(
             self.metrics,
-            WaveTracer(self.provider, ids),
+            tracer,
             max_message_bytes=settings.max_message_bytes,
+            incidents=self.incidents,
         )
         self._server: grpc.Server | None = None
         self._http = None
@@ -140,6 +149,7 @@ class Sidecar:
         if self._server is not None:
             self._server.stop(grace_s).wait(grace_s + 1)
         self.provider.shutdown()  # flushes pending spans into the store
+        self.incidents.close()
         if self._http is not None:
             self._http.shutdown()
         unix_path = unix_socket_path(self.settings.listen)

@@ -93,6 +93,10 @@ def build_provider(
     return provider, ids
 
 
+def incident_span_id(incident_id: str) -> int:
+    return _digest(f"ascend-guard/incident/{incident_id}", 8)
+
+
 class WaveTracer:
     """Builds the spans of each wave record as it arrives."""
 
@@ -157,3 +161,51 @@ class WaveTracer:
                 "sample_tokens", context=phase_ctx, start_time=sample_start, attributes=phase_attrs
             ).end(sample_start + wave.sample_ns)
         rank_span.end(end)
+
+    def record_incident(
+        self, rank: guard_pb2.RankInfo | None, engine: str, incident: guard_pb2.Incident
+    ) -> str:
+        """An `incident` span, with the incident as a span event, in its wave's trace.
+
+        Its parent is the rank span of that wave (the wave span for sidecar-born incidents),
+        which may already be stored: ids are derived, so the link holds whatever the order.
+        Returns the trace id as hex.
+        """
+        run_id = rank.run_id if rank is not None else ""
+        trace_id = wave_trace_id(run_id, incident.wave)
+        parent_id = (
+            rank_span_id(run_id, incident.wave, rank.dp_rank, rank.tp_rank, rank.pp_rank)
+            if rank is not None
+            else wave_span_id(run_id, incident.wave)
+        )
+        parent = SpanContext(
+            trace_id, parent_id, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED)
+        )
+        common = {attrs.ATTR_RUN: run_id, attrs.ATTR_ENGINE: engine, attrs.ATTR_WAVE: incident.wave}
+        if rank is not None:
+            common.update(
+                {
+                    attrs.ATTR_DP: rank.dp_rank,
+                    attrs.ATTR_TP: rank.tp_rank,
+                    attrs.ATTR_PP: rank.pp_rank,
+                }
+            )
+        event = {
+            "incident.id": incident.id,
+            "incident.type": incident.type,
+            "incident.severity": incident.severity,
+            "incident.request_id": incident.request_id,
+            "incident.summary": incident.summary,
+            "incident.evidence": incident.evidence_json,
+            "incident.actions": list(incident.actions),
+            "incident.occurrence": incident.occurrence,
+        }
+        at = incident.time_unix_nano
+        self._ids.preset(span_id=incident_span_id(incident.id))
+        span = self._tracer.start_span(
+            f"incident:{incident.type}", context=trace.set_span_in_context(NonRecordingSpan(parent)),
+            start_time=at, attributes={**common, "ascend_guard.incident_type": incident.type},
+        )  # fmt: skip
+        span.add_event("incident", attributes=event, timestamp=at)
+        span.end(at)
+        return format_trace_id(trace_id)

@@ -8,6 +8,12 @@ MAX_RANK = 65_535
 MAX_TEXT = 128
 MAX_WAVES_PER_BATCH = 100_000
 MAX_DURATION_NS = 24 * 3600 * 10**9
+MAX_INCIDENTS_PER_BATCH = 10_000
+MAX_SUMMARY = 1024
+MAX_EVIDENCE = 64 * 1024
+MAX_INCIDENT_ID = 256
+SEVERITIES = ("info", "warning", "error", "critical")
+SUPPORTED_INCIDENT_SCHEMAS = (1,)
 
 
 class InvalidBatch(ValueError):
@@ -51,3 +57,42 @@ def validate_batch(batch: guard_pb2.Batch) -> None:
             )
     if batch.HasField("heartbeat") and batch.heartbeat.phase_age_ns < 0:
         raise InvalidBatch(f"heartbeat.phase_age_ns: {batch.heartbeat.phase_age_ns} is negative")
+    if len(batch.incidents) > MAX_INCIDENTS_PER_BATCH:
+        raise InvalidBatch(
+            f"batch.incidents: {len(batch.incidents)} incidents, at most {MAX_INCIDENTS_PER_BATCH}"
+        )
+    for index, incident in enumerate(batch.incidents):
+        _validate_incident(f"incidents[{index}]", incident)
+    for index, probe in enumerate(batch.probes):
+        if not probe.name or len(probe.name) > MAX_TEXT:
+            raise InvalidBatch(
+                f"probes[{index}].name: {probe.name!r} must be 1-{MAX_TEXT} characters"
+            )
+        if probe.value != probe.value:
+            raise InvalidBatch(f"probes[{index}].value: NaN")
+
+
+def _validate_incident(where: str, incident: guard_pb2.Incident) -> None:
+    if incident.schema_version not in SUPPORTED_INCIDENT_SCHEMAS:
+        raise InvalidBatch(
+            f"{where}.schema_version: {incident.schema_version} is not supported "
+            f"(supported: {', '.join(map(str, SUPPORTED_INCIDENT_SCHEMAS))})"
+        )
+    if not incident.id or len(incident.id) > MAX_INCIDENT_ID:
+        raise InvalidBatch(f"{where}.id: {incident.id!r} must be 1-{MAX_INCIDENT_ID} characters")
+    if not incident.type or len(incident.type) > MAX_TEXT:
+        raise InvalidBatch(f"{where}.type: {incident.type!r} must be 1-{MAX_TEXT} characters")
+    if incident.severity not in SEVERITIES:
+        raise InvalidBatch(
+            f"{where}.severity: {incident.severity!r} is not one of {', '.join(SEVERITIES)}"
+        )
+    if len(incident.summary) > MAX_SUMMARY:
+        raise InvalidBatch(
+            f"{where}.summary: {len(incident.summary)} characters, at most {MAX_SUMMARY}"
+        )
+    if len(incident.evidence_json) > MAX_EVIDENCE:
+        raise InvalidBatch(
+            f"{where}.evidence_json: {len(incident.evidence_json)} bytes, at most {MAX_EVIDENCE}"
+        )
+    if len(incident.request_id) > MAX_INCIDENT_ID:
+        raise InvalidBatch(f"{where}.request_id: {len(incident.request_id)} characters, too long")

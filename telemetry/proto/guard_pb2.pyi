@@ -1,27 +1,13 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RankInfo(_message.Message):
-    __slots__ = (
-        "run_id",
-        "engine",
-        "dp_rank",
-        "tp_rank",
-        "pp_rank",
-        "dp_size",
-        "tp_size",
-        "pp_size",
-        "node",
-        "pid",
-        "runner",
-    )
+    __slots__ = ("run_id", "engine", "dp_rank", "tp_rank", "pp_rank", "dp_size", "tp_size", "pp_size", "node", "pid", "runner")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -44,37 +30,10 @@ class RankInfo(_message.Message):
     node: str
     pid: int
     runner: str
-    def __init__(
-        self,
-        run_id: str | None = ...,
-        engine: str | None = ...,
-        dp_rank: int | None = ...,
-        tp_rank: int | None = ...,
-        pp_rank: int | None = ...,
-        dp_size: int | None = ...,
-        tp_size: int | None = ...,
-        pp_size: int | None = ...,
-        node: str | None = ...,
-        pid: int | None = ...,
-        runner: str | None = ...,
-    ) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., engine: _Optional[str] = ..., dp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., runner: _Optional[str] = ...) -> None: ...
 
 class WaveRecord(_message.Message):
-    __slots__ = (
-        "wave",
-        "start_unix_nano",
-        "execute_ns",
-        "sample_ns",
-        "sample_offset_ns",
-        "num_reqs",
-        "prefill_reqs",
-        "decode_reqs",
-        "prefill_tokens",
-        "decode_tokens",
-        "sampled_tokens",
-        "dummy",
-        "sampled",
-    )
+    __slots__ = ("wave", "start_unix_nano", "execute_ns", "sample_ns", "sample_offset_ns", "num_reqs", "prefill_reqs", "decode_reqs", "prefill_tokens", "decode_tokens", "sampled_tokens", "dummy", "sampled")
     WAVE_FIELD_NUMBER: _ClassVar[int]
     START_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_NS_FIELD_NUMBER: _ClassVar[int]
@@ -101,22 +60,7 @@ class WaveRecord(_message.Message):
     sampled_tokens: int
     dummy: bool
     sampled: bool
-    def __init__(
-        self,
-        wave: int | None = ...,
-        start_unix_nano: int | None = ...,
-        execute_ns: int | None = ...,
-        sample_ns: int | None = ...,
-        sample_offset_ns: int | None = ...,
-        num_reqs: int | None = ...,
-        prefill_reqs: int | None = ...,
-        decode_reqs: int | None = ...,
-        prefill_tokens: int | None = ...,
-        decode_tokens: int | None = ...,
-        sampled_tokens: int | None = ...,
-        dummy: bool | None = ...,
-        sampled: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, wave: _Optional[int] = ..., start_unix_nano: _Optional[int] = ..., execute_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., sample_offset_ns: _Optional[int] = ..., num_reqs: _Optional[int] = ..., prefill_reqs: _Optional[int] = ..., decode_reqs: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., dummy: _Optional[bool] = ..., sampled: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("time_unix_nano", "last_wave", "phase", "phase_age_ns")
@@ -128,37 +72,81 @@ class Heartbeat(_message.Message):
     last_wave: int
     phase: str
     phase_age_ns: int
-    def __init__(
-        self,
-        time_unix_nano: int | None = ...,
-        last_wave: int | None = ...,
-        phase: str | None = ...,
-        phase_age_ns: int | None = ...,
-    ) -> None: ...
+    def __init__(self, time_unix_nano: _Optional[int] = ..., last_wave: _Optional[int] = ..., phase: _Optional[str] = ..., phase_age_ns: _Optional[int] = ...) -> None: ...
+
+class Incident(_message.Message):
+    __slots__ = ("schema_version", "id", "type", "severity", "wave", "request_id", "time_unix_nano", "summary", "evidence_json", "actions", "occurrence", "suppressed")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    SEVERITY_FIELD_NUMBER: _ClassVar[int]
+    WAVE_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TIME_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_JSON_FIELD_NUMBER: _ClassVar[int]
+    ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    OCCURRENCE_FIELD_NUMBER: _ClassVar[int]
+    SUPPRESSED_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    id: str
+    type: str
+    severity: str
+    wave: int
+    request_id: str
+    time_unix_nano: int
+    summary: str
+    evidence_json: str
+    actions: _containers.RepeatedScalarFieldContainer[str]
+    occurrence: int
+    suppressed: int
+    def __init__(self, schema_version: _Optional[int] = ..., id: _Optional[str] = ..., type: _Optional[str] = ..., severity: _Optional[str] = ..., wave: _Optional[int] = ..., request_id: _Optional[str] = ..., time_unix_nano: _Optional[int] = ..., summary: _Optional[str] = ..., evidence_json: _Optional[str] = ..., actions: _Optional[_Iterable[str]] = ..., occurrence: _Optional[int] = ..., suppressed: _Optional[int] = ...) -> None: ...
+
+class ProbeValue(_message.Message):
+    __slots__ = ("name", "labels", "value")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    labels: _containers.ScalarMap[str, str]
+    value: float
+    def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., value: _Optional[float] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("rank", "waves", "heartbeat", "dropped_total", "guard_errors_total", "seq")
+    __slots__ = ("rank", "waves", "heartbeat", "dropped_total", "guard_errors_total", "seq", "incidents", "detector_hits_total", "probes")
+    class DetectorHitsTotalEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     RANK_FIELD_NUMBER: _ClassVar[int]
     WAVES_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     DROPPED_TOTAL_FIELD_NUMBER: _ClassVar[int]
     GUARD_ERRORS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     SEQ_FIELD_NUMBER: _ClassVar[int]
+    INCIDENTS_FIELD_NUMBER: _ClassVar[int]
+    DETECTOR_HITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    PROBES_FIELD_NUMBER: _ClassVar[int]
     rank: RankInfo
     waves: _containers.RepeatedCompositeFieldContainer[WaveRecord]
     heartbeat: Heartbeat
     dropped_total: int
     guard_errors_total: int
     seq: int
-    def __init__(
-        self,
-        rank: RankInfo | _Mapping | None = ...,
-        waves: _Iterable[WaveRecord | _Mapping] | None = ...,
-        heartbeat: Heartbeat | _Mapping | None = ...,
-        dropped_total: int | None = ...,
-        guard_errors_total: int | None = ...,
-        seq: int | None = ...,
-    ) -> None: ...
+    incidents: _containers.RepeatedCompositeFieldContainer[Incident]
+    detector_hits_total: _containers.ScalarMap[str, int]
+    probes: _containers.RepeatedCompositeFieldContainer[ProbeValue]
+    def __init__(self, rank: _Optional[_Union[RankInfo, _Mapping]] = ..., waves: _Optional[_Iterable[_Union[WaveRecord, _Mapping]]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., dropped_total: _Optional[int] = ..., guard_errors_total: _Optional[int] = ..., seq: _Optional[int] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., detector_hits_total: _Optional[_Mapping[str, int]] = ..., probes: _Optional[_Iterable[_Union[ProbeValue, _Mapping]]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("batches", "waves")
@@ -166,4 +154,4 @@ class Ack(_message.Message):
     WAVES_FIELD_NUMBER: _ClassVar[int]
     batches: int
     waves: int
-    def __init__(self, batches: int | None = ..., waves: int | None = ...) -> None: ...
+    def __init__(self, batches: _Optional[int] = ..., waves: _Optional[int] = ...) -> None: ...

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sqlite3
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -29,31 +27,6 @@ pytestmark = pytest.mark.timeout(60)
 
 
 # -- helpers --------------------------------------------------------------------------------
-
-
-@pytest.fixture
-def sock_dir():
-    """A short directory for unix sockets (pytest's tmp_path can exceed the 108-byte limit)."""
-    path = Path(tempfile.mkdtemp(prefix="ag-", dir="/tmp"))
-    yield path
-    shutil.rmtree(path, ignore_errors=True)
-
-
-@pytest.fixture
-def sidecars(tmp_path, sock_dir):
-    """Start sidecars on one socket and store; all are stopped at the end."""
-    started: list[SidecarProcess] = []
-
-    def start(**kwargs) -> SidecarProcess:
-        sidecar = SidecarProcess.start(
-            tmp_path, address=f"unix://{sock_dir / 'guard.sock'}", **kwargs
-        )
-        started.append(sidecar)
-        return sidecar
-
-    yield start
-    for sidecar in started:
-        sidecar.stop()
 
 
 def wait_for(check: Callable[[], object], timeout: float = 15.0, what: str = "condition"):
