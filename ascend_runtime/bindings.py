@@ -10,12 +10,21 @@ that is missing in the installed version is skipped with one log line.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from types import ModuleType
+from typing import Any
 
 import structlog
 
 from ascend_runtime.import_hooks import when_imported
-from guard.decorators import is_guarded, runtime_guard_sample_tokens, runtime_guard_step
+from guard.decorators import (
+    is_guarded,
+    runtime_guard_logits,
+    runtime_guard_sample_tokens,
+    runtime_guard_step,
+    runtime_guard_verify_logits,
+)
+from guard.reload import guard_schedule
 
 log = structlog.get_logger("ascend_guard.bindings")
 
@@ -104,3 +113,51 @@ def bind_all(points: tuple[AttachPoint, ...] = RUNNER_ATTACH_POINTS) -> None:
     """Arrange for every attach point to be bound when (or if) its module is imported."""
     for point in points:
         when_imported(point.module, lambda module, point=point: _bind_module(point, module))
+
+
+@dataclasses.dataclass(frozen=True)
+class MethodAttachPoint:
+    """A method the guard decorates in place, outside the runner (samplers, the scheduler)."""
+
+    name: str
+    module: str
+    cls: str
+    method: str
+    decorator: Callable[[Any], Any]
+    note: str = ""
+
+
+SAMPLING_ATTACH_POINTS: tuple[MethodAttachPoint, ...] = (
+    MethodAttachPoint(
+        "v1-sampler", "vllm.v1.sample.sampler", "Sampler", "forward", runtime_guard_logits,
+        "logits before sampling: logits_finite, logits_stats",
+    ),
+    MethodAttachPoint(
+        "v1-rejection-sampler", "vllm.v1.sample.rejection_sampler", "RejectionSampler", "forward",
+        runtime_guard_verify_logits, "spec-decode verify logits",
+    ),
+    MethodAttachPoint(
+        "v1-scheduler", "vllm.v1.core.sched.scheduler", "Scheduler", "schedule", guard_schedule,
+        "engine core: stamps hot-reloaded config onto scheduler outputs",
+    ),
+)  # fmt: skip
+
+
+def _bind_method(point: MethodAttachPoint, module: ModuleType) -> None:
+    cls = getattr(module, point.cls, None)
+    method = getattr(cls, point.method, None) if isinstance(cls, type) else None
+    if method is None:
+        log.warning(
+            "attach_point_missing", attach_point=point.name, module=point.module,
+            cls=point.cls, method=point.method,
+        )  # fmt: skip
+        return
+    if not is_guarded(method):
+        setattr(cls, point.method, point.decorator(method))
+    log.info("attach_point_bound", attach_point=point.name, cls=f"{point.module}.{point.cls}",
+             methods=[point.method])  # fmt: skip
+
+
+def bind_sampling(points: tuple[MethodAttachPoint, ...] = SAMPLING_ATTACH_POINTS) -> None:
+    for point in points:
+        when_imported(point.module, lambda module, point=point: _bind_method(point, module))

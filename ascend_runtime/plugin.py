@@ -11,6 +11,7 @@ model runner classes as they are imported. With no config anywhere, it wraps not
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import sys
 import uuid
@@ -19,6 +20,7 @@ from typing import Any
 import structlog
 
 from guard.config import (
+    CONFIG_KEY,
     RESOLVED_ENV,
     RUN_ID_ENV,
     GuardConfig,
@@ -26,6 +28,7 @@ from guard.config import (
     config_from_env,
     resolve_config,
 )
+from guard.reload import INLINE_ENV
 
 log = structlog.get_logger("ascend_guard.plugin")
 
@@ -71,6 +74,11 @@ def on_engine_config(additional_config: Any) -> GuardConfig | None:
     (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): plugins were loaded before the config existed, and
     no child process will load them again. Elsewhere it only arms the import hooks.
     """
+    inline = (
+        (additional_config or {}).get(CONFIG_KEY) if isinstance(additional_config, dict) else None
+    )
+    if isinstance(inline, dict):  # the hot-reload watcher keeps these on top of file edits
+        os.environ[INLINE_ENV] = json.dumps(inline)
     try:
         config = resolve_config(additional_config)
     except GuardConfigError as exc:
@@ -102,7 +110,7 @@ def activate(config: GuardConfig) -> None:
     """Turn the guard on in this process: a processor, and bindings as runner modules load."""
     if _state["bound"]:
         return
-    from ascend_runtime.bindings import bind_all
+    from ascend_runtime.bindings import bind_all, bind_sampling
     from ascend_runtime.ranks import describe_rank
     from guard.decorators import install
     from guard.processor import GuardProcessor
@@ -116,4 +124,5 @@ def activate(config: GuardConfig) -> None:
     install(processor)
     atexit.register(processor.close)
     bind_all()
+    bind_sampling()
     _state["bound"] = True

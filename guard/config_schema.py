@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+
 class GuardConfigError(ValueError):
     """A `runtime_guard` config that does not validate. The message names key and value."""
 

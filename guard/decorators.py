@@ -71,3 +71,48 @@ def is_guarded(method: Any) -> bool:
 def unwrap(method: Any) -> Any:
     """The bare function under a guard decorator (or the method itself)."""
     return getattr(method, WRAPPED_ATTR, None) or method
+
+
+def runtime_guard_logits(fn: F) -> F:
+    """Decorate a sampler's `forward(self, logits, sampling_metadata, ...)`: logits detectors."""
+    if getattr(fn, WRAPPED_ATTR, None) is not None:
+        return fn
+
+    @functools.wraps(fn)
+    def guarded_sampler_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        processor = _processor
+        if processor is not None and processor.wants_logits:
+            logits = args[0] if args else kwargs.get("logits")
+            processor.on_logits(logits, None)
+        return fn(self, *args, **kwargs)
+
+    setattr(guarded_sampler_forward, WRAPPED_ATTR, fn)
+    return guarded_sampler_forward  # type: ignore[return-value]
+
+
+def runtime_guard_verify_logits(fn: F) -> F:
+    """Decorate a rejection sampler's `forward(self, metadata, draft_probs, logits, ...)`.
+
+    The target logits hold `num_draft_tokens[i] + 1` rows for request i. A sampler called from
+    inside (for the bonus token) is not checked a second time.
+    """
+    if getattr(fn, WRAPPED_ATTR, None) is not None:
+        return fn
+
+    @functools.wraps(fn)
+    def guarded_verify_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        processor = _processor
+        if processor is None or not processor.wants_logits:
+            return fn(self, *args, **kwargs)
+        metadata = args[0] if args else kwargs.get("metadata")
+        logits = args[2] if len(args) > 2 else kwargs.get("logits")
+        rows = [n + 1 for n in getattr(metadata, "num_draft_tokens", ())] or None
+        processor.on_logits(logits, rows)
+        processor.logits_checked = True
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            processor.logits_checked = False
+
+    setattr(guarded_verify_forward, WRAPPED_ATTR, fn)
+    return guarded_verify_forward  # type: ignore[return-value]

@@ -14,16 +14,20 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from guard.config import RUN_ID_ENV, GuardConfig
+from guard.config import RUN_ID_ENV, GuardConfig, config_from_json
 from guard.incidents import IncidentReporter
+from guard.reload import STAMP_ATTR
 from guard.schedule import EMPTY_SCHEDULE, PrefillTracker, ScheduleSummary, count_sampled_tokens
 from guard.spool import IncidentSpool
 from guard.streamer import HeartbeatState, Streamer, WaveTuple
 from telemetry.proto import guard_pb2
+
+if TYPE_CHECKING:
+    from guard.detectors.suite import DetectorSuite
 
 log = structlog.get_logger("ascend_guard.processor")
 
@@ -92,6 +96,13 @@ class GuardProcessor:
         self._early_incidents: list[guard_pb2.Incident] = []
         self._early_probes: list[tuple[str, float, dict[str, str]]] = []
         self._early_lock = threading.Lock()
+        # sampling detectors: built with the streamer (they need the rank), rebuilt on reload
+        self.detectors: DetectorSuite | None = None
+        self.config_generation = 1
+        self.wants_logits = False  # read by the sampler decorators on every sample
+        self.logits_checked = False  # set while a verify sampler runs: skip its inner sampler
+        self._runner: Any = None
+        self._rank: guard_pb2.RankInfo | None = None
         self.incidents = IncidentReporter(
             config.incidents,
             run_id=run_id or config.run_id or os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:16],
@@ -108,6 +119,7 @@ class GuardProcessor:
         self.wave = wave = self.wave + 1
         if self.streamer is None or self._open is not None:
             self._prepare_step(runner)
+        self._runner = runner
         start = time.perf_counter_ns()
         self._phase = (_EXECUTE, start)
         self._depth = 1
@@ -122,12 +134,21 @@ class GuardProcessor:
                 schedule = EMPTY_SCHEDULE
             else:
                 scheduler_output = args[0] if args else kwargs.get("scheduler_output")
+                # a config change rides on the scheduler output: applied on every rank at this
+                # wave, before its sampling
+                stamp = getattr(scheduler_output, STAMP_ATTR, None)
+                if stamp is not None:
+                    self._apply_stamp(stamp)
+                if self.detectors is not None:
+                    self.detectors.on_schedule(wave, scheduler_output)
                 schedule = self._prefill.summarize(scheduler_output)
             opened = (wave, start, end - start, schedule)
             if output is None:
                 self._open = opened  # sample_tokens finishes this wave
             else:
                 self._emit(opened, 0, 0, count_sampled_tokens(output), False)
+                if self.detectors is not None:
+                    self.detectors.on_output(wave, runner, output)
         except Exception:  # noqa: BLE001
             self.errors.record("step_end")
         return output
@@ -171,8 +192,11 @@ class GuardProcessor:
         offset = start - opened[1]
         tokens = count_sampled_tokens(output)
         get_output = getattr(output, "get_output", None) if tokens is None else None
+        detectors = self.detectors
         if get_output is None or not callable(get_output):
             self._emit(opened, end - start, offset, tokens, True)
+            if detectors is not None:
+                detectors.on_output(opened[0], self._runner, output)
             return
 
         # Async output (GPU/NPU runners): token lists exist only once get_output() resolves,
@@ -181,6 +205,8 @@ class GuardProcessor:
             result = get_output(*a, **kw)
             try:
                 self._emit(opened, end - start, offset, count_sampled_tokens(result), True)
+                if detectors is not None:
+                    detectors.on_output(opened[0], self._runner, result)
             except Exception:  # noqa: BLE001
                 self.errors.record("async_output")
             return result
@@ -219,6 +245,68 @@ class GuardProcessor:
                     sampled,
                 ),
             )  # fmt: skip
+        )
+
+    # -- sampling detectors and live config ----------------------------------------------------
+    def on_logits(self, logits: Any, rows_per_req: list[int] | None) -> None:
+        """Called by the sampler decorators with the logits about to be sampled."""
+        detectors = self.detectors
+        if detectors is None or self.logits_checked or logits is None:
+            return
+        try:
+            detectors.on_logits(self.wave, self._runner, logits, rows_per_req)
+        except Exception:  # noqa: BLE001
+            self.errors.record("detectors_logits")
+
+    def _build_detectors(self, rank: guard_pb2.RankInfo) -> None:
+        from guard.detectors.evidence import EvidenceDumper
+        from guard.detectors.suite import DetectorSuite
+
+        config = self.config.detectors
+        old, self.detectors = self.detectors, None
+        if old is not None:
+            old.close()
+        suite = DetectorSuite(
+            config,
+            self.incidents,
+            EvidenceDumper(
+                config.dump, rank.run_id, f"dp{rank.dp_rank}tp{rank.tp_rank}pp{rank.pp_rank}"
+            ),
+            report_tokens=rank.tp_rank == 0,
+            probe=self.offer_probe,
+        )
+        self.wants_logits = suite.needs_logits
+        if suite.needs_logits or suite.needs_output:
+            self.detectors = suite
+
+    def _apply_stamp(self, stamp: tuple) -> None:
+        """A config change stamped on this wave's scheduler output (see guard/reload.py)."""
+        generation, config_json, error, restart = stamp
+        if generation <= self.config_generation:
+            return
+        self.config_generation = generation
+        run_id = self._rank.run_id if self._rank is not None else "run"
+        if error:
+            self.incidents.report(
+                "config_reload_failed", "error", f"config edit refused, old config kept: {error}"[:1000],
+                evidence={"generation": generation, "error": error}, incident_id=f"{run_id}:config:{generation}",
+            )  # fmt: skip
+            log.error("config_reload_refused", generation=generation, wave=self.wave, error=error)
+            return
+        self.config = config_from_json(config_json)
+        self.incidents.reconfigure(self.config.incidents)
+        if self._rank is not None:
+            self._build_detectors(self._rank)
+        self.offer_probe("config_generation", float(generation), {})
+        if restart:
+            self.incidents.report(
+                "config_needs_restart", "warning",
+                f"changed keys need a restart and were not applied: {', '.join(restart)}",
+                evidence={"generation": generation, "keys": list(restart)},
+                incident_id=f"{run_id}:config-restart:{generation}",
+            )  # fmt: skip
+        log.info(
+            "config_reloaded", generation=generation, wave=self.wave, needs_restart=list(restart)
         )
 
     def _queue_incident(self, incident: guard_pb2.Incident) -> None:
@@ -271,6 +359,10 @@ class GuardProcessor:
                 config.incidents.spool_dir, rank.run_id, rank.pid, config.incidents.spool_max_bytes
             ),
         )
+        self._rank = rank
+        self._build_detectors(rank)
+        if hasattr(streamer, "offer_probe"):
+            streamer.offer_probe("config_generation", float(self.config_generation), {})
         with self._early_lock:
             for incident in self._early_incidents:
                 streamer.offer_incident(incident)
@@ -291,6 +383,11 @@ class GuardProcessor:
         )
 
     def close(self) -> None:
+        if self.detectors is not None:
+            try:
+                self.detectors.close()
+            except Exception:  # noqa: BLE001
+                self.errors.record("detectors_close")
         opened, self._open = self._open, None
         if opened is not None:
             self._emit(opened, 0, 0, None, False)

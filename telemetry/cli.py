@@ -92,6 +92,14 @@ def _parser() -> argparse.ArgumentParser:
     incidents.add_argument("--limit", type=int, default=50)
     incidents.add_argument("--json", action="store_true", help="one JSON object per line")
 
+    config = sub.add_parser("config", help="work with runtime_guard config files")
+    config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    check = config_sub.add_parser("check", help="validate a config file offline")
+    check.add_argument("file", help='JSON file: {"runtime_guard": {...}} or the bare object')
+    check.add_argument(
+        "--show", action="store_true", help="print every resolved key, not only changes"
+    )
+
     trace = sub.add_parser("trace", help="print one trace as a tree")
     trace.add_argument("trace_id", help="32 hex digits, as `ascend-guard query` prints")
     trace.add_argument("--store", default=default_store_path())
@@ -205,6 +213,38 @@ def _cmd_incidents(args: argparse.Namespace) -> int:
     return 0
 
 
+def _flatten(prefix: str, value: object) -> list[tuple[str, object]]:
+    if isinstance(value, dict):
+        out = []
+        for key in sorted(value):
+            out += _flatten(f"{prefix}.{key}" if prefix else key, value[key])
+        return out
+    return [(prefix, value)]
+
+
+def _cmd_config(args: argparse.Namespace) -> int:
+    from guard.config import GuardConfig, GuardConfigError, _load_file, parse_config
+
+    try:
+        config = parse_config(_load_file(args.file))
+    except GuardConfigError as exc:
+        print(f"{args.file}: invalid\n  {exc}", file=sys.stderr)
+        print("fix that key and run `ascend-guard config check` again", file=sys.stderr)
+        return 1
+    defaults = dict(_flatten("", json.loads(GuardConfig().to_json())))
+    rows = [
+        (key, json.dumps(val), json.dumps(defaults.get(key)))
+        for key, val in _flatten("", json.loads(config.to_json()))
+        if args.show or defaults.get(key) != val
+    ]
+    print(f"{args.file}: valid")
+    if rows:
+        print(render_table(("key", "value", "default"), rows))
+    else:
+        print("(every key at its default)")
+    return 0
+
+
 def _cmd_trace(args: argparse.Namespace) -> int:
     rows = load_trace(connect(args.store, readonly=True), args.trace_id)
     if not rows:
@@ -240,6 +280,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "query": _cmd_query,
         "trace": _cmd_trace,
         "incidents": _cmd_incidents,
+        "config": _cmd_config,
     }
     try:
         return handlers[args.command](args)

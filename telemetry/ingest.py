@@ -169,7 +169,7 @@ class IngestService:
             for incident in batch.incidents:
                 self.incidents.add(engine, rank, incident)
         for probe in batch.probes:
-            if not self.metrics.observe_probe(labels, probe):
+            if not self.metrics.observe_probe(labels, probe, source):
                 self.metrics.rejected.labels("unknown_probe").inc()
         view.batches += 1
         view.waves += len(batch.waves)

@@ -114,11 +114,12 @@ class SidecarMetrics:
             registry=r,
         )
         self.probes = {
-            name: Gauge(
+            name: (Counter if probe.kind == "counter" else Gauge)(
                 f"ascend_guard_{name}", probe.help, (*RANK_LABELS, *probe.labels), registry=r
             )
             for name, probe in PROBE_METRICS.items()
         }
+        self._probe_seen: dict[tuple, float] = {}
         self._cumulative: dict[tuple, tuple[int, int]] = {}
         self._hits_seen: dict[tuple, int] = {}
         self._lock = threading.Lock()
@@ -151,13 +152,24 @@ class SidecarMetrics:
             if total > seen:
                 self.detector_hits.labels(*labels, type_).inc(total - seen)
 
-    def observe_probe(self, labels: RankLabels, probe: guard_pb2.ProbeValue) -> bool:
-        """Set a registered probe gauge; False for an unknown name or undeclared labels."""
+    def observe_probe(
+        self, labels: RankLabels, probe: guard_pb2.ProbeValue, source: tuple = ()
+    ) -> bool:
+        """Export a registered probe reading; False for an unknown name or undeclared labels."""
         spec = PROBE_METRICS.get(probe.name)
         if spec is None or set(probe.labels) != set(spec.labels):
             return False
         extra = [probe.labels[name] for name in spec.labels]
-        self.probes[probe.name].labels(*labels, *extra).set(probe.value)
+        series = self.probes[probe.name].labels(*labels, *extra)
+        if spec.kind != "counter":
+            series.set(probe.value)
+            return True
+        key = (*source, probe.name, *extra)
+        with self._lock:
+            seen = self._probe_seen.get(key, 0.0)
+            self._probe_seen[key] = max(seen, probe.value)
+        if probe.value > seen:
+            series.inc(probe.value - seen)
         return True
 
     def _observe_waves(self, labels: RankLabels, waves) -> None:

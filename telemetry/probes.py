@@ -16,6 +16,9 @@ class ProbeMetric:
     name: str
     help: str
     labels: tuple[str, ...] = ()
+    # "gauge": the latest reading; "counter": a cumulative count per worker process, exported
+    # as `ascend_guard_<name>_total` and turned into increments (monotonic across restarts)
+    kind: str = "gauge"
 
 
 def _register(*metrics: ProbeMetric) -> dict[str, ProbeMetric]:
@@ -35,6 +38,18 @@ PROBE_METRICS: dict[str, ProbeMetric] = _register(
         "spec_acceptance_rate",
         "Draft-token acceptance over the spec_acceptance window, by speculative method.",
         ("method",),
+    ),
+    ProbeMetric(
+        "spec_draft_tokens",
+        "Draft tokens scheduled for verification, by speculative method.",
+        ("method",),
+        kind="counter",
+    ),
+    ProbeMetric(
+        "spec_accepted_tokens",
+        "Draft tokens accepted by the target model, by speculative method.",
+        ("method",),
+        kind="counter",
     ),
     ProbeMetric(
         "config_generation",

@@ -29,6 +29,7 @@ def cpu_env(tp: int, extra: dict[str, str] | None = None) -> dict[str, str]:
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.pop("ASCEND_GUARD_RESOLVED_CONFIG", None)
     env.pop("ASCEND_GUARD_RUN_ID", None)
+    env.pop("ASCEND_GUARD_INLINE_CONFIG", None)
     if extra:
         env.update(extra)
     return env

@@ -1,0 +1,124 @@
+"""Row checks and health statistics on the logits, without forcing a device sync by default.
+
+`finite_rows` reduces each row to its maximum: NaN and +Inf propagate through max, and a row
+that is -Inf everywhere (nothing can be sampled) stays -Inf, so one reduction finds all three.
+-Inf entries alone are normal (grammar and bad-word masks) and pass. The reduced row vector
+is tiny; on an accelerator it is copied to the host with `non_blocking=True` and read after
+sampling, when the copy has long finished.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class PendingCheck:
+    """A device→host copy in flight, with what is needed to read it later."""
+
+    __slots__ = ("event", "host", "logits", "req_ids", "rows_per_req", "runner", "stats", "wave")
+
+    def __init__(
+        self,
+        wave: int,
+        host: torch.Tensor,
+        event: Any,
+        req_ids: list[str],
+        rows_per_req: list[int] | None,
+        logits: torch.Tensor | None,
+        stats: torch.Tensor | None,
+        runner: Any = None,
+    ) -> None:
+        self.wave = wave
+        self.host = host
+        self.event = event
+        self.req_ids = req_ids
+        self.rows_per_req = rows_per_req
+        self.logits = logits  # kept only when evidence may be dumped
+        self.stats = stats
+        self.runner = runner  # kept only when evidence may be dumped (KV blocks)
+
+    def ready(self) -> bool:
+        return self.event is None or bool(self.event.query())
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+def row_max(logits: torch.Tensor) -> torch.Tensor:
+    """Per-row max (NaN and +Inf propagate; an all -Inf row stays -Inf)."""
+    return logits.amax(dim=-1)
+
+
+def health_stats(logits: torch.Tensor) -> torch.Tensor:
+    """[max |logit|, mean entropy in nats] over the finite rows, as one 2-element tensor."""
+    values = logits.float()
+    finite = torch.isfinite(values).all(dim=-1)
+    values = values[finite]
+    if values.numel() == 0:
+        return torch.tensor([float("nan"), float("nan")], device=logits.device)
+    max_abs = values.abs().amax()
+    logp = torch.log_softmax(values, dim=-1)
+    entropy = -(logp.exp() * logp).sum(dim=-1).mean()
+    return torch.stack([max_abs, entropy])
+
+
+def start_copy(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Copy a small tensor to the host; on an accelerator without waiting (returns an event)."""
+    if tensor.device.type == "cpu":
+        return tensor, None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    event = _device_event(tensor.device)
+    return host, event
+
+
+def _device_event(device: torch.device) -> Any:
+    module = getattr(torch, device.type, None)  # torch.cuda, torch.npu (torch_npu), ...
+    event_cls = getattr(module, "Event", None) if module is not None else None
+    if event_cls is None:
+        return None
+    event = event_cls()
+    event.record()
+    return event
+
+
+def bad_rows(row_maxes: torch.Tensor) -> list[int]:
+    """Row indexes whose max is NaN, +Inf or -Inf."""
+    finite = torch.isfinite(row_maxes)
+    if bool(finite.all()):
+        return []
+    return [int(i) for i in (~finite).nonzero().flatten().tolist()]
+
+
+def describe_row(row: torch.Tensor) -> dict[str, Any]:
+    """Evidence for one bad row: how many NaN, +Inf, -Inf; costs a pass, only on incidents."""
+    row = row.float()
+    return {
+        "nan": int(torch.isnan(row).sum()),
+        "pos_inf": int(torch.isposinf(row).sum()),
+        "neg_inf": int(torch.isneginf(row).sum()),
+        "width": int(row.numel()),
+    }
+
+
+def rows_to_requests(
+    bad: list[int], req_ids: list[str], rows_per_req: list[int] | None
+) -> dict[str, list[int]]:
+    """Map bad row indexes to request ids (several rows per request on the verify path)."""
+    out: dict[str, list[int]] = {}
+    if rows_per_req is None:
+        for row in bad:
+            req = req_ids[row] if row < len(req_ids) else f"row{row}"
+            out.setdefault(req, []).append(row)
+        return out
+    owner = []
+    for index, count in enumerate(rows_per_req):
+        owner.extend([index] * count)
+    for row in bad:
+        index = owner[row] if row < len(owner) else -1
+        req = req_ids[index] if 0 <= index < len(req_ids) else f"row{row}"
+        out.setdefault(req, []).append(row)
+    return out

@@ -1,0 +1,276 @@
+"""All sampling detectors of one rank, driven by the processor at three points of a wave.
+
+    on_schedule(wave, scheduler_output)   execute_model entry: finished requests, drafts
+    on_logits(wave, runner, logits, rows) Sampler / RejectionSampler entry (inside sample_tokens)
+    on_output(wave, runner, output)       the runner's output: token lists per request
+
+Each hit goes to the `IncidentReporter` (caps, backoff, counting). Only ranks that sample run
+the output-side detectors' reports: every TP rank of a V1 runner samples the same tokens, so
+the reports of non-driver ranks are left to the driver (tp 0) to avoid N copies of one finding;
+logits checks run on every rank, since a NaN may appear on one rank only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from guard.detectors import logits as logit_checks
+from guard.detectors.config import DetectorsConfig
+from guard.detectors.evidence import EvidenceDumper, request_kv_blocks
+from guard.detectors.spec import AcceptanceTracker
+from guard.detectors.tokens import RepeatDetector, out_of_range
+from guard.incidents import IncidentReporter
+
+
+def request_ids(runner: Any, count: int) -> list[str]:
+    """The request id of each batch row, in logits order (V1 runners' input batch)."""
+    try:
+        ids = runner.input_batch.req_ids
+    except AttributeError:
+        return [f"row{i}" for i in range(count)]
+    return list(ids[:count])
+
+
+class DetectorSuite:
+    def __init__(
+        self,
+        config: DetectorsConfig,
+        reporter: IncidentReporter,
+        dumper: EvidenceDumper,
+        *,
+        report_tokens: bool = True,
+        probe=None,
+    ) -> None:
+        self.config = config
+        self.reporter = reporter
+        self.dumper = dumper
+        self.report_tokens = report_tokens
+        self._probe = probe or (lambda name, value, labels: None)
+        self.repeat = RepeatDetector(config.token_repeat) if config.token_repeat.enabled else None
+        self.spec = (
+            AcceptanceTracker(config.spec_acceptance) if config.spec_acceptance.enabled else None
+        )
+        self.check_finite = config.logits_finite.enabled
+        self.stats_every = config.logits_stats.every_n_waves if config.logits_stats.enabled else 0
+        self.needs_logits = self.check_finite or bool(self.stats_every)
+        self.needs_output = bool(self.repeat or self.spec or config.token_range.enabled)
+        self.vocab_size: int | None = None
+        self.spec_method = ""
+        self._drafts: dict[str, list[int]] = {}
+        self._drafts_wave = 0
+        self._pending: list[logit_checks.PendingCheck] = []
+
+    # -- execute_model entry ----------------------------------------------------------------
+    def on_schedule(self, wave: int, scheduler_output: Any) -> None:
+        finished = getattr(scheduler_output, "finished_req_ids", None)
+        if finished:
+            for req_id in finished:
+                if self.repeat is not None:
+                    self.repeat.forget(req_id)
+                if self.spec is not None:
+                    self.spec.forget(req_id)
+                self.reporter.forget_request(req_id)
+        if self.spec is not None:
+            drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
+            self._drafts = drafts or {}
+            self._drafts_wave = wave
+
+    # -- sampler entry ----------------------------------------------------------------------
+    def on_logits(
+        self, wave: int, runner: Any, logits: Any, rows_per_req: list[int] | None
+    ) -> None:
+        if self.vocab_size is None:
+            self.vocab_size = _vocab_size(runner, logits)
+        stats = None
+        if self.stats_every and wave % self.stats_every == 0:
+            stats = logit_checks.health_stats(logits)
+        row_max = logit_checks.row_max(logits) if self.check_finite else None
+        if row_max is None and stats is None:
+            return
+        payload = row_max if stats is None else (row_max if row_max is not None else stats)
+        host, event = logit_checks.start_copy(payload)
+        stats_host = None
+        if stats is not None and row_max is not None:
+            stats_host, _ = logit_checks.start_copy(stats)
+        elif stats is not None:
+            stats_host, host = host, None
+        count = len(rows_per_req) if rows_per_req is not None else int(logits.shape[0])
+        keep_logits = self.config.logits_finite.action == "dump"
+        pending = logit_checks.PendingCheck(
+            wave, host, event, request_ids(runner, count), rows_per_req,
+            logits if keep_logits else None, stats_host, runner if keep_logits else None,
+        )  # fmt: skip
+        if self.config.logits_finite.sync_gate or event is None:
+            self._resolve(pending)
+        else:
+            self._pending.append(pending)
+
+    # -- output -----------------------------------------------------------------------------
+    def on_output(self, wave: int, runner: Any, output: Any) -> None:
+        self.resolve_ready()
+        if not self.needs_output:
+            return
+        req_ids = getattr(output, "req_ids", None)
+        sampled = getattr(output, "sampled_token_ids", None)
+        if not req_ids or not sampled or not isinstance(sampled, list):
+            return
+        if self.vocab_size is None:
+            self.vocab_size = _vocab_size(runner, None)
+        if self.config.token_range.enabled and self.vocab_size:
+            for req_id, tokens in zip(req_ids, sampled, strict=False):
+                bad = out_of_range(tokens, self.vocab_size)
+                if bad:
+                    self._hit(
+                        "token_range", "critical", wave, req_id,
+                        f"sampled id {bad[0]} outside the vocabulary [0, {self.vocab_size})",
+                        {"ids": bad[:16], "vocab_size": self.vocab_size},
+                        self.config.token_range.action, runner,
+                    )  # fmt: skip
+        if self.repeat is not None:
+            for req_id, tokens in zip(req_ids, sampled, strict=False):
+                if not tokens:
+                    continue
+                for kind, size, extent, block in self.repeat.add(req_id, tokens):
+                    if not self.report_tokens:
+                        continue
+                    if kind == "loop":
+                        summary = f"loop of period {size} over the last {extent} tokens"
+                        evidence = {
+                            "kind": kind,
+                            "period": size,
+                            "span": extent,
+                            "block": block[:32],
+                        }
+                    else:
+                        summary = f"{size}-gram repeated {extent} times in the window"
+                        evidence = {"kind": kind, "n": size, "count": extent, "ngram": block}
+                    self._hit(
+                        "token_repeat", "warning", wave, req_id, summary, evidence,
+                        self.config.token_repeat.action, runner,
+                    )  # fmt: skip
+        if self.spec is not None and self._drafts and self._drafts_wave == wave:
+            self._observe_spec(wave, runner, req_ids, sampled)
+
+    def _observe_spec(self, wave: int, runner: Any, req_ids, sampled) -> None:
+        spec = self.spec
+        drafted, accepted, per_request = spec.observe(self._drafts, req_ids, sampled)
+        if not drafted:
+            return
+        if not self.spec_method:
+            config = getattr(runner, "speculative_config", None)
+            self.spec_method = str(getattr(config, "method", "") or "unknown")
+        method = self.spec_method
+        if not self.report_tokens:
+            return
+        self._probe("spec_draft_tokens", float(spec.drafted_total), {"method": method})
+        self._probe("spec_accepted_tokens", float(spec.accepted_total), {"method": method})
+        self._probe("spec_acceptance_rate", spec.waves.rate, {"method": method})
+        band = f"[{spec.config.min_rate:g}, {spec.config.max_rate:g}]"
+        for key, window in spec.newly_out_of_band(list(per_request)):
+            scope = f"request {key}" if key else "wave window"
+            self._hit(
+                "spec_acceptance", "warning", wave, key,
+                f"{method} acceptance {window.rate:.2f} in the {scope} is outside {band}",
+                {"method": method, "rate": round(window.rate, 4), "drafted": window.drafted,
+                 "accepted": window.accepted, "band": [spec.config.min_rate, spec.config.max_rate],
+                 "scope": "request" if key else "wave"},
+                self.config.spec_acceptance.action, runner,
+            )  # fmt: skip
+
+    # -- logits checks resolved after sampling ----------------------------------------------
+    def resolve_ready(self, force: bool = False) -> None:
+        pending = self._pending
+        while pending and (force or pending[0].ready() or len(pending) > 2):
+            check = pending.pop(0)
+            check.wait()
+            self._resolve(check)
+
+    def _resolve(self, check: logit_checks.PendingCheck) -> None:
+        if check.stats is not None:
+            max_abs, entropy = (float(v) for v in check.stats.tolist())
+            self._probe("logits_max_abs", max_abs, {})
+            self._probe("logits_entropy_nats", entropy, {})
+            limit = self.config.logits_stats.max_abs_limit
+            if limit and max_abs >= limit:
+                self._hit(
+                    "logits_stats", "warning", check.wave, "",
+                    f"max |logit| {max_abs:.4g} reached the limit {limit:g}",
+                    {"max_abs": max_abs, "entropy_nats": entropy, "limit": limit}, "report", None,
+                )  # fmt: skip
+        if check.host is None:
+            return
+        bad = logit_checks.bad_rows(check.host)
+        if not bad:
+            return
+        for req_id, rows in logit_checks.rows_to_requests(
+            bad, check.req_ids, check.rows_per_req
+        ).items():
+            evidence: dict[str, Any] = {
+                "rows": rows[:16],
+                "row_max": [float(check.host[r]) for r in rows[:4]],
+            }
+            if check.logits is not None:
+                evidence.update(logit_checks.describe_row(check.logits[rows[0]]))
+            self._hit(
+                "logits_finite", "error", check.wave, req_id,
+                f"non-finite logits in {len(rows)} row(s) of request {req_id}",
+                evidence, self.config.logits_finite.action, check.runner,
+                logits_row=check.logits[rows[0]] if check.logits is not None else None,
+                row=rows[0],
+            )  # fmt: skip
+
+    # -- reporting --------------------------------------------------------------------------
+    def _hit(
+        self,
+        type_: str,
+        severity: str,
+        wave: int,
+        req_id: str,
+        summary: str,
+        evidence: dict[str, Any],
+        action: str,
+        runner: Any,
+        *,
+        logits_row: Any = None,
+        row: int | None = None,
+    ) -> None:
+        actions = ["report"]
+        if action == "dump" and self.reporter.would_report(type_, req_id):
+            actions.append(self._dump(type_, wave, req_id, evidence, runner, logits_row, row))
+        self.reporter.report(
+            type_,
+            severity,
+            summary,
+            wave=wave,
+            request_id=req_id,
+            evidence=evidence,
+            actions=actions,
+        )
+
+    def _dump(self, type_, wave, req_id, evidence, runner, logits_row, row) -> str:
+        tokens = None
+        if self.repeat is not None and req_id in self.repeat.requests:
+            tokens = list(self.repeat.requests[req_id].tokens)
+        if row is None and runner is not None:
+            try:
+                row = list(runner.input_batch.req_ids).index(req_id)
+            except (AttributeError, ValueError):
+                row = None
+        kv = request_kv_blocks(runner, row) if runner is not None and row is not None else None
+        return self.dumper.dump(
+            type_, wave, req_id, meta={"evidence": evidence}, tokens=tokens, logits_row=logits_row,
+            kv_blocks=kv,
+        )  # fmt: skip
+
+    def close(self) -> None:
+        self.resolve_ready(force=True)
+
+
+def _vocab_size(runner: Any, logits: Any) -> int | None:
+    try:
+        return int(runner.model_config.get_vocab_size())
+    except Exception:  # noqa: BLE001
+        pass
+    if logits is not None:
+        return int(logits.shape[-1])
+    return None

@@ -1,0 +1,108 @@
+"""Detectors on each request's sampled token stream: loops and n-gram repeats, ids out of range.
+
+They run on the token lists the runner already hands back to the scheduler (no device work).
+To keep the per-token cost flat, a request's window is only examined every `CHECK_EVERY`
+tokens, with C-speed list slices and a Counter; a loop or repeat raises one hit when it starts
+and another only after the stream has left it ("episodes"), not one per token.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Sequence
+
+from guard.detectors.config import TokenRepeatConfig
+
+CHECK_EVERY = 8
+
+
+# (kind "loop" or "ngram", period or n, span or count, the repeated block)
+RepeatFinding = tuple[str, int, int, list[int]]
+
+
+class RequestTokens:
+    """The recent sampled tokens of one request and whether it is inside a repeat episode."""
+
+    __slots__ = ("in_loop", "in_ngram", "since_check", "tokens", "total")
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.since_check = 0
+        self.total = 0
+        self.in_loop = False
+        self.in_ngram = False
+
+
+class RepeatDetector:
+    def __init__(self, config: TokenRepeatConfig) -> None:
+        self.config = config
+        self.requests: dict[str, RequestTokens] = {}
+
+    def forget(self, request_id: str) -> None:
+        self.requests.pop(request_id, None)
+
+    def add(self, request_id: str, new_tokens: Sequence[int]) -> list[RepeatFinding]:
+        """Append one wave's tokens of a request; return the repeat episodes that start now."""
+        state = self.requests.get(request_id)
+        if state is None:
+            state = self.requests[request_id] = RequestTokens()
+        config = self.config
+        tokens = state.tokens
+        tokens.extend(new_tokens)
+        if len(tokens) > config.window * 2:  # trim rarely: amortised O(1) per token
+            del tokens[: len(tokens) - config.window]
+        state.total += len(new_tokens)
+        state.since_check += len(new_tokens)
+        if state.since_check < CHECK_EVERY:
+            return []
+        state.since_check = 0
+        window = tokens[-config.window :]
+        findings: list[RepeatFinding] = []
+        loop = find_loop(window, config.max_period, config.min_repeats, config.min_span)
+        if loop is not None and not state.in_loop:
+            findings.append(("loop", *loop))
+        state.in_loop = loop is not None
+        ngram = find_ngram(window, config.ngram_size, config.ngram_max_count)
+        if ngram is not None and not state.in_ngram and loop is None:
+            findings.append(("ngram", *ngram))
+        state.in_ngram = ngram is not None
+        return findings
+
+
+def find_loop(
+    window: Sequence[int], max_period: int, min_repeats: int, min_span: int
+) -> tuple[int, int, list[int]] | None:
+    """The shortest period p ≤ max_period with which the window's tail repeats itself.
+
+    Returns (period, span, block) when the last `span` tokens equal the `span` tokens p earlier,
+    where span ≥ max(min_repeats·p, min_span) − p, i.e. the block occurs min_repeats times.
+    """
+    n = len(window)
+    for period in range(1, max_period + 1):
+        need = max(min_repeats * period, min_span)
+        if need > n:
+            break
+        tail = window[n - need + period :]
+        if tail == window[n - need : n - period]:
+            return period, need, list(window[n - period :])
+    return None
+
+
+def find_ngram(
+    window: Sequence[int], size: int, max_count: int
+) -> tuple[int, int, list[int]] | None:
+    """An n-gram occurring at least max_count times in the window: (n, count, the n-gram)."""
+    if len(window) < size * 2:
+        return None
+    counts = collections.Counter(zip(*(window[i:] for i in range(size)), strict=False))
+    gram, count = counts.most_common(1)[0]
+    if count >= max_count:
+        return size, count, list(gram)
+    return None
+
+
+def out_of_range(tokens: Sequence[int], vocab_size: int) -> list[int]:
+    """Sampled ids outside [0, vocab_size); the common case costs one min and one max."""
+    if not tokens or (min(tokens) >= 0 and max(tokens) < vocab_size):
+        return []
+    return [t for t in tokens if t < 0 or t >= vocab_size]

@@ -1,0 +1,290 @@
+"""Sampling guard end to end: real `vllm serve` (CPU), real sidecar, real gRPC.
+
+One server runs a tiny model saved with real weights whose token 300 has a NaN embedding row;
+the guard config lives in a file (`ASCEND_GUARD_CONFIG`) that the tests edit while it serves.
+The tests run in file order on that server: repeat detection and hot reload first, then NaN
+requests (their KV blocks can leave NaN behind for later requests, so they go last).
+A second server runs n-gram speculative decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.support.metrics import value
+from tests.support.sidecar import SidecarProcess
+from tests.support.vllm_server import VllmServer, token_ids
+from tools.make_tiny_model import build_tiny_model
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parents[2]
+NAN_TOKEN = 300
+# token-id prompts: distinct, so no prefix-cache sharing between requests
+CLEAN_PROMPTS = [[20 + i, 40 + i, 60 + i, 80 + i, 100 + i] for i in range(8)]
+NAN_PROMPTS = [[21 + i, NAN_TOKEN, 61 + i, 81 + i] for i in range(3)]
+CAP, BACKOFF = 3, 4.0
+
+
+def base_config(sock: Path, **detectors) -> dict:
+    return {
+        "runtime_guard": {
+            "sidecar": f"unix://{sock}",
+            "engine": "sampling",
+            "flush_interval_ms": 20,
+            "heartbeat_interval_s": 0.5,
+            "reconnect_max_backoff_s": 0.5,
+            "incidents": {"per_request_cap": CAP, "backoff_factor": BACKOFF},
+            "detectors": {"logits_stats": {"every_n_waves": 4}, **detectors},
+        }
+    }
+
+
+class Rig:
+    def __init__(self, root: Path, model: Path) -> None:
+        self.root = root
+        self.sock = root / "guard.sock"
+        self.config_path = root / "guard.json"
+        self.write_config(base_config(self.sock, token_repeat={"enabled": False}))
+        self.sidecar = SidecarProcess.start(root, address=f"unix://{self.sock}")
+        try:
+            self.server = VllmServer.start(
+                model, root, tp=1, env={"ASCEND_GUARD_CONFIG": str(self.config_path)}
+            )
+        except BaseException:
+            self.sidecar.stop()
+            raise
+
+    def write_config(self, config: dict | str) -> None:
+        text = config if isinstance(config, str) else json.dumps(config)
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(text)
+        tmp.replace(self.config_path)  # how config management tools write: atomically
+
+    def incidents(self, type_: str, since_ns: int = 0) -> list[dict]:
+        conn = sqlite3.connect(f"file:{self.sidecar.store_path}?mode=ro", uri=True, timeout=5)
+        conn.row_factory = sqlite3.Row
+        try:
+            rows = conn.execute(
+                "SELECT * FROM incidents WHERE type = ? AND time_ns >= ? ORDER BY time_ns",
+                (type_, since_ns),
+            ).fetchall()
+        except sqlite3.OperationalError:
+            return []
+        finally:
+            conn.close()
+        return [dict(r) for r in rows]
+
+    def wait_incidents(self, type_: str, since_ns: int, check, timeout: float = 20.0) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while True:
+            rows = self.incidents(type_, since_ns)
+            if check(rows):
+                return rows
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"{type_} incidents did not settle: {rows}\n{self.server.log_tail(30)}"
+                )
+            time.sleep(0.2)
+
+    def guard_value(self, name: str, **labels) -> float:
+        return value(self.sidecar.metrics_text(), name, **labels)
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.sidecar.stop()
+
+
+@pytest.fixture(scope="module")
+def rig(tmp_path_factory) -> Rig:
+    model = build_tiny_model(REPO / ".cache" / "tiny-llama-nan", nan_token_id=NAN_TOKEN)
+    rig = Rig(tmp_path_factory.mktemp("sampling"), model)
+    yield rig
+    rig.stop()
+
+
+def owner(incident: dict, api_ids: list[str]) -> str | None:
+    """The API response id an engine request id belongs to (the engine appends suffixes)."""
+    for api_id in api_ids:
+        if incident["request_id"] == api_id or incident["request_id"].startswith(api_id + "-"):
+            return api_id
+    return None
+
+
+def loops(tokens: list[int]) -> bool:
+    """Independent of the detector: the last 48 tokens use at most 8 distinct ids."""
+    return len(tokens) >= 48 and len(set(tokens[-48:])) <= 8
+
+
+def test_hot_reload_turns_on_repeat_detection_which_flags_only_looping_requests(rig: Rig):
+    # off in the file the server started with: greedy loops raise nothing
+    start = time.time_ns()
+    greedy = rig.server.complete_many(CLEAN_PROMPTS[:4], max_tokens=96)
+    assert any(loops(token_ids(r)) for r in greedy), "the tiny model was expected to loop"
+    time.sleep(1.0)
+    assert rig.incidents("token_repeat", start) == []
+    assert rig.guard_value("ascend_guard_config_generation") == 1
+
+    # enable it by editing the file; it applies at a wave boundary once requests flow
+    rig.write_config(base_config(rig.sock))
+    edited = time.monotonic()
+    deadline = edited + 15
+    while rig.guard_value("ascend_guard_config_generation") != 2:
+        assert time.monotonic() < deadline, rig.server.log_tail(30)
+        rig.server.complete(CLEAN_PROMPTS[7], max_tokens=2)
+        time.sleep(0.2)
+    applied_after = time.monotonic() - edited
+    assert applied_after < 10
+
+    start = time.time_ns()
+    greedy = rig.server.complete_many(CLEAN_PROMPTS[:4], max_tokens=96)
+    sampled = rig.server.complete_many(
+        CLEAN_PROMPTS[4:8], max_tokens=96, temperature=1.0, seed=7, ignore_eos=True
+    )
+    greedy_ids = [r["id"] for r in greedy]
+    sampled_ids = [r["id"] for r in sampled]
+    looping = {r["id"] for r in greedy if loops(token_ids(r))}
+    rows = rig.wait_incidents(
+        "token_repeat", start, lambda rows: looping <= {owner(r, greedy_ids) for r in rows}
+    )
+    time.sleep(0.5)
+    rows = rig.incidents("token_repeat", start)
+    flagged = {owner(r, greedy_ids + sampled_ids) for r in rows}
+    assert looping <= flagged
+    assert not flagged & set(sampled_ids), "diverse sampled output was flagged"
+    assert None not in flagged
+    evidence = json.loads(rows[0]["evidence"])
+    assert evidence["kind"] in ("loop", "ngram")
+
+    # a broken edit: refused, reported once, the old config keeps working and serving goes on
+    rig.write_config(base_config(rig.sock, token_repeat={"window": -5}))
+    start = time.time_ns()
+    deadline = time.monotonic() + 15
+    failed: list[dict] = []
+    while not failed:
+        assert time.monotonic() < deadline, rig.server.log_tail(30)
+        response = rig.server.complete(CLEAN_PROMPTS[7], max_tokens=2)
+        assert len(token_ids(response)) == 2
+        failed = rig.incidents("config_reload_failed", start)
+        time.sleep(0.2)
+    assert "runtime_guard.detectors.token_repeat.window: -5" in failed[0]["summary"]
+    assert rig.guard_value("ascend_guard_config_generation") == 2
+    start = time.time_ns()
+    again = rig.server.complete(CLEAN_PROMPTS[0], max_tokens=96)
+    if loops(token_ids(again)):
+        rig.wait_incidents("token_repeat", start, lambda rows: len(rows) >= 1)
+    rig.write_config("{ this is not json")
+    start = time.time_ns()
+    deadline = time.monotonic() + 15
+    while not rig.incidents("config_reload_failed", start):
+        assert time.monotonic() < deadline
+        rig.server.complete(CLEAN_PROMPTS[7], max_tokens=2)
+        time.sleep(0.2)
+    assert rig.guard_value("ascend_guard_guard_errors_total") == 0
+
+
+def test_nan_embedding_raises_logits_finite_for_exactly_those_requests(rig: Rig):
+    start = time.time_ns()
+    prompts = NAN_PROMPTS + CLEAN_PROMPTS[:3]
+    responses = rig.server.complete_many(prompts, max_tokens=8)
+    nan_ids = [r["id"] for r in responses[:3]]
+    clean_ids = [r["id"] for r in responses[3:]]
+    # independent evidence: argmax over a NaN row picks id 0 every time
+    assert all(token_ids(r) == [0] * 8 for r in responses[:3])
+    assert all(token_ids(r) != [0] * 8 for r in responses[3:])
+    rows = rig.wait_incidents(
+        "logits_finite", start, lambda rows: {owner(r, nan_ids) for r in rows} >= set(nan_ids)
+    )
+    time.sleep(0.5)
+    rows = rig.incidents("logits_finite", start)
+    assert {owner(r, nan_ids + clean_ids) for r in rows} == set(nan_ids)
+    for api_id in nan_ids:
+        mine = [r for r in rows if owner(r, nan_ids) == api_id]
+        # 8 hits per request: reported at 1, 2, 3 (the cap), then the next at 12 never comes
+        assert sorted(r["occurrence"] for r in mine) == [1, 2, 3]
+        assert all(r["severity"] == "error" and r["wave"] > 0 for r in mine)
+        assert json.loads(mine[0]["evidence"])["rows"] == [
+            json.loads(mine[0]["evidence"])["rows"][0]
+        ]
+    assert rig.guard_value("ascend_guard_detector_hits_total", type="logits_finite") >= 24
+
+
+def test_incidents_raised_while_the_sidecar_is_down_all_arrive_after_restart(rig: Rig):
+    rig.sidecar.stop(signal.SIGKILL)
+    start = time.time_ns()
+    responses = rig.server.complete_many(
+        [[33 + i, NAN_TOKEN, 77 + i] for i in range(2)], max_tokens=16
+    )
+    api_ids = [r["id"] for r in responses]
+    time.sleep(1.5)  # the workers notice and spool
+    rig.sidecar = SidecarProcess.start(
+        rig.root, address=f"unix://{rig.sock}", store_path=rig.sidecar.store_path
+    )
+    # 16 hits each: reported at occurrences 1, 2, 3 and 12 (cap 3, backoff x4)
+    expected = {api_id: [1, 2, 3, 12] for api_id in api_ids}
+
+    def complete(rows):
+        got = {}
+        for row in rows:
+            got.setdefault(owner(row, api_ids), []).append(row["occurrence"])
+        return {k: sorted(v) for k, v in got.items() if k} == expected
+
+    rig.wait_incidents("logits_finite", start, complete, timeout=30)
+    # the new sidecar process got the workers' cumulative hit counts: nothing was lost either
+    assert rig.guard_value("ascend_guard_detector_hits_total", type="logits_finite") >= 32
+    assert rig.guard_value("ascend_guard_incidents_total", type="logits_finite") >= 8
+
+
+def test_ngram_spec_decode_acceptance_matches_vllm_counters(tiny_model, tmp_path: Path):
+    sock = tmp_path / "guard.sock"
+    sidecar = SidecarProcess.start(tmp_path, address=f"unix://{sock}")
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": 3,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 2,
+    }
+    try:
+        server = VllmServer.start(
+            tiny_model, tmp_path, tp=1, guard=base_config(sock)["runtime_guard"],
+            extra_args=("--speculative-config", json.dumps(spec)),
+        )  # fmt: skip
+    except BaseException:
+        sidecar.stop()
+        raise
+    try:
+        before = server.metrics_text()
+        prompts = [
+            "one two three one two three one two three one two",
+            "the cat sat on the mat the cat sat on the mat the cat",
+            "a b c d a b c d a b c d a b",
+            "red green blue red green blue red green",
+        ]
+        responses = server.complete_many(prompts, max_tokens=64)
+        assert all(len(token_ids(r)) == 64 for r in responses)
+        time.sleep(1.0)
+        after = server.metrics_text()
+        drafted = value(after, "vllm:spec_decode_num_draft_tokens_total") - value(
+            before, "vllm:spec_decode_num_draft_tokens_total"
+        )
+        accepted = value(after, "vllm:spec_decode_num_accepted_tokens_total") - value(
+            before, "vllm:spec_decode_num_accepted_tokens_total"
+        )
+        assert drafted > 0 and accepted > 0, "n-gram drafts were expected on repetitive prompts"
+        text = sidecar.wait_for(
+            lambda t: value(t, "ascend_guard_spec_draft_tokens_total", method="ngram") >= drafted
+        )
+        assert value(text, "ascend_guard_spec_draft_tokens_total", method="ngram") == drafted
+        assert value(text, "ascend_guard_spec_accepted_tokens_total", method="ngram") == accepted
+        rate = value(text, "ascend_guard_spec_acceptance_rate", method="ngram")
+        assert 0.0 < rate <= 1.0
+        assert value(text, "ascend_guard_guard_errors_total") == 0
+    finally:
+        server.stop()
+        sidecar.stop()

@@ -1,0 +1,190 @@
+"""Sampling detectors on real torch tensors and token lists (no vLLM needed)."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from guard.config import IncidentsConfig, parse_config
+from guard.detectors import logits as checks
+from guard.detectors.config import (
+    DetectorsConfig,
+    DumpConfig,
+    LogitsFiniteConfig,
+    SpecAcceptanceConfig,
+    TokenRepeatConfig,
+)
+from guard.detectors.evidence import EvidenceDumper
+from guard.detectors.spec import AcceptanceTracker
+from guard.detectors.suite import DetectorSuite
+from guard.detectors.tokens import RepeatDetector, find_loop, find_ngram, out_of_range
+from guard.incidents import IncidentReporter
+
+
+# -- logits checks --------------------------------------------------------------------------
+def test_row_max_finds_nan_pos_inf_and_all_neg_inf_rows_but_passes_masked_rows():
+    logits = torch.randn(6, 50)
+    logits[1, 7] = float("nan")
+    logits[2, 3] = float("inf")
+    logits[3, :] = float("-inf")
+    logits[4, :40] = float("-inf")  # a grammar mask: fine
+    assert checks.bad_rows(checks.row_max(logits)) == [1, 2, 3]
+    assert checks.bad_rows(checks.row_max(torch.randn(4, 50))) == []
+    evidence = checks.describe_row(logits[1])
+    assert evidence == {"nan": 1, "pos_inf": 0, "neg_inf": 0, "width": 50}
+
+
+def test_rows_map_to_requests_on_the_verify_path():
+    # request a has 2 drafts (3 rows), b has 0 (1 row), c has 1 (2 rows)
+    mapping = checks.rows_to_requests([1, 3, 5], ["a", "b", "c"], [3, 1, 2])
+    assert mapping == {"a": [1], "b": [3], "c": [5]}
+    assert checks.rows_to_requests([0, 2], ["x", "y", "z"], None) == {"x": [0], "z": [2]}
+
+
+def test_health_stats_match_a_direct_computation():
+    logits = torch.randn(3, 20) * 4
+    logits[1, 0] = float("nan")  # left out
+    max_abs, entropy = checks.health_stats(logits).tolist()
+    finite = logits[[0, 2]]
+    p = torch.softmax(finite, -1)
+    assert max_abs == pytest.approx(float(finite.abs().max()))
+    assert entropy == pytest.approx(float(-(p * p.log()).sum(-1).mean()), rel=1e-5)
+
+
+# -- token detectors ------------------------------------------------------------------------
+def test_find_loop_needs_min_repeats_and_min_span():
+    assert find_loop([1, 2, 3] * 4, 8, 4, 12) == (3, 12, [1, 2, 3])
+    assert find_loop([1, 2, 3] * 3, 8, 4, 9) is None  # only 3 repeats
+    assert find_loop([9] * 31, 8, 4, 32) is None and find_loop([9] * 32, 8, 4, 32)[0] == 1
+    assert find_loop(list(range(64)), 16, 4, 32) is None
+
+
+def test_find_ngram_counts_non_contiguous_repeats():
+    window = []
+    for filler in range(8):
+        window += [7, 8, 9, 100 + filler, 200 + filler]
+    assert find_ngram(window, 3, 8) == (3, 8, [7, 8, 9])
+    assert find_ngram(window, 3, 9) is None
+
+
+def test_repeat_detector_reports_episodes_not_every_token():
+    detector = RepeatDetector(TokenRepeatConfig(window=64, min_span=16))
+    findings = []
+    for _ in range(20):  # 160 tokens of one loop
+        findings += detector.add("r", [5, 6, 7, 8, 5, 6, 7, 8])
+    assert [f[0] for f in findings] == ["loop"]
+    # leave the loop, then loop again: a second episode
+    for n in range(10):
+        findings += detector.add("r", list(range(1000 + 8 * n, 1008 + 8 * n)))
+    for _ in range(10):
+        findings += detector.add("r", [42] * 8)
+    assert [f[0] for f in findings] == ["loop", "loop"]
+    detector.forget("r")
+    assert "r" not in detector.requests
+
+
+def test_random_streams_are_not_flagged():
+    gen = torch.Generator().manual_seed(0)
+    detector = RepeatDetector(TokenRepeatConfig())
+    hits = 0
+    for req in range(50):
+        stream = torch.randint(0, 512, (512,), generator=gen).tolist()
+        for i in range(0, 512, 4):
+            hits += len(detector.add(str(req), stream[i : i + 4]))
+    assert hits == 0
+
+
+def test_out_of_range():
+    assert out_of_range([1, 2, 3], 10) == []
+    assert out_of_range([1, 10, -1, 3], 10) == [10, -1]
+
+
+# -- spec acceptance ------------------------------------------------------------------------
+def test_acceptance_uses_vllms_rule_and_judges_windows_once_per_episode():
+    tracker = AcceptanceTracker(SpecAcceptanceConfig(min_rate=0.5, min_drafts=6, window_waves=4))
+    drafts = {"a": [1, 2, 3], "b": [4, 5, 6], "c": []}
+    # a: 3 drafted, 2 accepted (3 tokens back); b: 3 drafted, none accepted; c: no drafts
+    out = tracker.observe(drafts, ["a", "b", "c"], [[1, 2, 9], [7], [8]])
+    assert out == (6, 2, {"a": (3, 2), "b": (3, 0)})
+    assert (tracker.drafted_total, tracker.accepted_total) == (6, 2)
+    low = tracker.newly_out_of_band(["a", "b"])
+    assert [key for key, _ in low] == [""]  # the wave window (2/6); a and b have < 6 drafts
+    assert tracker.newly_out_of_band(["a", "b"]) == []  # same episode: not again
+    for _ in range(4):
+        tracker.observe({"a": [1, 2, 3]}, ["a"], [[1, 2, 3, 4]])
+    assert tracker.waves.rate == 1.0 and tracker.newly_out_of_band(["a"]) == []
+
+
+# -- the suite with a real reporter ---------------------------------------------------------
+class Runner:
+    """Stands in for a V1 runner: only the attributes the suite reads."""
+
+    def __init__(self, req_ids):
+        self.input_batch = types.SimpleNamespace(req_ids=req_ids)
+        self.model_config = types.SimpleNamespace(get_vocab_size=lambda: 50)
+        self.speculative_config = types.SimpleNamespace(method="ngram")
+
+
+def make_suite(tmp_path, **sections):
+    sent, probes = [], []
+    reporter = IncidentReporter(
+        IncidentsConfig(), run_id="r", current_wave=lambda: 1, sink=sent.append
+    )
+    config = DetectorsConfig(dump=DumpConfig(directory=str(tmp_path), min_free_bytes=0), **sections)
+    suite = DetectorSuite(
+        config, reporter, EvidenceDumper(config.dump, "r", "dp0tp0pp0"),
+        probe=lambda n, v, lab: probes.append((n, v, lab)),
+    )  # fmt: skip
+    return suite, sent, probes
+
+
+def test_suite_names_the_nan_request_and_dumps_evidence(tmp_path):
+    suite, sent, _ = make_suite(tmp_path, logits_finite=LogitsFiniteConfig(action="dump"))
+    runner = Runner(["a", "b", "c"])
+    logits = torch.randn(3, 50)
+    logits[1, 4] = float("nan")
+    suite.on_logits(3, runner, logits, None)
+    output = types.SimpleNamespace(req_ids=["a", "b", "c"], sampled_token_ids=[[1], [0], [2]])
+    suite.on_output(3, runner, output)
+    (incident,) = [i for i in sent if i.type == "logits_finite"]
+    assert incident.request_id == "b" and incident.wave == 3
+    assert json.loads(incident.evidence_json)["nan"] == 1
+    dump = [a for a in incident.actions if a.startswith("dump")][0]
+    assert dump.startswith("dump:"), dump
+    bundle = dump[len("dump:") :]
+    row = torch.load(f"{bundle}/logits.pt")
+    assert torch.isnan(row[4]) and row.shape == (50,)
+    meta = json.loads(Path(bundle, "meta.json").read_text())
+    assert meta["request_id"] == "b" and meta["kv"] == "not exposed by this runtime"
+
+
+def test_dump_is_skipped_with_a_reason_when_the_disk_is_short(tmp_path):
+    config = DumpConfig(directory=str(tmp_path), min_free_bytes=1 << 60)
+    action = EvidenceDumper(config, "r", "x").dump("t", 1, "q", meta={}, tokens=[1, 2])
+    assert action.startswith("dump_skipped:only ") and "min_free_bytes" in action
+    tiny = DumpConfig(directory=str(tmp_path), min_free_bytes=0, max_bytes=4096)
+    action = EvidenceDumper(tiny, "r", "x").dump(
+        "t", 1, "q", meta={}, logits_row=torch.zeros(100_000)
+    )
+    assert action.startswith("dump_skipped:bundle of") and "max_bytes 4096" in action
+
+
+def test_token_range_and_stats_through_the_suite(tmp_path):
+    suite, sent, probes = make_suite(tmp_path)
+    runner = Runner(["a"])
+    suite.on_logits(16, runner, torch.randn(1, 50), None)  # every 16 waves by default
+    suite.on_output(16, runner, types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[77]]))
+    assert [i.type for i in sent] == ["token_range"]
+    assert json.loads(sent[0].evidence_json) == {"ids": [77], "vocab_size": 50}
+    assert {p[0] for p in probes} == {"logits_max_abs", "logits_entropy_nats"}
+
+
+def test_detectors_config_round_trips_and_rejects_bad_bands():
+    config = parse_config({"detectors": {"spec_acceptance": {"min_rate": 0.2, "max_rate": 0.9}}})
+    assert config.detectors.spec_acceptance.min_rate == 0.2
+    with pytest.raises(ValueError, match=r"spec_acceptance\.min_rate: 0\.9 is above max_rate 0\.2"):
+        parse_config({"detectors": {"spec_acceptance": {"min_rate": 0.9, "max_rate": 0.2}}})

@@ -1,0 +1,135 @@
+"""Hot reload: the engine-core watcher's stamps, and how a rank applies or refuses them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+
+from guard.config import GuardConfig, parse_config
+from guard.processor import GuardProcessor
+from guard.reload import STAMP_ATTR, STAMP_WAVES, ConfigWatcher, guard_schedule
+from telemetry.proto import guard_pb2
+
+
+def write(path, obj) -> None:
+    text = obj if isinstance(obj, str) else json.dumps({"runtime_guard": obj})
+    path.write_text(text)
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # a visible change
+
+
+def test_watcher_stages_valid_edits_refuses_broken_ones_and_keeps_inline_keys(tmp_path):
+    path = tmp_path / "guard.json"
+    write(path, {"engine": "a"})
+    current = parse_config({"engine": "a", "buffer_size": 1024})
+    watcher = ConfigWatcher(str(path), current, inline={"buffer_size": 1024})
+    assert watcher.poll() is None  # unchanged
+
+    write(path, {"engine": "a", "detectors": {"token_repeat": {"enabled": False}}})
+    generation, config_json, error, restart = watcher.poll()
+    assert (generation, error, restart) == (2, "", ())
+    applied = parse_config(json.loads(config_json))
+    assert applied.detectors.token_repeat.enabled is False
+    assert applied.buffer_size == 1024  # the inline key still wins
+
+    write(path, {"engine": "b", "sidecar": "localhost:7000"})
+    generation, config_json, error, restart = watcher.poll()
+    assert generation == 3 and restart == ("engine", "sidecar")
+    assert parse_config(json.loads(config_json)).engine == "a"  # not applied live
+
+    write(path, {"detectors": {"token_repeat": {"window": 0}}})
+    generation, config_json, error, _ = watcher.poll()
+    assert generation == 4 and config_json == ""
+    assert "runtime_guard.detectors.token_repeat.window: 0 is outside" in error
+    write(path, "{broken")
+    assert "not valid JSON" in watcher.poll()[2]
+
+
+def test_schedule_decorator_stamps_a_bounded_number_of_outputs(tmp_path, monkeypatch):
+    path = tmp_path / "guard.json"
+    write(path, {})
+    watcher = ConfigWatcher(str(path), GuardConfig())
+    monkeypatch.setattr("guard.reload.engine_watcher", lambda: watcher)
+
+    class Scheduler:
+        @guard_schedule
+        def schedule(self):
+            return types.SimpleNamespace()
+
+    assert not hasattr(Scheduler().schedule(), STAMP_ATTR)
+    write(path, {"detectors": {"logits_stats": {"every_n_waves": 2}}})
+    stamp = watcher.poll()
+    outputs = [Scheduler().schedule() for _ in range(STAMP_WAVES + 3)]
+    assert all(getattr(o, STAMP_ATTR) == stamp for o in outputs[:STAMP_WAVES])
+    assert not any(hasattr(o, STAMP_ATTR) for o in outputs[STAMP_WAVES:])
+
+
+class Streamer:
+    def __init__(self, *a, **kw):
+        self.incidents, self.probes = [], []
+
+    def start(self):
+        pass
+
+    def offer(self, record):
+        pass
+
+    def offer_incident(self, incident):
+        self.incidents.append(incident)
+
+    def offer_probe(self, name, value, labels):
+        self.probes.append((name, value))
+
+    def stop(self):
+        pass
+
+
+def test_a_rank_applies_a_stamp_once_and_reports_a_refused_one_with_a_shared_id():
+    rank = guard_pb2.RankInfo(run_id="run9", tp_rank=1, tp_size=2)
+    processor = GuardProcessor(GuardConfig(), lambda runner: rank, Streamer)
+
+    def step(stamp=None):
+        output = types.SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=None,
+                                       num_scheduled_tokens={}, finished_req_ids=set())  # fmt: skip
+        if stamp is not None:
+            setattr(output, STAMP_ATTR, stamp)
+        processor.run_step(lambda runner, so: None, object(), (output,), {})
+
+    step()
+    assert processor.detectors is not None and processor.detectors.repeat is not None
+    new = parse_config({"detectors": {"token_repeat": {"enabled": False}}})
+    step((2, new.to_json(), "", ()))
+    assert processor.config_generation == 2 and processor.detectors.repeat is None
+    step((2, GuardConfig().to_json(), "", ()))  # the same stamp again: ignored
+    assert processor.detectors.repeat is None
+    step((3, "", "runtime_guard.x: unknown key", ()))
+    (refused,) = [i for i in processor.streamer.incidents if i.type == "config_reload_failed"]
+    assert refused.id == "run9:config:3"  # every rank uses this id: stored once
+    assert processor.detectors.repeat is None and processor.config_generation == 3
+    assert ("config_generation", 2.0) in processor.streamer.probes
+    assert processor.errors.total == 0
+
+
+def test_config_check_cli(tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"runtime_guard": {"detectors": {"token_repeat": {"window": 256}}}}))
+    out = subprocess.run(
+        [sys.executable, "-m", "telemetry.cli", "config", "check", str(good)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 0 and "valid" in out.stdout
+    assert "detectors.token_repeat.window  256" in out.stdout
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"detectors": {"logits_finite": {"action": "panic"}}}))
+    out = subprocess.run(
+        [sys.executable, "-m", "telemetry.cli", "config", "check", str(bad)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert (
+        "runtime_guard.detectors.logits_finite.action: 'panic' is not one of report, dump"
+        in out.stderr
+    )
