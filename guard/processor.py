@@ -329,6 +329,10 @@ class GuardProcessor:
                     return
         streamer.offer_probe(name, value, labels)
 
+    def _probe_snapshot(self) -> list[tuple[str, float, dict[str, str]]]:
+        detectors = self.detectors
+        return detectors.probe_values() if detectors is not None else []
+
     def _hits(self) -> dict[str, int]:
         reporter = self.incidents
         with reporter._lock:
@@ -355,6 +359,7 @@ class GuardProcessor:
             heartbeat_source=self.heartbeat,
             error_counter=lambda: self.errors.total,
             hits_source=self._hits,
+            probe_source=self._probe_snapshot,
             spool=IncidentSpool(
                 config.incidents.spool_dir, rank.run_id, rank.pid, config.incidents.spool_max_bytes
             ),

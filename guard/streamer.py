@@ -75,6 +75,7 @@ class Streamer:
         error_counter: Callable[[], int] = lambda: 0,
         hits_source: Callable[[], dict[str, int]] = dict,
         spool: IncidentSpool | None = None,
+        probe_source: Callable[[], list[tuple[str, float, dict[str, str]]]] | None = None,
     ) -> None:
         self._address = address
         self._rank = rank
@@ -88,6 +89,7 @@ class Streamer:
         self._error_counter = error_counter
         self._hits_source = hits_source
         self._spool = spool
+        self._probe_source = probe_source
         self._incidents: collections.deque[guard_pb2.Incident] = collections.deque()
         self._unconfirmed: collections.deque[guard_pb2.Incident] = collections.deque(
             maxlen=RESEND_WINDOW
@@ -301,6 +303,12 @@ class Streamer:
                 prefill_tokens=r[8], decode_tokens=r[9], sampled_tokens=r[10], dummy=r[11],
                 sampled=r[12],
             )  # fmt: skip
+        if with_heartbeat and self._probe_source is not None:
+            try:
+                for name, value, labels in self._probe_source():
+                    self.offer_probe(name, value, labels)
+            except Exception:  # noqa: BLE001 - a probe must not break the stream
+                log.exception("probe_source_failed")
         if with_heartbeat:
             state = self._heartbeat_source()
             batch.heartbeat.time_unix_nano = time.time_ns()

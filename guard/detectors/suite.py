@@ -116,40 +116,40 @@ class DetectorSuite:
             return
         if self.vocab_size is None:
             self.vocab_size = _vocab_size(runner, None)
-        if self.config.token_range.enabled and self.vocab_size:
-            for req_id, tokens in zip(req_ids, sampled, strict=False):
-                bad = out_of_range(tokens, self.vocab_size)
-                if bad:
-                    self._hit(
-                        "token_range", "critical", wave, req_id,
-                        f"sampled id {bad[0]} outside the vocabulary [0, {self.vocab_size})",
-                        {"ids": bad[:16], "vocab_size": self.vocab_size},
-                        self.config.token_range.action, runner,
-                    )  # fmt: skip
-        if self.repeat is not None:
-            for req_id, tokens in zip(req_ids, sampled, strict=False):
-                if not tokens:
-                    continue
-                for kind, size, extent, block in self.repeat.add(req_id, tokens):
-                    if not self.report_tokens:
-                        continue
-                    if kind == "loop":
-                        summary = f"loop of period {size} over the last {extent} tokens"
-                        evidence = {
-                            "kind": kind,
-                            "period": size,
-                            "span": extent,
-                            "block": block[:32],
-                        }
-                    else:
-                        summary = f"{size}-gram repeated {extent} times in the window"
-                        evidence = {"kind": kind, "n": size, "count": extent, "ngram": block}
-                    self._hit(
-                        "token_repeat", "warning", wave, req_id, summary, evidence,
-                        self.config.token_repeat.action, runner,
-                    )  # fmt: skip
+        vocab = self.vocab_size if self.config.token_range.enabled else None
+        add = self.repeat.add if self.repeat is not None else None
+        for req_id, tokens in zip(req_ids, sampled, strict=False):  # one pass, hot path
+            if not tokens:
+                continue
+            if vocab and (min(tokens) < 0 or max(tokens) >= vocab):
+                self._out_of_range(wave, runner, req_id, tokens, vocab)
+            if add is not None:
+                findings = add(req_id, tokens)
+                if findings and self.report_tokens:
+                    self._repeats(wave, runner, req_id, findings)
         if self.spec is not None and self._drafts and self._drafts_wave == wave:
             self._observe_spec(wave, runner, req_ids, sampled)
+
+    def _out_of_range(self, wave: int, runner: Any, req_id: str, tokens, vocab: int) -> None:
+        bad = out_of_range(tokens, vocab)
+        self._hit(
+            "token_range", "critical", wave, req_id,
+            f"sampled id {bad[0]} outside the vocabulary [0, {vocab})",
+            {"ids": bad[:16], "vocab_size": vocab}, self.config.token_range.action, runner,
+        )  # fmt: skip
+
+    def _repeats(self, wave: int, runner: Any, req_id: str, findings) -> None:
+        for kind, size, extent, block in findings:
+            if kind == "loop":
+                summary = f"loop of period {size} over the last {extent} tokens"
+                evidence = {"kind": kind, "period": size, "span": extent, "block": block[:32]}
+            else:
+                summary = f"{size}-gram repeated {extent} times in the window"
+                evidence = {"kind": kind, "n": size, "count": extent, "ngram": block}
+            self._hit(
+                "token_repeat", "warning", wave, req_id, summary, evidence,
+                self.config.token_repeat.action, runner,
+            )  # fmt: skip
 
     def _observe_spec(self, wave: int, runner: Any, req_ids, sampled) -> None:
         spec = self.spec
@@ -162,9 +162,6 @@ class DetectorSuite:
         method = self.spec_method
         if not self.report_tokens:
             return
-        self._probe("spec_draft_tokens", float(spec.drafted_total), {"method": method})
-        self._probe("spec_accepted_tokens", float(spec.accepted_total), {"method": method})
-        self._probe("spec_acceptance_rate", spec.waves.rate, {"method": method})
         band = f"[{spec.config.min_rate:g}, {spec.config.max_rate:g}]"
         for key, window in spec.newly_out_of_band(list(per_request)):
             scope = f"request {key}" if key else "wave window"
@@ -261,6 +258,18 @@ class DetectorSuite:
             type_, wave, req_id, meta={"evidence": evidence}, tokens=tokens, logits_row=logits_row,
             kv_blocks=kv,
         )  # fmt: skip
+
+    def probe_values(self) -> list[tuple[str, float, dict[str, str]]]:
+        """Readings taken by the streamer thread with each heartbeat: nothing on the hot path."""
+        spec = self.spec
+        if spec is None or not spec.drafted_total or not self.report_tokens:
+            return []
+        method = {"method": self.spec_method}
+        return [
+            ("spec_draft_tokens", float(spec.drafted_total), method),
+            ("spec_accepted_tokens", float(spec.accepted_total), method),
+            ("spec_acceptance_rate", spec.waves.rate, method),
+        ]
 
     def close(self) -> None:
         self.resolve_ready(force=True)

@@ -1,9 +1,10 @@
 """Detectors on each request's sampled token stream: loops and n-gram repeats, ids out of range.
 
 They run on the token lists the runner already hands back to the scheduler (no device work).
-To keep the per-token cost flat, a request's window is only examined every `CHECK_EVERY`
-tokens, with C-speed list slices and a Counter; a loop or repeat raises one hit when it starts
-and another only after the stream has left it ("episodes"), not one per token.
+To keep the per-token cost flat, n-gram counts over the window are kept up to date as tokens
+arrive and leave (a dict update each), and loops are looked for every `CHECK_EVERY` tokens with
+C-speed list slices. A loop or repeat raises one hit when it starts and another only after the
+stream has left it ("episodes"), not one per token.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from collections.abc import Sequence
 from guard.detectors.config import TokenRepeatConfig
 
 CHECK_EVERY = 8
+# n-grams are packed GRAM_BITS bits per token into one int (ids above 2**24 alias; harmless)
+GRAM_BITS = 24
+TOKEN_MASK = (1 << GRAM_BITS) - 1
 
 
 # (kind "loop" or "ngram", period or n, span or count, the repeated block)
@@ -21,9 +25,11 @@ RepeatFinding = tuple[str, int, int, list[int]]
 
 
 class RequestTokens:
-    """The recent sampled tokens of one request and whether it is inside a repeat episode."""
+    """The recent sampled tokens of one request, its n-gram counts, and its open episodes."""
 
-    __slots__ = ("in_loop", "in_ngram", "since_check", "tokens", "total")
+    __slots__ = (
+        "counts", "grams", "hot", "in_loop", "in_ngram", "key", "since_check", "tokens", "total",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
@@ -31,6 +37,11 @@ class RequestTokens:
         self.total = 0
         self.in_loop = False
         self.in_ngram = False
+        # n-grams in the window, oldest first, and how often each occurs there
+        self.grams: collections.deque[int] = collections.deque()
+        self.counts: dict[int, int] = {}
+        self.key = 0  # the latest n-gram, packed
+        self.hot = 0  # n-grams at or above ngram_max_count right now
 
 
 class RepeatDetector:
@@ -48,24 +59,48 @@ class RepeatDetector:
             state = self.requests[request_id] = RequestTokens()
         config = self.config
         tokens = state.tokens
-        tokens.extend(new_tokens)
-        if len(tokens) > config.window * 2:  # trim rarely: amortised O(1) per token
-            del tokens[: len(tokens) - config.window]
+        size, limit, window = config.ngram_size, config.ngram_max_count, config.window
+        counts, grams = state.counts, state.grams
+        shift, mask = GRAM_BITS, (1 << (GRAM_BITS * size)) - 1
+        key = state.key
+        ngram_started = None
+        for token in new_tokens:  # usually one token per wave
+            tokens.append(token)
+            # the last `size` tokens packed into one int: two integer ops instead of a tuple
+            key = ((key << shift) | (token & TOKEN_MASK)) & mask
+            if len(tokens) < size:
+                continue
+            count = counts.get(key, 0) + 1
+            counts[key] = count
+            grams.append(key)
+            if count == limit:
+                state.hot += 1
+                if state.hot == 1 and not state.in_ngram:
+                    ngram_started = (size, count, tokens[-size:])
+            if len(grams) > window - size + 1:
+                old = grams.popleft()
+                left = counts[old] - 1
+                if left == limit - 1:
+                    state.hot -= 1
+                if left:
+                    counts[old] = left
+                else:
+                    del counts[old]
+        state.key = key
+        if len(tokens) > window * 2:  # trim rarely: amortised O(1) per token
+            del tokens[: len(tokens) - window]
         state.total += len(new_tokens)
         state.since_check += len(new_tokens)
-        if state.since_check < CHECK_EVERY:
-            return []
-        state.since_check = 0
-        window = tokens[-config.window :]
         findings: list[RepeatFinding] = []
-        loop = find_loop(window, config.max_period, config.min_repeats, config.min_span)
-        if loop is not None and not state.in_loop:
-            findings.append(("loop", *loop))
-        state.in_loop = loop is not None
-        ngram = find_ngram(window, config.ngram_size, config.ngram_max_count)
-        if ngram is not None and not state.in_ngram and loop is None:
-            findings.append(("ngram", *ngram))
-        state.in_ngram = ngram is not None
+        if state.since_check >= CHECK_EVERY:
+            state.since_check = 0
+            loop = find_loop(tokens, config.max_period, config.min_repeats, config.min_span)
+            if loop is not None and not state.in_loop:
+                findings.append(("loop", *loop))
+            state.in_loop = loop is not None
+        if ngram_started is not None and not state.in_loop:
+            findings.append(("ngram", *ngram_started))
+        state.in_ngram = state.hot > 0
         return findings
 
 
@@ -78,10 +113,13 @@ def find_loop(
     where span ≥ max(min_repeats·p, min_span) − p, i.e. the block occurs min_repeats times.
     """
     n = len(window)
+    last = window[-1] if n else None
     for period in range(1, max_period + 1):
         need = max(min_repeats * period, min_span)
         if need > n:
             break
+        if window[n - 1 - period] != last:  # cheap test first: most periods fail here
+            continue
         tail = window[n - need + period :]
         if tail == window[n - need : n - period]:
             return period, need, list(window[n - period :])

@@ -1,4 +1,4 @@
-"""Pure observability: greedy generations are token-identical with the guard on and off."""
+"""Pure observability: generations are token-identical with the guard (all detectors on) and off."""
 
 from __future__ import annotations
 
@@ -14,11 +14,21 @@ from tests.support.vllm_server import VllmServer, token_ids
 
 pytestmark = [pytest.mark.e2e]
 
+ALL_DETECTORS = {
+    "logits_finite": {"enabled": True, "sync_gate": True},
+    "token_repeat": {"enabled": True},
+    "spec_acceptance": {"enabled": True},
+    "logits_stats": {"enabled": True, "every_n_waves": 1},
+    "token_range": {"enabled": True},
+}
+
 
 @pytest.mark.timeout(600)
 def test_greedy_outputs_identical_with_guard_on_and_off(tiny_model, tmp_path: Path) -> None:
-    """Pure observability: the same greedy requests give token-identical outputs with the guard
-    on (streaming to a live sidecar) and off (no runtime_guard config, nothing wrapped)."""
+    """Pure observability: the same greedy and seeded sampled requests give token-identical
+    outputs with the guard on — streaming to a live sidecar, every sampling detector enabled,
+    logits checked synchronously and stats taken every wave — and off (no runtime_guard
+    config, nothing wrapped)."""
     prompts = PROMPTS[:6]
     outputs = {}
     for mode in ("off", "on"):
@@ -26,16 +36,26 @@ def test_greedy_outputs_identical_with_guard_on_and_off(tiny_model, tmp_path: Pa
         root.mkdir()
         sidecar = SidecarProcess.start(root) if mode == "on" else None
         guard = guard_config(Path(sidecar.address[len("unix://") :])) if sidecar else None
+        if guard is not None:
+            guard["detectors"] = ALL_DETECTORS
         server = VllmServer.start(tiny_model, root, tp=1, guard=guard)
         try:
             outputs[mode] = [token_ids(r) for r in server.complete_many(prompts, max_tokens=48)]
+            outputs[mode + "-sampled"] = [
+                token_ids(r)
+                for r in server.complete_many(prompts[:3], max_tokens=32, temperature=0.9, seed=11)
+            ]
             if sidecar is not None:
                 text = sidecar.wait_for(
-                    lambda t: value(t, "ascend_guard_sampled_tokens_total") >= 6 * 48, timeout=10
+                    lambda t: value(t, "ascend_guard_sampled_tokens_total") >= 6 * 48 + 3 * 32,
+                    timeout=10,
                 )
                 time.sleep(0.5)  # anything extra would show up now
                 text = sidecar.metrics_text()
-                assert value(text, "ascend_guard_sampled_tokens_total") == 6 * 48
+                assert value(text, "ascend_guard_sampled_tokens_total") == 6 * 48 + 3 * 32
+                assert value(text, "ascend_guard_guard_errors_total") == 0
+                # the detectors did run: statistics were taken from the logits
+                assert value(text, "ascend_guard_logits_entropy_nats") > 0
             else:
                 assert "guard_streaming" not in server.log_path.read_text()
         finally:
@@ -43,4 +63,5 @@ def test_greedy_outputs_identical_with_guard_on_and_off(tiny_model, tmp_path: Pa
             if sidecar is not None:
                 sidecar.stop()
     assert outputs["on"] == outputs["off"]
+    assert outputs["on-sampled"] == outputs["off-sampled"]
     assert all(len(ids) == 48 for ids in outputs["on"])
