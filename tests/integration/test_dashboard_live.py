@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tests.support.dashboard import load_dashboard, metric_names_in, panel_queries, render_expr
-from tests.support.feed import send_waves
+from tests.support.feed import send_incidents_and_probes, send_waves
 from tests.support.prometheus import PrometheusServer
 from tests.support.sidecar import SidecarProcess
 
@@ -120,6 +120,7 @@ def test_every_dashboard_query_runs_against_live_sidecar(sidecar, prometheus_for
         sampled_per_wave=SAMPLED_PER_WAVE,
         drop=DROPPED_PER_RANK,
     )
+    send_incidents_and_probes(sidecar.address, engine=ENGINE)
 
     # 1. Every metric the dashboard and the alert rules reference is declared by the sidecar.
     with urllib.request.urlopen(sidecar.metrics_url, timeout=10) as resp:

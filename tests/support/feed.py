@@ -73,3 +73,35 @@ def send_waves(
     time.sleep(0.3)  # a heartbeat and the last batch reach the sidecar
     for streamer in streamers:
         streamer.stop()
+
+
+def send_incidents_and_probes(
+    address: str, *, engine: str = "test", run_id: str = "run-test", timeout: float = 10.0
+) -> None:
+    """One rank reports a few incidents (through a real IncidentReporter) and every probe the
+    dashboard shows, then stops once they are handed over."""
+    from guard.config import IncidentsConfig
+    from guard.incidents import IncidentReporter
+
+    streamer = make_streamer(address, engine=engine, run_id=run_id, pid=4999)
+    reporter = IncidentReporter(
+        IncidentsConfig(), run_id=run_id, current_wave=lambda: 1, sink=streamer.offer_incident
+    )
+    streamer._hits_source = lambda: dict(reporter.hits)
+    for n in range(3):
+        reporter.report("logits_finite", "error", "nan row", request_id=f"req-{n}")
+    reporter.report("token_repeat", "warning", "loop", request_id="req-9")
+    for name, val, labels in (
+        ("logits_max_abs", 12.5, {}), ("logits_entropy_nats", 3.2, {}), ("config_generation", 1, {}),
+        ("spec_acceptance_rate", 0.6, {"method": "ngram"}), ("spec_draft_tokens", 30, {"method": "ngram"}),
+        ("spec_accepted_tokens", 18, {"method": "ngram"}),
+    ):  # fmt: skip
+        streamer.offer_probe(name, float(val), labels)
+    streamer.start()
+    deadline = time.monotonic() + timeout
+    while streamer.incidents_sent < 4 or streamer._probes:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"sent {streamer.incidents_sent} of 4 incidents")
+        time.sleep(0.02)
+    time.sleep(0.3)
+    streamer.stop()

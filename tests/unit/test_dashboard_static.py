@@ -43,6 +43,15 @@ WORKER_METRICS = {
     "ascend_guard_last_wave",
     "ascend_guard_last_heartbeat_timestamp_seconds",
     "ascend_guard_ranks_connected",
+    # sampling guard: incidents and detector probes
+    "ascend_guard_incidents_total",
+    "ascend_guard_detector_hits_total",
+    "ascend_guard_logits_max_abs",
+    "ascend_guard_logits_entropy_nats",
+    "ascend_guard_spec_acceptance_rate",
+    "ascend_guard_spec_draft_tokens_total",
+    "ascend_guard_spec_accepted_tokens_total",
+    "ascend_guard_config_generation",
 }
 SIDECAR_METRICS = {"ascend_guard_ingest_rejected_total"}  # no engine label
 HISTOGRAMS = {"ascend_guard_step_duration_seconds"}
@@ -147,7 +156,7 @@ def test_every_panel_has_a_prometheus_query(overview):
         for t in targets:
             assert t.get("datasource", panel["datasource"])["uid"] == "${datasource}"
         unit = panel["fieldConfig"]["defaults"].get("unit")
-        assert unit in {"s", "ops", "short"}, f"{panel['title']}: unit {unit!r}"
+        assert unit in {"s", "ops", "short", "percentunit"}, f"{panel['title']}: unit {unit!r}"
 
 
 def test_panel_metrics_are_exported_families(overview):
