@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.metrics import value
 from tests.support.sidecar import SidecarProcess
@@ -41,7 +42,12 @@ def base_config(sock: Path, **detectors) -> dict:
             "heartbeat_interval_s": 0.5,
             "reconnect_max_backoff_s": 0.5,
             "incidents": {"per_request_cap": CAP, "backoff_factor": BACKOFF},
-            "detectors": {"logits_stats": {"every_n_waves": 4}, **detectors},
+            "detectors": {
+                "logits_stats": {"every_n_waves": 4},
+                "logits_finite": {"action": "dump"},
+                "dump": {"directory": str(sock.parent / "dumps"), "min_free_bytes": 0},
+                **detectors,
+            },
         }
     }
 
@@ -213,6 +219,18 @@ def test_nan_embedding_raises_logits_finite_for_exactly_those_requests(rig: Rig)
             json.loads(mine[0]["evidence"])["rows"][0]
         ]
     assert rig.guard_value("ascend_guard_detector_hits_total", type="logits_finite") >= 24
+    # action "dump": each report carries a bundle with the NaN logits row and the request's KV
+    bundles = [
+        a[len("dump:") :] for r in rows for a in json.loads(r["actions"]) if a.startswith("dump:")
+    ]
+    assert len(bundles) == len(rows), [r["actions"] for r in rows]
+    bundle = Path(bundles[0])
+    meta = json.loads((bundle / "meta.json").read_text())
+    assert owner({"request_id": meta["request_id"]}, nan_ids) is not None
+    row = torch.load(bundle / "logits.pt")
+    assert row.shape == (512,) and bool(torch.isnan(row).any())
+    kv = torch.load(bundle / "kv.pt")
+    assert kv and all(bool(torch.isnan(t).any()) for t in kv.values()), "the NaN is in the KV cache"
 
 
 def test_incidents_raised_while_the_sidecar_is_down_all_arrive_after_restart(rig: Rig):
