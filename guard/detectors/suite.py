@@ -81,19 +81,17 @@ class DetectorSuite:
     ) -> None:
         if self.vocab_size is None:
             self.vocab_size = _vocab_size(runner, logits)
+        row_max = logit_checks.row_max(logits) if self.check_finite else None
         stats = None
         if self.stats_every and wave % self.stats_every == 0:
             stats = logit_checks.health_stats(logits)
-        row_max = logit_checks.row_max(logits) if self.check_finite else None
         if row_max is None and stats is None:
             return
-        payload = row_max if stats is None else (row_max if row_max is not None else stats)
-        host, event = logit_checks.start_copy(payload)
+        host, event = logit_checks.start_copy(row_max) if row_max is not None else (None, None)
         stats_host = None
-        if stats is not None and row_max is not None:
-            stats_host, _ = logit_checks.start_copy(stats)
-        elif stats is not None:
-            stats_host, host = host, None
+        if stats is not None:
+            stats_host, stats_event = logit_checks.start_copy(stats)
+            event = stats_event or event  # recorded last on the same stream: covers both copies
         count = len(rows_per_req) if rows_per_req is not None else int(logits.shape[0])
         keep_logits = self.config.logits_finite.action == "dump"
         pending = logit_checks.PendingCheck(
