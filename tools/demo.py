@@ -163,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\nThe slowest wave as a trace (ascend-guard trace {rows[0]['trace_id']})")
             cli.main(["trace", rows[0]["trace_id"], "--store", str(store)])
 
+        print("\nIncidents the sampling detectors raised (ascend-guard incidents)")
+        cli.main(["incidents", "--store", str(store), "--limit", "8"])
+
         print("\nWhere things are")
         print(f"    metrics   {sidecar.metrics_url}")
         print(f"    store     {store}   (ascend-guard query --store {store})")
