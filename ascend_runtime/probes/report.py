@@ -1,0 +1,92 @@
+"""The one way probes report: incidents and probe values through `guard.incidents`.
+
+Probes call `incident(...)` and `probe(...)` here rather than `guard.incidents` directly, so
+tests can watch what a probe reports (`capture()`) and so a probe never raises: reporting is
+telemetry, and telemetry never stops serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import structlog
+
+log = structlog.get_logger("ascend_guard.probes")
+
+_local = threading.local()
+
+
+class Captured:
+    """What probes reported while `capture()` was active, in order."""
+
+    def __init__(self) -> None:
+        self.incidents: list[dict[str, Any]] = []
+        self.probes: list[tuple[str, float, dict[str, str]]] = []
+
+    def probe_values(self, name: str) -> list[tuple[float, dict[str, str]]]:
+        return [(value, labels) for n, value, labels in self.probes if n == name]
+
+    def incident_types(self) -> list[str]:
+        return [i["type"] for i in self.incidents]
+
+
+_captures: list[Captured] = []
+_warned: set[str] = set()
+
+
+def _warn_once(event: str, key: str) -> None:
+    """Log a failed send once per kind: a missing pipeline must not flood the log."""
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(event, key=key, exc_info=True)
+
+
+@contextlib.contextmanager
+def capture() -> Iterator[Captured]:
+    """Record reports made in this process (in addition to sending them) while active."""
+    captured = Captured()
+    _captures.append(captured)
+    try:
+        yield captured
+    finally:
+        _captures.remove(captured)
+
+
+def incident(
+    type: str,
+    severity: str,
+    summary: str,
+    *,
+    evidence: Mapping[str, Any] | None = None,
+    wave: int | None = None,
+) -> None:
+    for captured in _captures:
+        captured.incidents.append(
+            {
+                "type": type,
+                "severity": severity,
+                "summary": summary,
+                "evidence": dict(evidence or {}),
+            }
+        )
+    try:
+        from guard.incidents import report_incident
+
+        report_incident(type, severity, summary, wave=wave, evidence=evidence)
+    except Exception:  # noqa: BLE001
+        _warn_once("probe_incident_not_sent", type)
+
+
+def probe(name: str, value: float, **labels: str) -> None:
+    labels = {k: str(v) for k, v in labels.items()}
+    for captured in _captures:
+        captured.probes.append((name, float(value), labels))
+    try:
+        from guard.incidents import report_probe
+
+        report_probe(name, float(value), **labels)
+    except Exception:  # noqa: BLE001
+        _warn_once("probe_value_not_sent", name)
