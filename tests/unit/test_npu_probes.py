@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +16,19 @@ from ascend_runtime.probes import graphs, hccl, report
 from ascend_runtime.probes.device_time import PhaseTimer, event_factory
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
+
+
+def guard_processor():
+    """A real GuardProcessor (no sidecar yet: readings wait in it until streaming starts)."""
+    from guard.config import GuardConfig
+    from guard.processor import GuardProcessor
+    from telemetry.proto import guard_pb2
+
+    return GuardProcessor(GuardConfig(sidecar="localhost:1"), lambda r: guard_pb2.RankInfo())
+
+
+def held_probes(processor):
+    return {name: labels for name, _, labels in processor._early_probes}
 
 
 @pytest.fixture
@@ -165,12 +177,17 @@ def test_graph_capture_action_wraps_a_manager_capture(npu, monkeypatch):
 
     point = AttachPoint("graph", __name__, "Manager", "capture", "graph_capture", ("ascend-mrv2",))
     wrapped = actions.WRAPPERS["graph_capture"](Manager.capture, point)
-    install(SimpleNamespace(errors=SimpleNamespace(record=pytest.fail)))
+    processor = guard_processor()
+    install(processor)
     try:
         with report.capture() as seen:
             assert wrapped(Manager()) == "captured"
     finally:
         install(None)
+    assert processor.errors.total == 0
+    assert {"graph_captures", "graph_capture_seconds", "graph_capture_bytes"} <= set(
+        held_probes(processor)
+    )
     assert sorted(v for v, _ in seen.probe_values("graph_capture_bytes")) == [2.0, 4.0]
     assert "capture_begin" not in vars(npu.NPUGraph) or not hasattr(
         vars(npu.NPUGraph)["capture_begin"], "__wrapped__"
@@ -215,12 +232,15 @@ def test_communicator_init_action_reports_hccl_for_the_npu_communicator(npu, mon
         actions.WRAPPERS["communicator_init"](NPUCommunicator.__init__, point),
     )
     monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "900")
-    install(SimpleNamespace(errors=SimpleNamespace(record=pytest.fail)))
+    processor = guard_processor()
+    install(processor)
     try:
         with report.capture() as seen:
             NPUCommunicator("tp:0")
     finally:
         install(None)
+    assert processor.errors.total == 0
+    assert held_probes(processor)["hccl_settings_info"]["hccl_exec_timeout"] == "900"
     (info,) = seen.probe_values("device_communicator_info")
     assert info[1] == {"communicator": "NPUCommunicator", "backend": "hccl", "group": "tp:0"}
     (settings,) = seen.probe_values("hccl_settings_info")
