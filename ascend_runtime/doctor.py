@@ -112,32 +112,44 @@ def render(rows: Sequence[Row], *, show_runtimes: bool) -> str:
     return render_table(headers, table)
 
 
-def hang_deadline_problem() -> tuple[float | None, str | None]:
-    """The hang watchdog's default deadline (if this build has one) against HCCL's timeout."""
-    from ascend_runtime.probes.hccl import check_hang_deadline
+def hang_deadline(config: Any = None) -> tuple[float | None, str]:
+    """The hang watchdog's deadline and the config key it comes from, if this build has one.
 
-    deadline = _default_hang_deadline()
-    if deadline is None:
-        return None, None
-    return deadline, check_hang_deadline(deadline)
+    The watchdog's config section (issue 4's `collectives.deadline_s`) is found by its field
+    name, so the doctor works with or without it; `config` defaults to ASCEND_GUARD_CONFIG's
+    config, else the defaults."""
+    if config is None:
+        from guard.config import GuardConfig, resolve_config
 
-
-def _default_hang_deadline() -> float | None:
-    """Read from the watchdog config section when present (added by the hang watchdog)."""
-    try:
-        from guard.config import GuardConfig
-    except Exception:  # noqa: BLE001
-        return None
-    config = GuardConfig()
+        try:
+            config = resolve_config(None) or GuardConfig()
+        except Exception:  # noqa: BLE001 - a bad config file is `config check`'s job
+            config = GuardConfig()
     for field in dataclasses.fields(config):
         section = getattr(config, field.name)
         if not dataclasses.is_dataclass(section):
             continue
-        for name in ("deadline_s", "hang_deadline_s", "step_deadline_s"):
+        for name in ("deadline_s", "hang_deadline_s"):
             value = getattr(section, name, None)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-    return None
+                return float(value), f"runtime_guard.{field.name}.{name}"
+    return None, ""
+
+
+def hccl_lines(config: Any = None) -> tuple[dict[str, str], str | None]:
+    """Header lines on HCCL and the hang deadline, and the deadline problem (None if fine)."""
+    from ascend_runtime.probes.hccl import DEADLINE_FRACTION, check_hang_deadline, hccl_settings
+
+    lines = {"hccl": "  ".join(f"{k.upper()}={v}" for k, v in hccl_settings().items())}
+    deadline, key = hang_deadline(config)
+    if deadline is None:
+        lines["hang deadline"] = "no hang watchdog in this build"
+        return lines, None
+    problem = check_hang_deadline(deadline)
+    lines["hang deadline"] = problem or (
+        f"{deadline:g} s ({key}), below {DEADLINE_FRACTION:g} x HCCL_EXEC_TIMEOUT"
+    )
+    return lines, problem
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -189,16 +201,16 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         }  # fmt: skip
     ok = [r for r in rows if r.status in OK_STATUSES]
     not_ok = [r for r in rows if r.status not in OK_STATUSES]
-    deadline, problem = hang_deadline_problem()
+    hccl, problem = hccl_lines()
     fully = not not_ok and bool(rows) and problem is None
     if args.json:
         document = {
             **header, "ok": fully, "attach_points": [r.as_dict() for r in rows],
-            "hang_deadline_s": deadline, "hang_deadline_problem": problem,
+            "hccl": hccl, "hang_deadline_problem": problem,
         }  # fmt: skip
         print(json.dumps(document, indent=2, sort_keys=True), file=out)
         return 0 if fully else 1
-    for key, value in header.items():
+    for key, value in {**header, **hccl}.items():
         if isinstance(value, dict):
             value = "  ".join(f"{k} {v or '-'}" for k, v in value.items())
         print(f"{key}: {value}", file=out)
@@ -211,8 +223,6 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         f"{len(not_ok)} not ({', '.join(sorted({r.status for r in not_ok})) or 'none'})",
         file=out,
     )
-    if problem:
-        print(f"hang deadline: {problem}", file=out)
     print("next: " + _next_step(not_ok, problem, args.source is not None), file=out)
     return 0 if fully else 1
 

@@ -139,3 +139,42 @@ def test_unparsable_module_is_missing_with_the_reason(tmp_path):
     (tree / "vllm_ascend" / "worker" / "worker.py").write_text(textwrap.dedent("def broken(:\n"))
     missing = [r for r in scan_tree(tree) if r.status == "missing"]
     assert missing and all("cannot parse" in r.detail for r in missing)
+
+
+def test_hang_deadline_is_read_from_the_watchdog_section_and_checked(monkeypatch):
+    import dataclasses
+
+    from ascend_runtime import doctor
+
+    @dataclasses.dataclass(frozen=True)
+    class Collectives:
+        deadline_s: float = 3.0
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        sidecar: str = "unix:///x.sock"
+        collectives: Collectives = dataclasses.field(default_factory=Collectives)
+
+    assert doctor.hang_deadline(Config()) == (3.0, "runtime_guard.collectives.deadline_s")
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "60")
+    lines, problem = doctor.hccl_lines(Config())
+    assert problem is None
+    assert lines["hang deadline"].startswith("3 s (runtime_guard.collectives.deadline_s)")
+    assert "HCCL_EXEC_TIMEOUT=60" in lines["hccl"]
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "20")
+    _, problem = doctor.hccl_lines(Config())
+    assert "above 0.1 x HCCL_EXEC_TIMEOUT (20 s)" in problem
+
+
+def test_doctor_exits_1_when_the_hang_deadline_is_not_below_hccl(tmp_path, monkeypatch, capsys):
+    from ascend_runtime import doctor
+
+    tree = write_tree(tmp_path)
+    monkeypatch.setattr(doctor, "hang_deadline", lambda config=None: (30.0, "runtime_guard.x"))
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "120")
+    assert cli_main(["doctor", "--source", str(tree)]) == 1
+    out = capsys.readouterr().out
+    assert "hang deadline: hang deadline 30 s is above 0.1 x HCCL_EXEC_TIMEOUT (120 s)" in out
+    assert "next: lower the hang deadline or raise HCCL_EXEC_TIMEOUT" in out
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "1836")
+    assert cli_main(["doctor", "--source", str(tree)]) == 0
