@@ -1,10 +1,11 @@
 """Speculative decoding: which speculator the runtime dispatched, drafts proposed and accepted.
 
-Counts are kept per method and reported at most once a second. Proposed drafts come from the
-shape of what `propose` returns (no device read). Accepted drafts come from the tokens the
+Counts are kept per method and reported on every proposal (a dict update in the streamer).
+Proposed drafts come from the shape of what `propose` returns (no device read). Accepted drafts come from the tokens the
 target sampled in the step the drafts were verified in: a request that sampled n tokens accepted
 n - 1 drafts. Host lists (V1) are counted directly; device counts (MRV2 `num_sampled`) are summed
-on the device and read back only once the device has finished them, never with a sync.
+on the device, copied back at most once a second, and read only once the device has finished
+the copy, never with a sync.
 """
 
 from __future__ import annotations
@@ -61,9 +62,11 @@ class SpeculatorStats:
         elif num_sampled is not None:
             self._add_device(method, num_sampled, new_event)
         now = time.monotonic()
-        if now - self._last_report >= REPORT_INTERVAL_S:
+        if self._device_accepted and now - self._last_report >= REPORT_INTERVAL_S:
             self._last_report = now
             self.flush(new_event)
+        else:
+            self.flush(None)
 
     def _add_device(self, method: str, num_sampled: Any, new_event: Any) -> None:
         step = (num_sampled - 1).clamp(min=0).sum()

@@ -1,9 +1,11 @@
 """End to end: the attach points `ascend-guard doctor` reports bound are bound in a real
 `vllm serve` worker on CPU, and the KV-cache probe's numbers equal vLLM's own.
 
-One server (TP=1, the V1 CPU runner this host runs) and one sidecar over real gRPC. The KV
-figures are checked against vLLM's `vllm:cache_config_info` (blocks, block size) and the model's
-config.json (layers, KV heads, head size, dtype), not against the probe's own arithmetic.
+One server (TP=1, the V1 CPU runner this host runs, n-gram speculative decoding) and one
+sidecar over real gRPC. The KV figures are checked against vLLM's `vllm:cache_config_info`
+(blocks, block size) and the model's config.json (layers, KV heads, head size, dtype); the
+speculator counts against vLLM's `vllm:spec_decode_*` counters; not against the probes' own
+arithmetic.
 """
 
 from __future__ import annotations
@@ -26,6 +28,15 @@ REPO = Path(__file__).resolve().parents[2]
 ENGINE = "e2e-bind"
 RANK = {"engine": ENGINE, "dp": "0", "tp": "0", "pp": "0"}
 FLOAT32_BYTES = 4  # the server runs --dtype float32 (tests/support/vllm_server.py)
+SPEC_TOKENS = 3
+SPECULATIVE = {
+    "method": "ngram",
+    "num_speculative_tokens": SPEC_TOKENS,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 2,
+}
+# repetitive prompts, so the n-gram proposer finds matches and some drafts are accepted
+SPEC_PROMPTS = ["one two three one two three one two three one two", "a b c a b c a b c a b"]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +46,12 @@ def deployment(tiny_model, tmp_path_factory):
     sidecar = SidecarProcess.start(root, address=f"unix://{sock}")
     try:
         guard = {"sidecar": f"unix://{sock}", "engine": ENGINE, "flush_interval_ms": 20}
-        server = VllmServer.start(tiny_model, root, guard=guard)
+        server = VllmServer.start(
+            tiny_model,
+            root,
+            guard=guard,
+            extra_args=("--speculative-config", json.dumps(SPECULATIVE)),
+        )
     except BaseException:
         sidecar.stop()
         raise
@@ -89,3 +105,36 @@ def test_kv_probe_equals_vllm_and_the_model_config(deployment) -> None:
     assert value(text, "ascend_guard_kv_cache_blocks", **RANK) == blocks > 0
     assert value(text, "ascend_guard_kv_cache_layers", **RANK) == layers
     assert value(text, "ascend_guard_kv_cache_bytes", **RANK) == blocks * page * layers
+
+
+def test_speculator_counts_equal_vllm(deployment) -> None:
+    """Accepted drafts equal vLLM's own count exactly. Proposed drafts are at least the drafts
+    vLLM scheduled for verification: those proposed in a request's last step are never
+    scheduled (at most num_speculative_tokens per request)."""
+    sidecar, server, _ = deployment
+    before = server.metrics_text()
+    drafts_before = value(before, "vllm:spec_decode_num_draft_tokens_total")
+    accepted_before = value(before, "vllm:spec_decode_num_accepted_tokens_total")
+    guard_before = sidecar.metrics_text()
+    proposed_0 = value(guard_before, "ascend_guard_spec_drafts_proposed", method="ngram", **RANK)
+    accepted_0 = value(guard_before, "ascend_guard_spec_drafts_accepted", method="ngram", **RANK)
+
+    server.complete_many(SPEC_PROMPTS, max_tokens=40)
+    after = server.metrics_text()
+    drafts = value(after, "vllm:spec_decode_num_draft_tokens_total") - drafts_before
+    accepted = value(after, "vllm:spec_decode_num_accepted_tokens_total") - accepted_before
+    assert accepted > 0, "the n-gram prompts should get drafts accepted"
+
+    def settled(text: str) -> bool:
+        got = value(text, "ascend_guard_spec_drafts_accepted", method="ngram", **RANK)
+        return got - accepted_0 >= accepted
+
+    text = sidecar.wait_for(settled)
+    assert (
+        value(text, "ascend_guard_spec_drafts_accepted", method="ngram", **RANK) - accepted_0
+        == accepted
+    )
+    proposed = value(text, "ascend_guard_spec_drafts_proposed", method="ngram", **RANK) - proposed_0
+    assert drafts <= proposed <= drafts + SPEC_TOKENS * len(SPEC_PROMPTS)
+    ((labels, one),) = samples(text, "ascend_guard_speculator_info", **RANK)
+    assert one == 1 and labels["method"] == "ngram" and labels["speculator"] == "NgramProposer"
