@@ -174,7 +174,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     from telemetry import logs
 
     logs.configure(level="warning")  # the table is the output; skipped points are in it
-    from ascend_runtime.source_scan import SourceTreeError, packages_in, tree_version
+    from ascend_runtime.source_scan import SourceTreeError, tree_info
 
     if args.source is not None:
         from pathlib import Path
@@ -187,7 +187,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
             return 2
         header = {
             "source": str(Path(args.source).resolve()), "runtime": runtime,
-            "versions": {p: tree_version(args.source, p) for p in packages_in(Path(args.source))},
+            "versions": tree_info(args.source),
         }  # fmt: skip
     else:
         from ascend_runtime.detect import detect

@@ -122,7 +122,8 @@ def scan_tree(root: str | Path, points: Iterable[AttachPoint] = ATTACH_POINTS) -
 
 
 _VERSION_RE = re.compile(
-    r"""^\s*(?:__version__|version)\s*(?::\s*str)?\s*=\s*['"]([^'"]+)['"]""", re.M
+    r"""^\s*(?:__version__|version)\s*(?::\s*str)?\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""",
+    re.M,
 )
 
 
@@ -134,3 +135,22 @@ def tree_version(root: str | Path, package: str) -> str | None:
         if match:
             return match.group(1)
     return None
+
+
+def tree_info(root: str | Path) -> dict[str, str | None]:
+    """Versions and provenance of a checkout: each package's declared version, the git commit
+    (when `root` is a git work tree) and, for vllm-ascend, the vLLM release it is verified with
+    (`.github/vllm-release-tag.commit`)."""
+    root = Path(root)
+    info: dict[str, str | None] = {p: tree_version(root, p) for p in packages_in(root)}
+    head = root / ".git" / "HEAD"
+    if head.is_file():
+        ref = head.read_text().strip()
+        if ref.startswith("ref: "):
+            ref_path = root / ".git" / ref[5:]
+            ref = ref_path.read_text().strip() if ref_path.is_file() else ref[5:]
+        info["commit"] = ref
+    tag = root / ".github" / "vllm-release-tag.commit"
+    if tag.is_file():
+        info["verified with vllm"] = tag.read_text().strip() or None
+    return info

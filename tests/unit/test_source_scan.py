@@ -178,3 +178,20 @@ def test_doctor_exits_1_when_the_hang_deadline_is_not_below_hccl(tmp_path, monke
     assert "next: lower the hang deadline or raise HCCL_EXEC_TIMEOUT" in out
     monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "1836")
     assert cli_main(["doctor", "--source", str(tree)]) == 0
+
+
+def test_tree_info_names_commit_and_the_vllm_release(tmp_path, capsys):
+    tree = write_tree(tmp_path)
+    (tree / ".github").mkdir()
+    (tree / ".github" / "vllm-release-tag.commit").write_text("v0.27.1\n")
+    (tree / ".git" / "refs" / "heads").mkdir(parents=True)
+    (tree / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    (tree / ".git" / "refs" / "heads" / "main").write_text("182b75e" + "0" * 33 + "\n")
+    (tree / "vllm_ascend" / "_version.py").write_text("__version__ = version = '0.23.0rc1'\n")
+    assert cli_main(["doctor", "--source", str(tree)]) == 0
+    header = capsys.readouterr().out.splitlines()[2]
+    assert header == (
+        "versions: vllm_ascend 0.23.0rc1  commit 182b75e"
+        + "0" * 33
+        + "  verified with vllm v0.27.1"
+    )
