@@ -85,7 +85,7 @@ def bind_point(point: AttachPoint, module: ModuleType) -> Binding:
         else:
             try:
                 setattr(cls, point.method, WRAPPERS[point.action](method, point))
-                binding = Binding(BOUND, point.action)
+                binding = Binding(BOUND, "wrapped")
             except Exception as exc:  # noqa: BLE001 - never stop start-up
                 binding = Binding(FAILED, f"{type(exc).__name__}: {exc}")
     with _lock:

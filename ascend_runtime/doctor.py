@@ -10,6 +10,7 @@ attach point that applies is bound (or found), 1 when any is not, 2 on bad argum
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -192,9 +193,11 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     else:
         from ascend_runtime.detect import detect
 
-        info = detect()
-        runtime = args.runtime or info.runtime
-        rows = live_rows(points_for(runtime), info.platform)
+        # what vLLM and torch print while importing belongs on stderr, not in the table or JSON
+        with contextlib.redirect_stdout(sys.stderr):
+            info = detect()
+            runtime = args.runtime or info.runtime
+            rows = live_rows(points_for(runtime), info.platform)
         header = {
             "platform": info.platform, "runtime": runtime, "detected_runtime": info.runtime,
             "why": info.reason, "versions": info.versions,
