@@ -18,6 +18,15 @@ from telemetry.cli import main as cli_main
 ASCEND_POINTS = [p for p in ATTACH_POINTS if p.package == "vllm_ascend"]
 
 
+@pytest.fixture(autouse=True)
+def keep_logging(monkeypatch):
+    """The doctor CLI sets up logging for its process; in pytest that would bind structlog to
+    this test's captured stderr, which later tests' loggers would then write to after it closed."""
+    from telemetry import logs
+
+    monkeypatch.setattr(logs, "configure", lambda **kwargs: None)
+
+
 def write_tree(root: Path, *, rename_method=None, rename_class=None, drop_module=None) -> Path:
     """A vllm_ascend package holding every attach point, optionally with one thing broken.
     Classes sit under a version check, as vllm-ascend defines some of them."""
