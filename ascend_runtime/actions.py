@@ -188,15 +188,26 @@ def _speculator(obj: Any, args: tuple, kwargs: dict, result: Any) -> None:
     )
     method = str(getattr(speculative, "method", "") or "unknown")
     if drafter is not None:
-        sampled = args[1] if len(args) > 1 else kwargs.get("sampled_token_ids")
-        host = sampled if isinstance(sampled, list) else None
-        STATS.on_propose(method, type(drafter).__name__, result, sampled_token_ids=host)
+        STATS.on_propose(
+            method, type(drafter).__name__, result, sampled_token_ids=_host_sampled(args, kwargs)
+        )
         return
     num_sampled = kwargs.get("num_sampled", args[5] if len(args) > 5 else None)
     STATS.on_propose(
         method, type(obj).__name__, result, num_sampled=num_sampled,
         new_event=event_factory(platform()),
     )  # fmt: skip
+
+
+def _host_sampled(args: tuple, kwargs: dict) -> list | None:
+    """This step's sampled tokens per request as host lists, from a V1 runner's
+    `propose_draft_token_ids` (upstream: 2nd argument `sampled_token_ids`; vllm-ascend: 1st,
+    `valid_sampled_token_ids`). None when they are a device tensor: not read, no sync."""
+    for key in ("sampled_token_ids", "valid_sampled_token_ids"):
+        if key in kwargs:
+            value = kwargs[key]
+            return value if isinstance(value, list) else None
+    return next((a for a in args[:2] if isinstance(a, list)), None)
 
 
 # -- device communicator ------------------------------------------------------------------------

@@ -83,3 +83,25 @@ def test_speculator_counts_from_mrv2_tensors():
     stats.on_propose("eagle", "EagleSpeculator", drafts, num_sampled=num_sampled)
     assert stats.proposed == {"eagle": 8} and stats.accepted == {"eagle": 3}
     assert stats.dispatched == {"eagle": "EagleSpeculator"}
+
+
+def test_v1_proposal_hook_reads_both_runner_signatures(monkeypatch):
+    """Upstream V1 passes (scheduler_output, sampled_token_ids, ...); vllm-ascend's V1 runner
+    passes (valid_sampled_token_ids, sampling_metadata, ...). Both count the same."""
+    from ascend_runtime import actions
+
+    for build_args in (
+        lambda sampled: ((object(), sampled), {}),  # upstream V1
+        lambda sampled: ((sampled, object()), {}),  # vllm-ascend V1
+        lambda sampled: ((), {"valid_sampled_token_ids": sampled}),
+    ):
+        stats = speculators.SpeculatorStats()
+        monkeypatch.setattr(speculators, "STATS", stats)
+        runner = types.SimpleNamespace(
+            drafter=types.SimpleNamespace(), speculative_config=types.SimpleNamespace(method="mtp")
+        )
+        args, kwargs = build_args([[7, 8, 9], [4]])
+        with report.capture():
+            actions._speculator(runner, args, kwargs, [[1, 2], [3, 4]])
+        assert stats.proposed == {"mtp": 4} and stats.accepted == {"mtp": 2}
+        assert stats.dispatched == {"mtp": "SimpleNamespace"}
