@@ -96,7 +96,7 @@ def _fresh(args, **env_extra):
     )
 
 
-@pytest.mark.parametrize("runtime", ["cpu-v1", "cuda-mrv2"])
+@pytest.mark.parametrize("runtime", ["cpu-v1", "cuda-v1", "cuda-mrv2"])
 def test_real_upstream_classes_are_bound(runtime):
     """Binds the real installed vLLM classes (CPU runner and worker; the GPU V1 and MRV2 runners,
     graph managers and speculators import on a CPU host) and checks each one independently:
