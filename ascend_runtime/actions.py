@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 
 from ascend_runtime.attach_points import ACTIONS, AttachPoint
+from ascend_runtime.probes import device_time, speculators
 from guard import decorators
 from guard.decorators import (
     WRAPPED_ATTR,
@@ -32,6 +33,7 @@ log = structlog.get_logger("ascend_guard.actions")
 Wrapper = Callable[[Callable[..., Any], AttachPoint], Callable[..., Any]]
 
 _state: dict[str, Any] = {}
+_UNSET = object()
 _local = threading.local()
 
 
@@ -90,21 +92,25 @@ def _after(probe: Callable[..., None], *, outermost: bool = True) -> Wrapper:
 # -- device time per phase ------------------------------------------------------------------
 def _timer() -> Any:
     if "timer" not in _state:
-        from ascend_runtime.probes.device_time import PhaseTimer, event_factory
-
-        factory = event_factory(platform())
-        _state["timer"] = PhaseTimer(factory) if factory is not None else None
+        factory = device_time.event_factory(platform())
+        _state["timer"] = device_time.PhaseTimer(factory) if factory is not None else None
     return _state["timer"]
 
 
 def _device_time(fn: Callable[..., Any], point: AttachPoint) -> Callable[..., Any]:
     phase = point.method
+    state = _state
 
     @functools.wraps(fn)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        timer = _timer() if decorators.active_processor() is not None else None
+        # on every worker step: two dict reads when the guard is off or there is no device clock
+        timer = state.get("timer", _UNSET) if decorators._processor is not None else None
         if timer is None:
             return fn(self, *args, **kwargs)
+        if timer is _UNSET:
+            timer = _timer()
+            if timer is None:
+                return fn(self, *args, **kwargs)
         try:
             started = timer.start(phase)
         except Exception:  # noqa: BLE001
@@ -177,9 +183,7 @@ def _capture_session(point: AttachPoint) -> Any:
 
 # -- speculators ------------------------------------------------------------------------------
 def _speculator(obj: Any, args: tuple, kwargs: dict, result: Any) -> None:
-    from ascend_runtime.probes.device_time import event_factory
-    from ascend_runtime.probes.speculators import STATS
-
+    stats = speculators.STATS
     if kwargs.get("dummy_run") or kwargs.get("is_profile"):
         return
     drafter = getattr(obj, "drafter", None)  # V1 runner: propose_draft_token_ids
@@ -188,14 +192,14 @@ def _speculator(obj: Any, args: tuple, kwargs: dict, result: Any) -> None:
     )
     method = str(getattr(speculative, "method", "") or "unknown")
     if drafter is not None:
-        STATS.on_propose(
+        stats.on_propose(
             method, type(drafter).__name__, result, sampled_token_ids=_host_sampled(args, kwargs)
         )
         return
     num_sampled = kwargs.get("num_sampled", args[5] if len(args) > 5 else None)
-    STATS.on_propose(
+    stats.on_propose(
         method, type(obj).__name__, result, num_sampled=num_sampled,
-        new_event=event_factory(platform()),
+        new_event=device_time.event_factory(platform()),
     )  # fmt: skip
 
 

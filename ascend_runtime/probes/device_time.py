@@ -24,6 +24,7 @@ class PhaseTimer:
         self._max_pending = max_pending
         self.dropped = 0
         self.resolved = 0
+        self._labels: dict[str, dict[str, str]] = {}
 
     def start(self, phase: str) -> tuple[str, Any]:
         self.poll()
@@ -45,7 +46,8 @@ class PhaseTimer:
         pending = self._pending
         while pending and pending[0][2].query():
             phase, start, end = pending.popleft()
-            report.probe("device_phase_ms", float(start.elapsed_time(end)), phase=phase)
+            labels = self._labels.get(phase) or self._labels.setdefault(phase, {"phase": phase})
+            report.hot_probe("device_phase_ms", float(start.elapsed_time(end)), labels)
             done += 1
         self.resolved += done
         return done

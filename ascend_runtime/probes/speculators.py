@@ -24,12 +24,15 @@ def count_drafts(drafts: Any) -> int:
     numel = getattr(drafts, "numel", None)
     if callable(numel):
         return int(numel())
-    return sum(len(d) for d in drafts)
+    return sum(map(len, drafts))
 
 
 def accepted_from_host(sampled_token_ids: Any) -> int:
-    """Accepted drafts in a step from per-request sampled tokens (lists): sum of n - 1."""
-    return sum(max(0, len(tokens) - 1) for tokens in sampled_token_ids or ())
+    """Accepted drafts in a step from per-request sampled tokens (lists): the sum of n - 1 over
+    requests that sampled n >= 1 tokens (C-level loops: this runs on every proposal)."""
+    if not sampled_token_ids:
+        return 0
+    return sum(map(len, sampled_token_ids)) - sum(map(bool, sampled_token_ids))
 
 
 class SpeculatorStats:
@@ -40,6 +43,8 @@ class SpeculatorStats:
         self._device_accepted: dict[str, Any] = {}  # method -> device scalar being summed
         self._reads: list[tuple[str, Any, Any]] = []  # (method, host copy, ready event)
         self._last_report = 0.0
+        self._sent_accepted: dict[str, int] = {}
+        self._labels: dict[str, dict[str, str]] = {}
 
     def on_propose(
         self,
@@ -92,8 +97,14 @@ class SpeculatorStats:
                 self._reads.append((method, host, event))
             self._device_accepted.clear()
         for method, count in self.proposed.items():
-            report.probe("spec_drafts_proposed", count, method=method)
-            report.probe("spec_drafts_accepted", self.accepted.get(method, 0), method=method)
+            labels = self._labels.get(method)
+            if labels is None:
+                labels = self._labels[method] = {"method": method}
+            report.hot_probe("spec_drafts_proposed", count, labels)
+            accepted = self.accepted.get(method, 0)
+            if self._sent_accepted.get(method) != accepted:
+                self._sent_accepted[method] = accepted
+                report.hot_probe("spec_drafts_accepted", accepted, labels)
 
 
 STATS = SpeculatorStats()

@@ -105,3 +105,11 @@ def test_v1_proposal_hook_reads_both_runner_signatures(monkeypatch):
             actions._speculator(runner, args, kwargs, [[1, 2], [3, 4]])
         assert stats.proposed == {"mtp": 4} and stats.accepted == {"mtp": 2}
         assert stats.dispatched == {"mtp": "SimpleNamespace"}
+
+
+def test_accepted_from_host_lists():
+    assert speculators.accepted_from_host([[1, 2, 3], [4], [], [5, 6]]) == 3
+    assert speculators.accepted_from_host([]) == 0
+    assert speculators.accepted_from_host(None) == 0
+    assert speculators.count_drafts([[1, 2], [], [3]]) == 3
+    assert speculators.count_drafts(None) == 0
