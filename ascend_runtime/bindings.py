@@ -1,80 +1,131 @@
-"""Where the guard attaches in each runtime, listed in one place, and how it is applied.
+"""Applies the guard at every attach point of `ascend_runtime.attach_points`, as modules load.
 
-Each attach point is a runner class that defines `execute_model` and/or `sample_tokens` itself.
-The guard decorates the methods a class defines in its own body (inherited ones are already
-covered by the base class's attach point), when the class's module is imported. A module that
-is not installed is never imported, so its attach point simply never fires; a class or method
-that is missing in the installed version is skipped with one log line.
+For each attach point the binder waits for its module to be imported (a module that is never
+imported costs nothing), then wraps the method the class defines in its own body with the
+action's wrapper (`ascend_runtime.actions`). A class that only inherits the method is covered by
+the base class's attach point and never wrapped twice. A class or method missing in the
+installed version is skipped with one log line: version skew never stops start-up. The outcome
+of every attach point is kept in `BINDINGS`, which `ascend-guard doctor` reports.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import sys
+import threading
+from collections.abc import Iterable
 from types import ModuleType
-from typing import Any
 
 import structlog
 
+from ascend_runtime.attach_points import ATTACH_POINTS, AttachPoint
 from ascend_runtime.import_hooks import when_imported
 from guard.decorators import (
+    WRAPPED_ATTR,
     is_guarded,
-    runtime_guard_logits,
     runtime_guard_sample_tokens,
     runtime_guard_step,
-    runtime_guard_verify_logits,
 )
-from guard.reload import guard_schedule
 
 log = structlog.get_logger("ascend_guard.bindings")
 
 STEP_METHOD = "execute_model"
 SAMPLE_METHOD = "sample_tokens"
 
+BOUND = "bound"
+MISSING = "missing"
+NOT_LOADED = "not loaded"
+FAILED = "failed"
+
 
 @dataclasses.dataclass(frozen=True)
-class AttachPoint:
-    name: str
-    module: str
-    cls: str
-    note: str = ""
+class Binding:
+    status: str  # bound | missing | not loaded | failed
+    reason: str = ""
 
 
-RUNNER_ATTACH_POINTS: tuple[AttachPoint, ...] = (
-    AttachPoint(
-        "v1-gpu-runner", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "upstream V1 runner"
-    ),
-    AttachPoint(
-        "v1-cpu-runner",
-        "vllm.v1.worker.cpu_model_runner",
-        "CPUModelRunner",
-        "V1 runner on CPU hosts",
-    ),
-    AttachPoint(
-        "mrv2-gpu-runner",
-        "vllm.v1.worker.gpu.model_runner",
-        "GPUModelRunner",
-        "upstream Model Runner V2",
-    ),
-    AttachPoint(
-        "mrv2-cpu-runner",
-        "vllm.v1.worker.cpu.model_runner",
-        "CPUModelRunner",
-        "MRV2 on CPU (needs triton-cpu)",
-    ),
-    AttachPoint(
-        "ascend-v1-runner",
-        "vllm_ascend.worker.model_runner_v1",
-        "NPUModelRunner",
-        "vllm-ascend V1 runner",
-    ),
-    AttachPoint(
-        "ascend-mrv2-runner",
-        "vllm_ascend.worker.v2.model_runner",
-        "NPUModelRunner",
-        "vllm-ascend MRV2",
-    ),
-)
+BINDINGS: dict[AttachPoint, Binding] = {}
+_lock = threading.Lock()
+
+
+def resolve(point: AttachPoint, module: ModuleType) -> tuple[type | None, str]:
+    """The class of `point` in `module`, or None and why not."""
+    obj: object = module
+    for part in point.qualname.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None, f"no class {point.qualname} in {point.module}"
+    if not isinstance(obj, type):
+        return None, f"{point.module}.{point.qualname} is not a class"
+    return obj, ""
+
+
+def bind_point(point: AttachPoint, module: ModuleType) -> Binding:
+    """Wrap `point`'s method in the loaded `module`; record and return the outcome."""
+    from ascend_runtime.actions import WRAPPERS
+
+    cls, why = resolve(point, module)
+    if cls is None:
+        binding = Binding(MISSING, why)
+    elif point.inherited:
+        method = getattr(cls, point.method, None)
+        if method is None:
+            binding = Binding(MISSING, f"{point.qualname} has no method {point.method}")
+        elif is_guarded(method):
+            owner = next(k for k in cls.__mro__ if point.method in k.__dict__)
+            binding = Binding(BOUND, f"inherited from {owner.__module__}.{owner.__qualname__}")
+        else:
+            binding = Binding(MISSING, f"{point.method} is inherited from an unbound class")
+    else:
+        method = cls.__dict__.get(point.method)
+        if method is None or not callable(method):
+            binding = Binding(MISSING, f"{point.qualname} defines no {point.method}")
+        elif is_guarded(method):
+            binding = Binding(BOUND, "already bound")
+        else:
+            try:
+                setattr(cls, point.method, WRAPPERS[point.action](method, point))
+                binding = Binding(BOUND, "wrapped")
+            except Exception as exc:  # noqa: BLE001 - never stop start-up
+                binding = Binding(FAILED, f"{type(exc).__name__}: {exc}")
+    with _lock:
+        BINDINGS[point] = binding
+    if binding.status == BOUND:
+        log.debug("attach_point_bound", target=point.target, action=point.action)
+    else:
+        log.warning(
+            "attach_point_skipped",
+            target=point.target,
+            status=binding.status,
+            reason=binding.reason,
+        )
+    return binding
+
+
+def binding_of(point: AttachPoint) -> Binding:
+    """What happened at `point` in this process (an inherited point is re-checked now)."""
+    module = sys.modules.get(point.module)
+    if module is not None and point.inherited:
+        return bind_point(point, module)
+    with _lock:
+        found = BINDINGS.get(point)
+    if found is not None:
+        return found
+    return Binding(NOT_LOADED, f"{point.module} is not imported in this process")
+
+
+def bind_all(points: Iterable[AttachPoint] = ATTACH_POINTS) -> None:
+    """Bind every attach point when (or if) its module is imported. Owned methods first, so an
+    inherited point of the same module sees its base already bound."""
+    ordered = sorted(points, key=lambda p: p.inherited)
+    for point in ordered:
+        when_imported(point.module, lambda module, point=point: bind_point(point, module))
+
+
+def bind_sampling() -> None:
+    """The sampler and scheduler rows. `bind_all()` already covers them; kept because
+    `plugin.activate` calls it, and binding twice is a no-op."""
+    bind_all(p for p in ATTACH_POINTS if p.component in ("sampler", "scheduler"))
 
 
 def bind_runner_class(cls: type) -> list[str]:
@@ -87,77 +138,7 @@ def bind_runner_class(cls: type) -> list[str]:
         method = cls.__dict__.get(name)
         if method is None or not callable(method):
             continue
-        if not is_guarded(method):
+        if getattr(method, WRAPPED_ATTR, None) is None:
             setattr(cls, name, decorator(method))
         bound.append(name)
     return bound
-
-
-def _bind_module(point: AttachPoint, module: ModuleType) -> None:
-    cls = getattr(module, point.cls, None)
-    if not isinstance(cls, type):
-        log.warning(
-            "attach_point_missing", attach_point=point.name, module=point.module, cls=point.cls
-        )
-        return
-    bound = bind_runner_class(cls)
-    log.info(
-        "attach_point_bound",
-        attach_point=point.name,
-        cls=f"{point.module}.{point.cls}",
-        methods=bound,
-    )
-
-
-def bind_all(points: tuple[AttachPoint, ...] = RUNNER_ATTACH_POINTS) -> None:
-    """Arrange for every attach point to be bound when (or if) its module is imported."""
-    for point in points:
-        when_imported(point.module, lambda module, point=point: _bind_module(point, module))
-
-
-@dataclasses.dataclass(frozen=True)
-class MethodAttachPoint:
-    """A method the guard decorates in place, outside the runner (samplers, the scheduler)."""
-
-    name: str
-    module: str
-    cls: str
-    method: str
-    decorator: Callable[[Any], Any]
-    note: str = ""
-
-
-SAMPLING_ATTACH_POINTS: tuple[MethodAttachPoint, ...] = (
-    MethodAttachPoint(
-        "v1-sampler", "vllm.v1.sample.sampler", "Sampler", "forward", runtime_guard_logits,
-        "logits before sampling: logits_finite, logits_stats",
-    ),
-    MethodAttachPoint(
-        "v1-rejection-sampler", "vllm.v1.sample.rejection_sampler", "RejectionSampler", "forward",
-        runtime_guard_verify_logits, "spec-decode verify logits",
-    ),
-    MethodAttachPoint(
-        "v1-scheduler", "vllm.v1.core.sched.scheduler", "Scheduler", "schedule", guard_schedule,
-        "engine core: stamps hot-reloaded config onto scheduler outputs",
-    ),
-)  # fmt: skip
-
-
-def _bind_method(point: MethodAttachPoint, module: ModuleType) -> None:
-    cls = getattr(module, point.cls, None)
-    method = getattr(cls, point.method, None) if isinstance(cls, type) else None
-    if method is None:
-        log.warning(
-            "attach_point_missing", attach_point=point.name, module=point.module,
-            cls=point.cls, method=point.method,
-        )  # fmt: skip
-        return
-    if not is_guarded(method):
-        setattr(cls, point.method, point.decorator(method))
-    log.info("attach_point_bound", attach_point=point.name, cls=f"{point.module}.{point.cls}",
-             methods=[point.method])  # fmt: skip
-
-
-def bind_sampling(points: tuple[MethodAttachPoint, ...] = SAMPLING_ATTACH_POINTS) -> None:
-    for point in points:
-        when_imported(point.module, lambda module, point=point: _bind_method(point, module))

@@ -64,6 +64,26 @@ def runtime_guard_sample_tokens(fn: F) -> F:
     return guarded_sample_tokens  # type: ignore[return-value]
 
 
+def runtime_guard_dummy_step(fn: F) -> F:
+    """Decorate a worker's `execute_dummy_batch(self)`: the step an idle DP rank runs so its
+    collectives match the busy ranks'. It counts as a wave with no requests (a dummy wave)."""
+    if getattr(fn, WRAPPED_ATTR, None) is not None:
+        return fn
+
+    @functools.wraps(fn)
+    def guarded_execute_dummy_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        processor = _processor
+        if processor is None:
+            return fn(self, *args, **kwargs)
+        runner = getattr(self, "model_runner", None) or self
+        return processor.run_step(
+            lambda _runner, dummy_run: fn(self, *args, **kwargs), runner, (), {"dummy_run": True}
+        )
+
+    setattr(guarded_execute_dummy_batch, WRAPPED_ATTR, fn)
+    return guarded_execute_dummy_batch  # type: ignore[return-value]
+
+
 def is_guarded(method: Any) -> bool:
     return getattr(method, WRAPPED_ATTR, None) is not None
 

@@ -91,6 +91,12 @@ def _parser() -> argparse.ArgumentParser:
     incidents.add_argument("--engine", default=None, help="engine label")
     incidents.add_argument("--limit", type=int, default=50)
     incidents.add_argument("--json", action="store_true", help="one JSON object per line")
+    doctor = sub.add_parser(
+        "doctor",
+        help="where the guard attaches to vLLM / vllm-ascend, bound or missing (--help for more)",
+        add_help=False,
+    )
+    doctor.add_argument("doctor_args", nargs=argparse.REMAINDER)
 
     config = sub.add_parser("config", help="work with runtime_guard config files")
     config_sub = config.add_subparsers(dest="config_command", required=True, metavar="ACTION")
@@ -273,7 +279,16 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from ascend_runtime.doctor import main as doctor_main  # imports torch/vLLM only when run
+
+    return doctor_main(args.doctor_args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["doctor"]:  # its own parser: options such as --source pass through as-is
+        return _cmd_doctor(argparse.Namespace(doctor_args=argv[1:]))
     args = _parser().parse_args(argv)
     handlers = {
         "sidecar": _cmd_sidecar,
@@ -281,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "trace": _cmd_trace,
         "incidents": _cmd_incidents,
         "config": _cmd_config,
+        "doctor": _cmd_doctor,
     }
     try:
         return handlers[args.command](args)

@@ -55,4 +55,42 @@ PROBE_METRICS: dict[str, ProbeMetric] = _register(
         "config_generation",
         "Generation of the runtime_guard config in force on a rank (1 = as started).",
     ),
+    # -- Ascend runtime probes (ascend_runtime/probes) --------------------------------------
+    ProbeMetric("kv_cache_bytes", "Bytes of KV cache bound to the attention layers after init."),
+    ProbeMetric("kv_cache_blocks", "KV-cache blocks allocated (vLLM's num_gpu_blocks)."),
+    ProbeMetric("kv_cache_layers", "Attention layers whose KV-cache layout was checked."),
+    ProbeMetric(
+        "device_phase_ms",
+        "Device time of the latest resolved phase from NPU/CUDA events (read without a sync).",
+        ("phase",),
+    ),
+    ProbeMetric("graph_captures", "Captures of one graph (batch descriptor).", ("graph",)),
+    ProbeMetric("graph_capture_seconds", "Time spent capturing one graph.", ("graph",)),
+    ProbeMetric(
+        "graph_capture_bytes", "Device memory allocated while capturing one graph.", ("graph",)
+    ),
+    ProbeMetric(
+        "graph_workspace_leaked_bytes",
+        "FULL-mode attention workspaces that survived their capture (never freed).",
+    ),
+    ProbeMetric("rotary_table_rows", "Rows of the MLA cos/sin tables (vllm-ascend)."),
+    ProbeMetric(
+        "speculator_info",
+        "The speculator the runtime dispatched for a speculative method (value 1).",
+        ("method", "speculator"),
+    ),
+    ProbeMetric("spec_drafts_proposed", "Draft tokens proposed, by method.", ("method",)),
+    ProbeMetric(
+        "spec_drafts_accepted", "Draft tokens accepted by the target, by method.", ("method",)
+    ),
+    ProbeMetric(
+        "device_communicator_info",
+        "Device communicator of a process group (value 1): HCCL, NCCL or CPU.",
+        ("communicator", "backend", "group"),
+    ),
+    ProbeMetric(
+        "hccl_settings_info",
+        "HCCL settings of the rank (value 1; unset variables show HCCL's defaults).",
+        ("communicator", "hccl_algo", "hccl_exec_timeout", "hccl_connect_timeout"),
+    ),
 )

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from ascend_runtime import import_hooks
-from ascend_runtime.bindings import AttachPoint, bind_all, bind_runner_class
+from ascend_runtime.attach_points import AttachPoint
+from ascend_runtime.bindings import BINDINGS, bind_all, bind_runner_class
 from guard.config import GuardConfig
 from guard.decorators import install, is_guarded, unwrap
 from guard.processor import GuardProcessor
@@ -169,26 +170,28 @@ def test_subclass_without_own_methods_is_left_alone(upstream):
     assert not set(METHODS) & set(empty.__dict__)
 
 
-def test_attach_points_name_the_installed_classes():
-    from ascend_runtime.bindings import RUNNER_ATTACH_POINTS
+def test_runner_attach_points_name_the_installed_classes():
+    from ascend_runtime.attach_points import ATTACH_POINTS
 
     pytest.importorskip("vllm")
     import vllm.v1.worker.cpu.shm  # noqa: F401
 
     found = {}
-    for point in RUNNER_ATTACH_POINTS:
-        if not point.module.startswith("vllm."):
+    for point in ATTACH_POINTS:
+        if point.component != "model_runner" or not point.module.startswith("vllm."):
             continue
-        module = importlib.import_module(point.module)
-        cls = getattr(module, point.cls)
-        found[point.name] = cls
+        cls = getattr(importlib.import_module(point.module), point.qualname)
+        found[(point.module, point.qualname)] = cls
         assert isinstance(cls, type)
-        assert all(callable(getattr(cls, name, None)) for name in METHODS), point
-    assert {"v1-gpu-runner", "mrv2-gpu-runner"} <= set(found)
+        assert callable(getattr(cls, point.method, None)), point
+        # an owned point's class defines the method; an inherited one's does not
+        assert (point.method in cls.__dict__) is (not point.inherited), point
+    assert ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner") in found
+    assert ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner") in found
     # classes that only inherit the methods are covered by the attach point of a base class
-    for name, cls in found.items():
+    for key, cls in found.items():
         owners = {next(k for k in cls.__mro__ if method in k.__dict__) for method in METHODS}
-        assert owners <= set(found.values()), name
+        assert owners <= set(found.values()), key
 
 
 # -- import hooks ---------------------------------------------------------------------------
@@ -280,16 +283,20 @@ def test_bind_all_binds_a_runner_when_its_module_is_imported(modules):
         "class Other:\n"
         "    pass\n"
     )
-    bind_all(
-        (
-            AttachPoint("test-runner", name, "Runner"),
-            AttachPoint("test-missing-class", name, "NotThere"),
-            AttachPoint("test-no-methods", name, "Other"),
-        )
-    )
+    rt = ("cpu-v1",)
+    points = [
+        AttachPoint("model_runner", name, "Runner", "execute_model", "step", rt),
+        AttachPoint("model_runner", name, "Runner", "sample_tokens", "sample", rt),
+        AttachPoint("model_runner", name, "NotThere", "execute_model", "step", rt),
+        AttachPoint("model_runner", name, "Other", "execute_model", "step", rt),
+    ]
+    bind_all(points)
     module = importlib.import_module(name)
     assert is_guarded(module.Runner.execute_model)
     assert is_guarded(module.Runner.sample_tokens)
     assert not is_guarded(getattr(module.Other, "execute_model", None))
+    assert [BINDINGS[p].status for p in points] == ["bound", "bound", "missing", "missing"]
+    assert BINDINGS[points[2]].reason == f"no class NotThere in {name}"
+    assert BINDINGS[points[3]].reason == "Other defines no execute_model"
     install(None)
     assert module.Runner().execute_model(5) == ("ran", 5)

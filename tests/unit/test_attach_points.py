@@ -1,0 +1,267 @@
+"""The attach-point registry, the binder on the real upstream vLLM classes installed here, and
+`ascend-guard doctor` in live mode (a fresh interpreter, as an operator runs it)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from ascend_runtime import actions
+from ascend_runtime.attach_points import (
+    ACTIONS,
+    ATTACH_POINTS,
+    COMPONENTS,
+    RUNTIMES,
+    AttachPoint,
+    points_for,
+)
+from ascend_runtime.bindings import BINDINGS, bind_point
+from guard.config import GuardConfig
+from guard.decorators import install, is_guarded, unwrap
+from guard.processor import GuardProcessor
+from telemetry.proto import guard_pb2
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_registry_is_consistent():
+    assert len(set(ATTACH_POINTS)) == len(ATTACH_POINTS)
+    assert len({(p.target, p.runtimes) for p in ATTACH_POINTS}) == len(ATTACH_POINTS)
+    for point in ATTACH_POINTS:
+        assert point.component in COMPONENTS, point
+        assert point.action in ACTIONS and point.action in actions.WRAPPERS, point
+        assert point.runtimes and set(point.runtimes) <= set(RUNTIMES), point
+    for runtime in RUNTIMES:
+        components = {p.component for p in points_for(runtime)}
+        required = {"worker", "model_runner", "kv_cache", "communicator"}
+        if not runtime.startswith("cpu"):
+            required |= {"graph", "speculator"}
+        assert required <= components, runtime
+        actions_here = {p.action for p in points_for(runtime)}
+        assert {"step", "sample", "dummy_step", "kv_init"} <= actions_here, runtime
+    with pytest.raises(ValueError, match="unknown runtime 'tpu'"):
+        points_for("tpu")
+
+
+def test_every_ascend_speculator_method_has_a_point():
+    """EAGLE, MTP, DFlash, DSpark (MRV2) and one V1 entry that covers every V1 proposer."""
+    names = {p.qualname for p in points_for("ascend-mrv2", "speculator")}
+    assert names == {
+        "AscendAutoRegressiveSpeculator", "AscendDFlashSpeculator", "AscendDSparkSpeculator",
+    }  # fmt: skip
+    (v1,) = points_for("ascend-v1", "speculator")
+    assert v1.method == "propose_draft_token_ids"
+
+
+LIVE_CHECK = textwrap.dedent(
+    """
+    import importlib, inspect, json, sys
+    from ascend_runtime.attach_points import points_for
+    from ascend_runtime.doctor import live_rows
+    from guard.decorators import is_guarded, unwrap
+
+    runtime = sys.argv[1]
+    rows = live_rows(points_for(runtime), "cpu")
+    checked = []
+    for row in rows:
+        p = row.point
+        cls = getattr(importlib.import_module(p.module), p.qualname)
+        method = getattr(cls, p.method)
+        bare = inspect.unwrap(unwrap(method))  # through torch.inference_mode too
+        checked.append({
+            "target": p.target, "status": row.status, "guarded": is_guarded(method),
+            "bare_from": inspect.getsourcefile(bare), "bare_name": bare.__name__,
+            "owner_defines": p.method in cls.__dict__,
+        })
+    print(json.dumps(checked))
+    """
+)
+
+
+def _fresh(args, **env_extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_GUARD_")}
+    env.update(PYTHONPATH=str(REPO), VLLM_TARGET_DEVICE="cpu", **env_extra)
+    return subprocess.run(
+        [sys.executable, *args], env=env, capture_output=True, text=True, timeout=240, cwd=REPO
+    )
+
+
+@pytest.mark.parametrize("runtime", ["cpu-v1", "cuda-v1", "cuda-mrv2"])
+def test_real_upstream_classes_are_bound(runtime):
+    """Binds the real installed vLLM classes (CPU runner and worker; the GPU V1 and MRV2 runners,
+    graph managers and speculators import on a CPU host) and checks each one independently:
+    the class attribute is a guard wrapper around vLLM's own function of the same name."""
+    pytest.importorskip("vllm")
+    out = _fresh(["-c", LIVE_CHECK, runtime])
+    assert out.returncode == 0, out.stderr[-3000:]
+    checked = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(checked) == len(points_for(runtime))
+    for row in checked:
+        assert row["status"] == "bound", row
+        assert row["guarded"], row
+        assert "/site-packages/vllm/" in row["bare_from"], row
+        assert row["bare_name"] == row["target"].rsplit(".", 1)[1], row
+
+
+def test_doctor_live_cpu_reports_everything_bound():
+    """`ascend-guard doctor` as an operator runs it on this CPU host."""
+    pytest.importorskip("vllm")
+    out = _fresh(["-m", "telemetry.cli", "doctor", "--json"])
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    document = json.loads(out.stdout)
+    assert document["platform"] == "cpu" and document["ok"] is True
+    assert document["runtime"] == document["detected_runtime"] == "cpu-v1"
+    assert document["versions"]["vllm"] == __import__("vllm").__version__
+    statuses = {(p["class"], p["method"]): p["status"] for p in document["attach_points"]}
+    assert statuses[("CPUModelRunner", "execute_model")] == "bound"
+    assert statuses[("CPUWorker", "execute_dummy_batch")] == "bound"
+    assert statuses[("CPUModelRunner", "initialize_kv_cache")] == "bound"
+    assert set(statuses.values()) == {"bound"}
+
+
+def test_doctor_live_for_ascend_here_says_not_installed_and_exits_1():
+    pytest.importorskip("vllm")
+    out = _fresh(["-m", "telemetry.cli", "doctor", "--runtime", "ascend-v1"])
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "not installed (vllm_ascend)" in out.stdout
+    assert "next: install the missing package" in out.stdout
+    summary = [line for line in out.stdout.splitlines() if "attach points bound" in line]
+    n = len(points_for("ascend-v1"))
+    upstream = len([p for p in points_for("ascend-v1") if p.package == "vllm"])
+    assert summary == [
+        f"{upstream} of {n} attach points bound for runtime ascend-v1; {n - upstream} not "
+        "(not installed)"
+    ]
+
+
+def test_version_skew_is_skipped_with_one_log_line(tmp_path, monkeypatch):
+    """A class whose method was renamed in the installed version: skipped, logged once, the
+    process carries on; the other attach point of the same class is bound."""
+    from structlog.testing import capture_logs
+
+    name = f"agskew_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "class Runner:\n"
+        "    def execute_model_v2(self, so):\n        return so\n"
+        "    def sample_tokens(self, go):\n        return go\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = __import__(name)
+    rt = ("cpu-v1",)
+    step = AttachPoint("model_runner", name, "Runner", "execute_model", "step", rt)
+    sample = AttachPoint("model_runner", name, "Runner", "sample_tokens", "sample", rt)
+    with capture_logs() as logged:
+        assert bind_point(step, module).status == "missing"
+        assert bind_point(sample, module).status == "bound"
+    skipped = [e for e in logged if e["event"] == "attach_point_skipped"]
+    assert len(skipped) == 1
+    assert skipped[0]["target"] == f"{name}.Runner.execute_model"
+    assert skipped[0]["reason"] == "Runner defines no execute_model"
+    assert skipped[0]["log_level"] == "warning"
+    assert BINDINGS[step].status == "missing"
+    sys.modules.pop(name, None)
+
+
+class _Streamer:
+    def __init__(self):
+        self.waves = []
+
+    def start(self):
+        pass
+
+    def offer(self, wave):
+        self.waves.append(wave)
+
+    def stop(self):
+        pass
+
+
+def _processor():
+    streamer = _Streamer()
+    processor = GuardProcessor(
+        GuardConfig(sidecar="localhost:1"),
+        lambda runner: guard_pb2.RankInfo(run_id="r", runner=type(runner).__name__),
+        lambda *a, **k: streamer,
+    )
+    return processor, streamer
+
+
+def test_idle_dp_rank_dummy_batch_is_a_dummy_wave():
+    """vLLM's real `Worker.execute_dummy_batch`, bound as the binder binds it; the model runner
+    is a stand-in recording the `_dummy_run` the worker asks for (no model loads here)."""
+    pytest.importorskip("vllm")
+    from vllm.v1.worker.gpu_worker import Worker
+
+    point = next(
+        p for p in ATTACH_POINTS if p.qualname == "Worker" and p.method == "execute_dummy_batch"
+    )
+    original = Worker.__dict__["execute_dummy_batch"]
+    wrapped = actions.WRAPPERS[point.action](original, point)
+    assert is_guarded(wrapped) and unwrap(wrapped) is original
+    assert inspect.signature(wrapped) == inspect.signature(original)
+
+    calls = []
+    runner = SimpleNamespace(
+        uniform_decode_query_len=3,
+        _dummy_run=lambda n, **kw: calls.append((n, kw)),
+    )
+    worker = SimpleNamespace(model_runner=runner, randomize_dummy_inputs=False)
+    install(None)
+    assert wrapped(worker) is None and len(calls) == 1  # guard off: the bare call
+    processor, streamer = _processor()
+    install(processor)
+    try:
+        wrapped(worker)
+        wrapped(worker)
+        processor.close()
+    finally:
+        install(None)
+    assert calls[1:] == [(3, {"uniform_decode": True, "randomize_inputs": False})] * 2
+    assert [w.wave for w in streamer.waves] == [1, 2]
+    assert all(w.dummy and w.num_reqs == 0 and not w.sampled for w in streamer.waves)
+
+
+def test_probe_wrappers_pass_through_when_the_guard_is_off():
+    calls = []
+
+    class Runner:
+        def initialize_kv_cache(self, kv_cache_config):
+            calls.append(kv_cache_config)
+            return "done"
+
+    point = AttachPoint(
+        "kv_cache", __name__, "Runner", "initialize_kv_cache", "kv_init", ("cpu-v1",)
+    )
+    wrapped = actions.WRAPPERS["kv_init"](Runner.initialize_kv_cache, point)
+    install(None)
+    assert wrapped(Runner(), "cfg") == "done" and calls == ["cfg"]
+
+
+def test_a_failing_probe_is_counted_and_the_call_still_returns():
+    class Runner:
+        vllm_config = None  # the KV probe cannot read a config: it fails inside
+
+        def initialize_kv_cache(self, kv_cache_config):
+            return "done"
+
+    point = AttachPoint(
+        "kv_cache", __name__, "Runner", "initialize_kv_cache", "kv_init", ("cpu-v1",)
+    )
+    wrapped = actions.WRAPPERS["kv_init"](Runner.initialize_kv_cache, point)
+    processor, _ = _processor()
+    install(processor)
+    try:
+        assert wrapped(Runner(), SimpleNamespace(kv_cache_groups=[], num_blocks=1)) == "done"
+    finally:
+        install(None)
+    assert processor.errors.total == 1
