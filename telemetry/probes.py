@@ -79,9 +79,14 @@ PROBE_METRICS: dict[str, ProbeMetric] = _register(
         "The speculator the runtime dispatched for a speculative method (value 1).",
         ("method", "speculator"),
     ),
-    ProbeMetric("spec_drafts_proposed", "Draft tokens proposed, by method.", ("method",)),
     ProbeMetric(
-        "spec_drafts_accepted", "Draft tokens accepted by the target, by method.", ("method",)
+        "spec_drafts_proposed", "Draft tokens proposed, by method.", ("method",), kind="counter"
+    ),
+    ProbeMetric(
+        "spec_drafts_accepted",
+        "Draft tokens accepted by the target, by method.",
+        ("method",),
+        kind="counter",
     ),
     ProbeMetric(
         "device_communicator_info",

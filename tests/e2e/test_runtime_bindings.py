@@ -116,8 +116,12 @@ def test_speculator_counts_equal_vllm(deployment) -> None:
     drafts_before = value(before, "vllm:spec_decode_num_draft_tokens_total")
     accepted_before = value(before, "vllm:spec_decode_num_accepted_tokens_total")
     guard_before = sidecar.metrics_text()
-    proposed_0 = value(guard_before, "ascend_guard_spec_drafts_proposed", method="ngram", **RANK)
-    accepted_0 = value(guard_before, "ascend_guard_spec_drafts_accepted", method="ngram", **RANK)
+    proposed_0 = value(
+        guard_before, "ascend_guard_spec_drafts_proposed_total", method="ngram", **RANK
+    )
+    accepted_0 = value(
+        guard_before, "ascend_guard_spec_drafts_accepted_total", method="ngram", **RANK
+    )
 
     server.complete_many(SPEC_PROMPTS, max_tokens=40)
     after = server.metrics_text()
@@ -126,15 +130,17 @@ def test_speculator_counts_equal_vllm(deployment) -> None:
     assert accepted > 0, "the n-gram prompts should get drafts accepted"
 
     def settled(text: str) -> bool:
-        got = value(text, "ascend_guard_spec_drafts_accepted", method="ngram", **RANK)
+        got = value(text, "ascend_guard_spec_drafts_accepted_total", method="ngram", **RANK)
         return got - accepted_0 >= accepted
 
     text = sidecar.wait_for(settled)
     assert (
-        value(text, "ascend_guard_spec_drafts_accepted", method="ngram", **RANK) - accepted_0
+        value(text, "ascend_guard_spec_drafts_accepted_total", method="ngram", **RANK) - accepted_0
         == accepted
     )
-    proposed = value(text, "ascend_guard_spec_drafts_proposed", method="ngram", **RANK) - proposed_0
+    proposed = (
+        value(text, "ascend_guard_spec_drafts_proposed_total", method="ngram", **RANK) - proposed_0
+    )
     assert drafts <= proposed <= drafts + SPEC_TOKENS * len(SPEC_PROMPTS)
     ((labels, one),) = samples(text, "ascend_guard_speculator_info", **RANK)
     assert one == 1 and labels["method"] == "ngram" and labels["speculator"] == "NgramProposer"

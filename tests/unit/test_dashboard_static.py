@@ -52,6 +52,21 @@ WORKER_METRICS = {
     "ascend_guard_spec_draft_tokens_total",
     "ascend_guard_spec_accepted_tokens_total",
     "ascend_guard_config_generation",
+    # runtime probes (ascend_runtime/probes)
+    "ascend_guard_kv_cache_bytes",
+    "ascend_guard_kv_cache_blocks",
+    "ascend_guard_kv_cache_layers",
+    "ascend_guard_rotary_table_rows",
+    "ascend_guard_device_phase_ms",
+    "ascend_guard_graph_captures",
+    "ascend_guard_graph_capture_seconds",
+    "ascend_guard_graph_capture_bytes",
+    "ascend_guard_graph_workspace_leaked_bytes",
+    "ascend_guard_spec_drafts_proposed_total",
+    "ascend_guard_spec_drafts_accepted_total",
+    "ascend_guard_speculator_info",
+    "ascend_guard_device_communicator_info",
+    "ascend_guard_hccl_settings_info",
 }
 SIDECAR_METRICS = {"ascend_guard_ingest_rejected_total"}  # no engine label
 HISTOGRAMS = {"ascend_guard_step_duration_seconds"}
@@ -156,7 +171,9 @@ def test_every_panel_has_a_prometheus_query(overview):
         for t in targets:
             assert t.get("datasource", panel["datasource"])["uid"] == "${datasource}"
         unit = panel["fieldConfig"]["defaults"].get("unit")
-        assert unit in {"s", "ops", "short", "percentunit"}, f"{panel['title']}: unit {unit!r}"
+        assert unit in {"s", "ms", "ops", "short", "percentunit", "bytes"}, (
+            f"{panel['title']}: unit {unit!r}"
+        )
 
 
 def test_panel_metrics_are_exported_families(overview):
