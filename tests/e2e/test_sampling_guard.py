@@ -13,6 +13,7 @@ import json
 import signal
 import sqlite3
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -196,14 +197,28 @@ def test_hot_reload_turns_on_repeat_detection_which_flags_only_looping_requests(
 
 
 def test_nan_embedding_raises_logits_finite_for_exactly_those_requests(rig: Rig):
+    """NaN requests run while clean ones are in flight in the same batches.
+
+    The clean requests are admitted first on purpose: on vLLM's CPU backend a request that
+    later takes over the batch row of a finished NaN request can read NaN from the stale KV
+    blocks that row still points at (the guard reports that too; see the closing note).
+    """
     start = time.time_ns()
-    prompts = NAN_PROMPTS + CLEAN_PROMPTS[:3]
-    responses = rig.server.complete_many(prompts, max_tokens=8)
-    nan_ids = [r["id"] for r in responses[:3]]
-    clean_ids = [r["id"] for r in responses[3:]]
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        clean = [pool.submit(rig.server.complete, p, 256) for p in CLEAN_PROMPTS[:3]]
+        deadline = time.monotonic() + 20
+        while value(rig.server.metrics_text(), "vllm:num_requests_running") < 3:
+            assert time.monotonic() < deadline, "the clean requests never ran together"
+            assert not any(f.done() for f in clean), "a clean request ended before all ran"
+            time.sleep(0.02)
+        nan = [pool.submit(rig.server.complete, p, 8) for p in NAN_PROMPTS]
+        nan_responses = [f.result() for f in nan]
+        clean_responses = [f.result() for f in clean]
+    nan_ids = [r["id"] for r in nan_responses]
+    clean_ids = [r["id"] for r in clean_responses]
     # independent evidence: argmax over a NaN row picks id 0 every time
-    assert all(token_ids(r) == [0] * 8 for r in responses[:3])
-    assert all(token_ids(r) != [0] * 8 for r in responses[3:])
+    assert all(token_ids(r) == [0] * 8 for r in nan_responses)
+    assert all(0 not in token_ids(r) for r in clean_responses)
     rows = rig.wait_incidents(
         "logits_finite", start, lambda rows: {owner(r, nan_ids) for r in rows} >= set(nan_ids)
     )
