@@ -15,6 +15,7 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
+from telemetry.crossrank import CrossRankView
 from telemetry.incidents import IncidentLedger
 from telemetry.labels import EngineLabels
 from telemetry.metrics import SidecarMetrics
@@ -64,6 +65,7 @@ class IngestService:
         engines: EngineLabels | None = None,
         on_batch: Callable[[guard_pb2.Batch], None] | None = None,
         incidents: IncidentLedger | None = None,
+        cross_rank: CrossRankView | None = None,
     ) -> None:
         self.metrics = metrics
         self.tracer = tracer
@@ -71,6 +73,7 @@ class IngestService:
         self.engines = engines or EngineLabels()
         self._on_batch = on_batch
         self.incidents = incidents
+        self.cross_rank = cross_rank  # collectives, skew, hang verdicts (telemetry/crossrank.py)
         self._lock = threading.Lock()
         self.streams: dict[int, RankView] = {}
         self._next_stream = 0
@@ -150,6 +153,8 @@ class IngestService:
         with self._lock:
             self.streams.pop(stream_id, None)
         self.metrics.ranks_connected.labels(view.engine).dec()
+        if self.cross_rank is not None:
+            self.cross_rank.rank_gone(view.engine, view.rank)
         rank = view.rank
         log.info(
             "rank_disconnected", engine=view.engine, dp=rank.dp_rank, tp=rank.tp_rank, pp=rank.pp_rank,
@@ -175,5 +180,7 @@ class IngestService:
         view.waves += len(batch.waves)
         if batch.waves:
             view.last_wave = max(view.last_wave, max(w.wave for w in batch.waves))
+        if self.cross_rank is not None:
+            self.cross_rank.observe(engine, batch)
         if self._on_batch is not None:
             self._on_batch(batch)
