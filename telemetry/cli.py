@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from telemetry import logs
+from telemetry import hangs_cli, logs
 from telemetry.addresses import default_sidecar_address
 from telemetry.incidents import IncidentFilter, list_incidents
 from telemetry.query import (
@@ -72,8 +72,8 @@ def _parser() -> argparse.ArgumentParser:
         help="a rank silent this long is declared stopped (default 2s)",
     )
     side.add_argument(
-        "--hang-wait", default="2s",
-        help="peers inside one collective this long while a rank is not: verdict (default 2s)",
+        "--hang-wait", default="3s",
+        help="peers inside one collective this long while a rank is not: verdict (default 3s)",
     )  # fmt: skip
     side.add_argument(
         "--straggler-threshold", default="50ms",
@@ -127,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     trace = sub.add_parser("trace", help="print one trace as a tree")
     trace.add_argument("trace_id", help="32 hex digits, as `ascend-guard query` prints")
     trace.add_argument("--store", default=default_store_path())
+    hangs_cli.add_parser(sub)
     return parser
 
 
@@ -320,6 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "incidents": _cmd_incidents,
         "config": _cmd_config,
         "doctor": _cmd_doctor,
+        "hangs": hangs_cli.run,
     }
     try:
         return handlers[args.command](args)

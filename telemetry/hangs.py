@@ -44,7 +44,9 @@ RECOVERY = "hang_recovered"
 @dataclasses.dataclass(frozen=True)
 class HangSettings:
     stale_s: float = 2.0  # no batch from a rank for this long: it stopped
-    wait_s: float = 2.0  # a peer inside one collective this long while others are not in it
+    # a peer inside one collective this long while others are not in it; above stale_s, so a
+    # frozen process is reported as silent (no_heartbeat) rather than as not arrived
+    wait_s: float = 3.0
     check_interval_s: float = 0.1
     arm_wave: int = 2  # wait-based rules only once every rank has begun this wave
 
@@ -342,9 +344,22 @@ class HangDetector:
             if not known:
                 return None
             verdicts = [v.as_dict() for v in self.verdicts.values() if v.engine == engine]
-            ranks = sum(len(r) for key, r in self._ranks.items() if key[1] == engine)
+            now = self._clock()
+            ranks = [
+                state.describe(now)
+                for key, states in self._ranks.items() if key[1] == engine
+                for state in states.values()
+            ]  # fmt: skip
         body = {"engine": engine, "live": not verdicts, "ranks": ranks, "verdicts": verdicts}
         return not verdicts, body
+
+    def snapshot(self) -> dict[str, Any]:
+        """Standing verdicts and the recent verdicts and recoveries."""
+        with self._lock:
+            return {
+                "standing": [v.as_dict() for v in self.verdicts.values()],
+                "history": list(self.history),
+            }
 
     def engines(self) -> list[str]:
         with self._lock:

@@ -3,11 +3,13 @@
 `GET /live/<engine>`: 200 with `{"live": true, ...}` while no hang verdict stands on the
 engine; 503 with the verdict(s) (stopped ranks, the op, group and sequence number their peers
 wait in) while one does; 404 for an engine no rank has reported. `GET /live` lists engines;
-`GET /hangs` returns the standing verdicts and recent verdicts/recoveries.
+`GET /hangs` returns the standing verdicts and recent verdicts/recoveries; `GET /skew` the
+latest aligned waves (skew, straggler, per-rank wait).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import urllib.parse
@@ -16,12 +18,14 @@ from typing import Any
 
 import structlog
 
-from telemetry.hangs import HangDetector
+from telemetry.crossrank import CrossRankView
 
 log = structlog.get_logger("ascend_guard.liveness")
 
 
-def _handler(detector: HangDetector) -> type[BaseHTTPRequestHandler]:
+def _handler(view: CrossRankView) -> type[BaseHTTPRequestHandler]:
+    detector = view.hangs
+
     class LivenessHandler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
             path = urllib.parse.urlparse(self.path).path.rstrip("/")
@@ -37,10 +41,10 @@ def _handler(detector: HangDetector) -> type[BaseHTTPRequestHandler]:
                     live, body = status
                     self._send(200 if live else 503, body)
             elif path == "/hangs":
-                with detector._lock:
-                    standing = [v.as_dict() for v in detector.verdicts.values()]
-                    history = list(detector.history)
-                self._send(200, {"standing": standing, "history": history})
+                self._send(200, detector.snapshot())
+            elif path == "/skew":
+                recent = [dataclasses.asdict(s) for s in list(view.sync.recent)[-200:]]
+                self._send(200, {"waves": recent})
             else:
                 self._send(404, {"error": f"unknown path {path!r}; try /live/<engine> or /hangs"})
 
@@ -59,8 +63,8 @@ def _handler(detector: HangDetector) -> type[BaseHTTPRequestHandler]:
 
 
 class LivenessServer:
-    def __init__(self, detector: HangDetector, host: str, port: int) -> None:
-        self._server = ThreadingHTTPServer((host, port), _handler(detector))
+    def __init__(self, view: CrossRankView, host: str, port: int) -> None:
+        self._server = ThreadingHTTPServer((host, port), _handler(view))
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(

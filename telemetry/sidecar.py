@@ -45,7 +45,7 @@ class SidecarSettings:
     health_host: str = "0.0.0.0"
     health_port: int = -1
     hang_stale_s: float = 2.0
-    hang_wait_s: float = 2.0
+    hang_wait_s: float = 3.0
     straggler_threshold_s: float = 0.05
 
 
@@ -190,7 +190,7 @@ class Sidecar:
             return
         try:
             self.liveness = LivenessServer(
-                self.cross_rank.hangs,
+                self.cross_rank,
                 settings.health_host,
                 settings.metrics_port + 1 if port < 0 else port,
             )

@@ -22,8 +22,16 @@ class Clock:
 
 def batch(tp, *, wave=5, op="", seq=0, age_s=0.0, phase="execute_model", pid=None, tp_size=2):
     b = guard_pb2.Batch(
-        rank=guard_pb2.RankInfo(run_id="r1", engine="e", tp_rank=tp, tp_size=tp_size, dp_size=1,
-                                pp_size=1, pid=pid or 1000 + tp, node="n")  # fmt: skip
+        rank=guard_pb2.RankInfo(
+            run_id="r1",
+            engine="e",
+            tp_rank=tp,
+            tp_size=tp_size,
+            dp_size=1,
+            pp_size=1,
+            pid=pid or 1000 + tp,
+            node="n",
+        )  # fmt: skip
     )
     hb = b.heartbeat
     hb.time_unix_nano, hb.last_wave, hb.phase = 1, wave, phase
@@ -38,7 +46,7 @@ def det():
     clock = Clock()
     incidents = []
     d = HangDetector(
-        CollectiveMetrics(CollectorRegistry()), HangSettings(stale_s=2.0, wait_s=2.0),
+        CollectiveMetrics(CollectorRegistry()), HangSettings(stale_s=2.0, wait_s=3.0),
         incident_sink=lambda engine, rank, inc: incidents.append((engine, rank, inc)),
         clock=clock,
     )  # fmt: skip
@@ -84,7 +92,7 @@ def test_silent_rank_is_named_with_the_op_its_peer_waits_in_and_recovery_follows
 
 def test_rank_that_never_arrives_at_the_collective_is_named(det):
     events = []
-    for i in range(1, 8):
+    for i in range(1, 10):
         events += beat(det, batch(0, op="all_reduce", seq=9, age_s=0.5 * i),
                        batch(1, phase="execute_model"))  # fmt: skip
     assert len(events) == 1 and events[0]["kind"] == "not_arrived"
