@@ -37,6 +37,7 @@ log = structlog.get_logger("ascend_guard.hangs")
 
 ReplicaKey = tuple[str, str, int]  # run_id, engine label, dp
 RankKey = tuple[int, int]  # tp, pp
+KINDS = ("no_heartbeat", "not_arrived", "collective_stuck")
 VERDICT = "hang_verdict"
 RECOVERY = "hang_recovered"
 
@@ -154,6 +155,7 @@ class HangDetector:
                 state = RankState(guard_pb2.RankInfo(), now)
                 state.rank.CopyFrom(rank)
                 ranks[(rank.tp_rank, rank.pp_rank)] = state
+                self._create_series(engine, rank)
             state.last_seen = now
             if batch.HasField("heartbeat"):
                 hb = batch.heartbeat
@@ -171,6 +173,16 @@ class HangDetector:
                 state.group = hb.collective_group
                 state.seq = hb.collective_seq
                 state.op_age_s = hb.collective_age_ns / 1e9
+
+    def _create_series(self, engine: str, rank: guard_pb2.RankInfo) -> None:
+        """Series exist (at 0) once a rank speaks, so dashboards and alerts see them."""
+        m = self.metrics
+        m.wedged.labels(engine)
+        m.hang_recoveries.labels(engine)
+        for kind in KINDS:
+            m.hang_verdicts.labels(
+                engine, str(rank.dp_rank), str(rank.tp_rank), str(rank.pp_rank), kind
+            )
 
     def rank_gone(self, engine: str, rank: guard_pb2.RankInfo) -> None:
         """A rank's stream ended (the worker exited): it is no longer expected to speak."""

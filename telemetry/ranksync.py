@@ -105,6 +105,8 @@ class RankSync:
     def _count(self, labels: tuple[str, str, str, str], waves) -> None:
         m = self.metrics
         value = m.label_value
+        m.straggler_waves.labels(*labels)  # exist at 0 once a rank reports collectives
+        m.straggler_seconds.labels(*labels)
         last_seq: dict[str, int] = {}
         for cw in waves:
             for stat in cw.stats:

@@ -171,7 +171,8 @@ def test_every_panel_has_a_prometheus_query(overview):
         for t in targets:
             assert t.get("datasource", panel["datasource"])["uid"] == "${datasource}"
         unit = panel["fieldConfig"]["defaults"].get("unit")
-        assert unit in {"s", "ms", "ops", "short", "percentunit", "bytes"}, (
+        # percentunit: seconds per second (share of time); Bps: collective payload per second
+        assert unit in {"s", "ms", "ops", "short", "percentunit", "bytes", "Bps"}, (
             f"{panel['title']}: unit {unit!r}"
         )
 
