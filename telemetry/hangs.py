@@ -179,6 +179,7 @@ class HangDetector:
         m = self.metrics
         m.wedged.labels(engine)
         m.hang_recoveries.labels(engine)
+        m.stall_duration.labels(engine)
         for kind in KINDS:
             m.hang_verdicts.labels(
                 engine, str(rank.dp_rank), str(rank.tp_rank), str(rank.pp_rank), kind

@@ -78,7 +78,10 @@ class RankSync:
         key = (rank.run_id, engine, rank.dp_rank, rank.pp_rank)
         done: list[WaveSkew] = []
         with self._lock:
-            pending = self._pending.setdefault(key, collections.OrderedDict())
+            pending = self._pending.get(key)
+            if pending is None:
+                pending = self._pending[key] = collections.OrderedDict()
+                self.metrics.waves_unaligned.labels(engine, str(rank.dp_rank), str(rank.pp_rank))
             for cw in batch.collective_waves:
                 ranks = pending.setdefault(cw.wave, {})
                 record = ranks.setdefault(rank.tp_rank, _RankWave())

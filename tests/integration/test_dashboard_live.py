@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.support.dashboard import load_dashboard, metric_names_in, panel_queries, render_expr
 from tests.support.collective_feed import send_collective_waves
 from tests.support.feed import send_incidents_and_probes, send_waves
 from tests.support.prometheus import PrometheusServer
