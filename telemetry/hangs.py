@@ -227,7 +227,10 @@ class HangDetector:
                     events.append(self._raise(found))
                 elif found is None and standing is not None:
                     del self.verdicts[key]
-                    events.append(self._recover(standing, now))
+                    present = {r.rank.pid for r in self._ranks.get(key, {}).values()}
+                    named = {r["pid"] for r in (*standing.stopped, *standing.waiting)}
+                    how = "moving" if named <= present else "ranks_gone"
+                    events.append(self._recover(standing, now, how))
             self.history.extend(events)
             del self.history[:-256]
         return events
@@ -300,13 +303,16 @@ class HangDetector:
         self._emit(verdict, VERDICT, "critical", verdict.summary(), event)
         return event
 
-    def _recover(self, verdict: Verdict, now: float) -> dict[str, Any]:
+    def _recover(self, verdict: Verdict, now: float, how: str) -> dict[str, Any]:
+        """The verdict's condition cleared: the ranks move again ("moving"), or their streams
+        ended ("ranks_gone": the workers exited or were restarted)."""
         stall = max(0.0, now - verdict.onset_mono)
+        moving = "moves again" if how == "moving" else "lost its stalled ranks (streams ended)"
         event = {
-            "event": RECOVERY, "engine": verdict.engine, "run_id": verdict.run_id,
+            "event": RECOVERY, "engine": verdict.engine, "run_id": verdict.run_id, "how": how,
             "dp": verdict.dp, "kind": verdict.kind, "stall_s": round(stall, 3),
             "recovered_unix": time.time(), "verdict": verdict.as_dict(),
-            "summary": f"engine {verdict.engine} dp{verdict.dp} moves again after a "
+            "summary": f"engine {verdict.engine} dp{verdict.dp} {moving} after a "
                        f"{stall:.1f}s stall ({verdict.kind})",
         }  # fmt: skip
         m = self.metrics
