@@ -173,14 +173,34 @@ class CollectiveTracker:
         group: Any,
         args: tuple,
         kwargs: dict,
-        payload: Any,
+        payload: Payload,
     ) -> Any:
+        """Call `fn` as the collective `op` of `group`, numbered, timed and aggregated.
+
+        Written for cost (it runs for every collective): one method frame, two clock reads,
+        the payload's `nbytes`, and a handful of list updates.
+        """
         if self._depth:  # a collective made of collectives (broadcast_tensor_dict): count once
             return fn(group, *args, **kwargs)
-        meta = self._prepare(op, group)
+        try:
+            meta = getattr(group, META_ATTR, None)
+            if meta is None:
+                meta = self._describe_group(group)
+                setattr(group, META_ATTR, meta)
+            if meta.world_size > 1:  # vLLM short-cuts the others; nothing is communicated
+                meta.seq = seq = meta.seq + 1
+                wave = self._wave_source()
+                if wave != self.wave:
+                    self.roll(wave)
+                if self.before_call is not None:
+                    self.before_call(op, meta.label)
+            else:
+                meta = None
+        except Exception:  # noqa: BLE001 - never break the collective
+            self.errors += 1
+            meta = None
         if meta is None:
             return fn(group, *args, **kwargs)
-        seq = meta.seq
         start = time.perf_counter_ns()
         self.current = (op, meta.label, meta.backend, seq, start)
         self._depth = 1
@@ -190,38 +210,19 @@ class CollectiveTracker:
             end = time.perf_counter_ns()
             self._depth = 0
             self.current = None
-        try:
-            self._record(op, meta, seq, start, end - start, payload(args, kwargs, result))
-        except Exception:  # noqa: BLE001
-            self.errors += 1
+        if self.wave:  # outside any wave (model load, warm-up): sequence numbers only
+            try:
+                self._record(op, meta, seq, start, end - start, payload(args, kwargs, result))
+            except Exception:  # noqa: BLE001
+                self.errors += 1
         return result
 
-    def _prepare(self, op: str, group: Any) -> GroupMeta | None:
-        """Number the call and roll the wave; None: do not record it (or the guard failed)."""
-        try:
-            meta = group.__dict__.get(META_ATTR)
-            if meta is None:
-                meta = self._describe_group(group)
-                setattr(group, META_ATTR, meta)
-            if meta.world_size <= 1:  # vLLM short-cuts these; nothing is communicated
-                return None
-            meta.seq += 1
-            wave = self._wave_source()
-            if wave != self.wave:
-                self.roll(wave)
-            if self.before_call is not None:
-                self.before_call(op, meta.label)
-            return meta
-        except Exception:  # noqa: BLE001 - never break the collective
-            self.errors += 1
-            return None
-
     def _record(
-        self, op: str, meta: GroupMeta, seq: int, start: int, host_ns: int, size: tuple
+        self, op: str, meta: GroupMeta, seq: int, start: int, host_ns: int, data: Any
     ) -> None:
-        if not self.wave:
-            return  # outside any wave (model load, warm-up): sequence numbers only
-        nbytes, dtype = size
+        nbytes = getattr(data, "nbytes", None)  # a tensor: the common case
+        if nbytes is None:
+            nbytes = tensor_size(data)[0] if data is not None else 0
         key = (op, meta.label)
         stat = self._stats.get(key)
         if stat is None:
@@ -233,7 +234,7 @@ class CollectiveTracker:
                 seq,
                 seq,
                 meta.backend,
-                self._dtype(dtype),
+                self._dtype(data),
             ]
         else:
             stat[0] += 1
@@ -248,13 +249,17 @@ class CollectiveTracker:
         if host_ns >= self._slow_ns:
             if len(self._slow) < self._max_slow:
                 self._slow.append(
-                    (op, meta.label, meta.backend, self._dtype(dtype), seq, nbytes,
+                    (op, meta.label, meta.backend, self._dtype(data), seq, nbytes,
                      start + self._wall_offset_ns, host_ns)
                 )  # fmt: skip
             else:
                 self._slow_dropped += 1
 
-    def _dtype(self, dtype: Any) -> str:
+    def _dtype(self, data: Any) -> str:
+        """The payload's dtype as text ("float32"), cached per dtype object."""
+        dtype = getattr(data, "dtype", None) if data is not None else None
+        if dtype is None:
+            dtype = tensor_size(data)[1] if data is not None else None
         if dtype is None:
             return ""
         name = self._dtype_names.get(dtype)
@@ -315,32 +320,30 @@ def _describe_group_generic(group: Any) -> GroupMeta:
     )
 
 
-# -- payload readers: (args, kwargs, result) -> (bytes, dtype) ---------------------------------
-Payload = Callable[[tuple, dict, Any], tuple[int, Any]]
+# -- payload readers: (args, kwargs, result) -> the tensor, list or dict carried (or None) ----
+Payload = Callable[[tuple, dict, Any], Any]
 
 
-def first_arg(args: tuple, kwargs: dict, result: Any) -> tuple[int, Any]:
+def first_arg(args: tuple, kwargs: dict, result: Any) -> Any:
     if args:
-        return tensor_size(args[0])
+        return args[0]
     for value in kwargs.values():
-        return tensor_size(value)
-    return 0, None
+        return value
+    return None
 
 
-def arg_or_result(args: tuple, kwargs: dict, result: Any) -> tuple[int, Any]:
+def arg_or_result(args: tuple, kwargs: dict, result: Any) -> Any:
     """The tensor (dict) passed in, or on receiving ranks the one that came back."""
-    size = first_arg(args, kwargs, result)
-    if size[0] or result is None:
-        return size
-    return tensor_size(result)
+    data = first_arg(args, kwargs, result)
+    return result if data is None else data
 
 
-def result_only(args: tuple, kwargs: dict, result: Any) -> tuple[int, Any]:
-    return tensor_size(result)
+def result_only(args: tuple, kwargs: dict, result: Any) -> Any:
+    return result
 
 
-def no_payload(args: tuple, kwargs: dict, result: Any) -> tuple[int, Any]:
-    return 0, None
+def no_payload(args: tuple, kwargs: dict, result: Any) -> Any:
+    return None
 
 
 # -- the wrapper ----------------------------------------------------------------------------
