@@ -35,6 +35,7 @@ from tests.support.vllm_server import VllmServer  # noqa: E402
 from tools.make_tiny_model import build_tiny_model  # noqa: E402
 
 ENGINE = "drill"
+LONG = 900
 
 
 def _get(port: int, path: str) -> tuple[int, dict]:
@@ -48,9 +49,17 @@ def _get(port: int, path: str) -> tuple[int, dict]:
 def drill(server: VllmServer, port: int, tp: int, hold_s: float) -> dict:
     pids = {r["tp"]: r["pid"] for r in _get(port, f"/live/{ENGINE}")[1]["ranks"]}
     done: dict = {}
-    worker = threading.Thread(target=lambda: done.update(r=server.complete("Drill", 120)))
+
+    def last_wave() -> int:
+        return max(r["last_wave"] for r in _get(port, f"/live/{ENGINE}")[1]["ranks"])
+
+    before = last_wave()
+    worker = threading.Thread(
+        target=lambda: done.update(r=server.complete_many(["Drill one", "Drill two"], LONG))
+    )
     worker.start()
-    time.sleep(1.0)
+    while last_wave() < before + 3:  # stop while tokens flow (LONG takes seconds to decode)
+        time.sleep(0.01)
     os.kill(pids[tp], signal.SIGSTOP)
     stopped = time.monotonic()
     body: dict = {}
@@ -74,7 +83,7 @@ def drill(server: VllmServer, port: int, tp: int, hold_s: float) -> dict:
     return {"tp": tp, "probe_s": probe_s, "detect_s": verdict.get("detect_s"),
             "named_right": named == [pids[tp]], "kind": verdict.get("kind"),
             "op": verdict.get("op"), "seq": verdict.get("seq"),
-            "completed": done.get("r", {}).get("usage", {}).get("completion_tokens") == 120}  # fmt: skip
+            "completed": [r["usage"]["completion_tokens"] for r in done.get("r", [])] == [LONG] * 2}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         sidecar.stop()
     rows = [
         (i + 1, f"tp{r['tp']}", f"{r['probe_s']:.2f}" if r["probe_s"] else "none",
-         r["detect_s"], r["kind"], f"{r['op']}#{r['seq']}", r["named_right"], r["completed"])
+         r["detect_s"], r["kind"], f"{r['op'] or '-'}#{r['seq']}", r["named_right"],
+         r["completed"])
         for i, r in enumerate(results)
     ]  # fmt: skip
     print(f"heartbeat {args.heartbeat}s, --hang-after {args.hang_after}, hold {args.hold}s")

@@ -4,8 +4,8 @@ Every batch from a rank proves its streamer thread is alive; its heartbeat says 
 thread is doing (phase, or the collective it is inside, with group and sequence number). A
 checker thread looks at each engine replica (run, engine, dp) several times a second:
 
-- **no_heartbeat**: a rank has sent nothing for longer than `stale_s` (or 2.5 of its own
-  heartbeat intervals, if longer). A process frozen whole (SIGSTOP, a stuck driver call
+- **no_heartbeat**: a rank has sent nothing for longer than `stale_s` (or twice its own
+  heartbeat interval, if longer). A process frozen whole (SIGSTOP, a stuck driver call
   holding the GIL, a paused VM) looks like this; its peers' heartbeats say where they wait.
 - **not_arrived**: the ranks still speak, but some have waited in collective (group G, seq N)
   for longer than `wait_s` while others are not in it: those never arrived (stuck in compute,
@@ -38,6 +38,7 @@ log = structlog.get_logger("ascend_guard.hangs")
 ReplicaKey = tuple[str, str, int]  # run_id, engine label, dp
 RankKey = tuple[int, int]  # tp, pp
 KINDS = ("no_heartbeat", "not_arrived", "collective_stuck")
+MAX_LAG_ALLOWANCE_S = 10.0
 VERDICT = "hang_verdict"
 RECOVERY = "hang_recovered"
 
@@ -56,6 +57,9 @@ class HangSettings:
 class RankState:
     rank: guard_pb2.RankInfo
     last_seen: float  # sidecar monotonic time of the latest batch
+    speaking_since: float = 0.0  # first batch after the rank's latest silence (or ever)
+    seq_done: dict[str, int] = dataclasses.field(default_factory=dict)  # group -> highest seq
+    lag_s: float = 0.0  # how old the latest heartbeat was when the sidecar got to it
     heartbeat_at: float = 0.0  # ... of the latest heartbeat
     heartbeat_interval: float = 0.0  # smoothed interval between heartbeats
     phase: str = ""
@@ -75,6 +79,7 @@ class RankState:
             "dp": self.rank.dp_rank, "tp": self.rank.tp_rank, "pp": self.rank.pp_rank,
             "pid": self.rank.pid, "node": self.rank.node, "last_wave": self.last_wave,
             "silent_s": round(now - self.last_seen, 3), "phase": self.phase,
+            "lag_s": round(self.lag_s, 3),
         }  # fmt: skip
         if self.op:
             info.update(op=self.op, group=self.group, seq=self.seq,
@@ -156,7 +161,13 @@ class HangDetector:
                 state.rank.CopyFrom(rank)
                 ranks[(rank.tp_rank, rank.pp_rank)] = state
                 self._create_series(engine, rank)
+            if now - state.last_seen > self._silence_limit(state) or not state.speaking_since:
+                state.speaking_since = now  # back from a silence: give it time to catch up
             state.last_seen = now
+            for cw in batch.collective_waves:
+                for stat in cw.stats:
+                    if stat.last_seq > state.seq_done.get(stat.group, 0):
+                        state.seq_done[stat.group] = stat.last_seq
             if batch.HasField("heartbeat"):
                 hb = batch.heartbeat
                 if state.heartbeat_at:
@@ -166,6 +177,7 @@ class HangDetector:
                         else 0.8 * state.heartbeat_interval + 0.2 * gap
                     )  # fmt: skip
                 state.heartbeat_at = now
+                state.lag_s = max(0.0, time.time() - hb.time_unix_nano / 1e9)
                 state.phase = hb.phase
                 state.phase_age_s = hb.phase_age_ns / 1e9
                 state.last_wave = max(state.last_wave, hb.last_wave)
@@ -173,6 +185,8 @@ class HangDetector:
                 state.group = hb.collective_group
                 state.seq = hb.collective_seq
                 state.op_age_s = hb.collective_age_ns / 1e9
+                if state.op and state.seq > state.seq_done.get(state.group, 0):
+                    state.seq_done[state.group] = state.seq
 
     def _create_series(self, engine: str, rank: guard_pb2.RankInfo) -> None:
         """Series exist (at 0) once a rank speaks, so dashboards and alerts see them."""
@@ -241,7 +255,7 @@ class HangDetector:
         s = self.settings
         silent = [
             r for r in ranks.values()
-            if now - r.last_seen > max(s.stale_s, 2.5 * r.heartbeat_interval)
+            if now - r.last_seen > self._silence_limit(r)
         ]  # fmt: skip
         alive = [r for r in ranks.values() if r not in silent]
         armed = len(ranks) > 1 and min(r.last_wave for r in ranks.values()) >= s.arm_wave
@@ -259,13 +273,25 @@ class HangDetector:
         # the collective the waiting ranks are furthest into
         front = max(waiting, key=lambda r: (r.group, r.seq))
         at = [r for r in waiting if (r.group, r.seq) == (front.group, front.seq)]
-        behind = [r for r in alive if r not in at and not (r.op and r.group == front.group
-                                                            and r.seq >= front.seq)]  # fmt: skip
+        # not arrived: has not entered (group, seq) yet, and has been speaking for wait_s (a
+        # rank just back from a freeze gets that long to catch up before it is judged again)
+        behind = [
+            r for r in alive
+            if r not in at and r.seq_done.get(front.group, 0) < front.seq
+            and now - r.speaking_since >= s.wait_s
+        ]  # fmt: skip
         if behind:
             return self._verdict(key, "not_arrived", behind, at, now)
         if len(at) == len(ranks):
             return self._verdict(key, "collective_stuck", at, at, now)
         return None
+
+    def _silence_limit(self, state: RankState) -> float:
+        """How long a rank may be silent: stale_s, or twice its heartbeat interval, plus how
+        far behind the sidecar was on its stream (an overloaded sidecar reads late; a frozen
+        rank's last heartbeat was read promptly, so this costs detection time only then)."""
+        base = max(self.settings.stale_s, 2.0 * state.heartbeat_interval)
+        return base + min(state.lag_s, MAX_LAG_ALLOWANCE_S)
 
     def _verdict(
         self,

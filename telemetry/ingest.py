@@ -166,6 +166,8 @@ class IngestService:
         engine = self.engines.label(rank.engine or "default")
         labels = (engine, str(rank.dp_rank), str(rank.tp_rank), str(rank.pp_rank))
         source = (rank.run_id, engine, rank.dp_rank, rank.tp_rank, rank.pp_rank, rank.pid)
+        if self.cross_rank is not None:  # first: liveness must not wait for the span work
+            self.cross_rank.observe(engine, batch)
         self.metrics.observe_batch(labels, batch, source)
         if self.tracer is not None:
             for wave in batch.waves:
@@ -180,7 +182,5 @@ class IngestService:
         view.waves += len(batch.waves)
         if batch.waves:
             view.last_wave = max(view.last_wave, max(w.wave for w in batch.waves))
-        if self.cross_rank is not None:
-            self.cross_rank.observe(engine, batch)
         if self._on_batch is not None:
             self._on_batch(batch)

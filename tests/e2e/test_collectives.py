@@ -33,6 +33,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 ENGINE = "coll"
 DRILL_WAVE = 60
 DRILL_DELAY_S = 0.5
+LONG = 900  # tokens per request in flight during the SIGSTOP: several seconds of decoding
 HOLD_STOPPED_S = 4.0  # longer than the watchdog deadline (3 s), so rank 0 reports too
 PROMPTS = [
     "Collectives are counted",
@@ -202,12 +203,19 @@ def test_sigstop_of_a_worker_is_named_within_5s_and_recovery_is_recorded(dep: De
     victim = pids[1]
     assert os.getpgid(victim) == dep.server.proc.pid, "rank 1 is a process of this server"
 
+    def last_wave() -> int:
+        return max(r["last_wave"] for r in dep.get(f"/live/{ENGINE}")[1]["ranks"])
+
     result: dict = {}
+    waves_before = last_wave()
     request = threading.Thread(
-        target=lambda: result.update(r=dep.server.complete("A long answer follows", 160))
+        target=lambda: result.update(r=dep.server.complete_many(PROMPTS[:4], max_tokens=LONG))
     )
     request.start()
-    time.sleep(1.0)  # tokens are flowing
+    deadline = time.monotonic() + 30
+    while last_wave() < waves_before + 3:
+        assert time.monotonic() < deadline, "the long requests did not start"
+        time.sleep(0.01)  # stop while tokens are flowing (the requests run for seconds)
     os.kill(victim, signal.SIGSTOP)
     stopped_at = time.monotonic()
     try:
@@ -228,18 +236,20 @@ def test_sigstop_of_a_worker_is_named_within_5s_and_recovery_is_recorded(dep: De
     assert [(r["tp"], r["pid"]) for r in verdict["stopped"]] == [(1, victim)]
     assert verdict["kind"] == "no_heartbeat"
     waiting = {r["tp"]: r for r in verdict["waiting"]}
-    assert set(waiting) == {0}, verdict
+    assert set(waiting) == {0}, json.dumps(body)
     assert waiting[0]["group"] == "tp" and waiting[0]["op"] in ("all_reduce", "all_gather")
     assert (verdict["op"], verdict["seq"]) == (waiting[0]["op"], waiting[0]["seq"])
 
     request.join(120)
-    assert result["r"]["usage"]["completion_tokens"] == 160, "serving completes after SIGCONT"
+    assert [r["usage"]["completion_tokens"] for r in result["r"]] == [LONG] * 4, (
+        "serving completes after SIGCONT"
+    )
     deadline = time.monotonic() + 10
     while dep.get(f"/live/{ENGINE}")[0] != 200:
         assert time.monotonic() < deadline, "liveness did not recover"
         time.sleep(0.1)
     history = dep.get("/hangs")[1]["history"]
-    assert [e["event"] for e in history] == ["hang_verdict", "hang_recovered"]
+    assert [e["event"] for e in history] == ["hang_verdict", "hang_recovered"], json.dumps(history)
     assert history[1]["stall_s"] >= HOLD_STOPPED_S - 0.5
 
     text = dep.metrics()

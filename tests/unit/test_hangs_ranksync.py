@@ -3,6 +3,8 @@ recovery, no verdict in warm-up or on short waits; wave skew and straggler attri
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -20,7 +22,9 @@ class Clock:
         return self.t
 
 
-def batch(tp, *, wave=5, op="", seq=0, age_s=0.0, phase="execute_model", pid=None, tp_size=2):
+def batch(
+    tp, *, wave=5, op="", seq=0, age_s=0.0, phase="execute_model", pid=None, tp_size=2, lag_s=0.0
+):
     b = guard_pb2.Batch(
         rank=guard_pb2.RankInfo(
             run_id="r1",
@@ -34,7 +38,7 @@ def batch(tp, *, wave=5, op="", seq=0, age_s=0.0, phase="execute_model", pid=Non
         )  # fmt: skip
     )
     hb = b.heartbeat
-    hb.time_unix_nano, hb.last_wave, hb.phase = 1, wave, phase
+    hb.time_unix_nano, hb.last_wave, hb.phase = time.time_ns() - int(lag_s * 1e9), wave, phase
     if op:
         hb.collective_op, hb.collective_group, hb.collective_seq = op, "tp", seq
         hb.collective_age_ns = int(age_s * 1e9)
@@ -79,9 +83,12 @@ def test_silent_rank_is_named_with_the_op_its_peer_waits_in_and_recovery_follows
     live, body = det.engine_status("e")
     assert not live and body["verdicts"][0]["kind"] == "no_heartbeat"
     assert det.metrics.wedged.labels("e")._value.get() == 1
-    # rank 1 resumes: both move on
-    events = beat(det, batch(0, wave=6), batch(1, wave=6))
+    # rank 1 resumes; rank 0's heartbeat still says it waits (it is a moment old), rank 1's
+    # first one comes from before the collective: that is not a new hang
+    events = beat(det, batch(0, op="all_reduce", seq=40, age_s=3.6), batch(1), dt=0.1)
     assert [e["event"] for e in events] == ["hang_recovered"]
+    assert beat(det, batch(0, op="all_reduce", seq=40, age_s=3.7), batch(1), dt=0.1) == []
+    assert beat(det, batch(0, wave=6), batch(1, wave=6)) == []
     assert events[0]["stall_s"] >= 2.5
     assert det.engine_status("e")[0] is True
     assert det.metrics.wedged.labels("e")._value.get() == 0
@@ -115,6 +122,17 @@ def test_heartbeat_interval_stretches_the_silence_threshold(det):
         assert beat(det, batch(0), batch(1), dt=3.0) == []  # 3 s heartbeats: not a stall
     events = beat(det, dt=8.0)
     assert events and {r["tp"] for r in events[0]["stopped"]} == {0, 1}
+
+
+def test_a_sidecar_that_reads_late_gives_the_stream_that_much_longer(det):
+    """Heartbeats read 3 s after they were sent (the sidecar is behind on that stream): a gap
+    in reading is not taken for a frozen rank until the allowance is used up."""
+    for _ in range(4):
+        assert beat(det, batch(0), batch(1, lag_s=3.0)) == []
+    assert beat(det, batch(0), dt=2.5) == []  # 2.5 s without rank 1: within 2 s + 3 s lag
+    assert beat(det, batch(0), dt=2.0) == []
+    events = beat(det, batch(0), dt=1.0)  # 5.5 s: beyond it
+    assert [e["kind"] for e in events] == ["no_heartbeat"]
 
 
 def test_a_rank_that_exits_is_not_a_hang(det):
