@@ -50,16 +50,10 @@ def drill(server: VllmServer, port: int, tp: int, hold_s: float) -> dict:
     pids = {r["tp"]: r["pid"] for r in _get(port, f"/live/{ENGINE}")[1]["ranks"]}
     done: dict = {}
 
-    def last_wave() -> int:
-        return max(r["last_wave"] for r in _get(port, f"/live/{ENGINE}")[1]["ranks"])
-
-    before = last_wave()
-    worker = threading.Thread(
-        target=lambda: done.update(r=server.complete_many(["Drill one", "Drill two"], LONG))
-    )
+    prompts = ["Drill one", "Drill two", "Drill three", "Drill four"]
+    worker = threading.Thread(target=lambda: done.update(r=server.complete_many(prompts, LONG)))
     worker.start()
-    while last_wave() < before + 3:  # stop while tokens flow (LONG takes seconds to decode)
-        time.sleep(0.01)
+    time.sleep(0.8)  # tokens flow: 4 x LONG tokens take several seconds to decode
     os.kill(pids[tp], signal.SIGSTOP)
     stopped = time.monotonic()
     body: dict = {}
@@ -83,7 +77,7 @@ def drill(server: VllmServer, port: int, tp: int, hold_s: float) -> dict:
     return {"tp": tp, "probe_s": probe_s, "detect_s": verdict.get("detect_s"),
             "named_right": named == [pids[tp]], "kind": verdict.get("kind"),
             "op": verdict.get("op"), "seq": verdict.get("seq"),
-            "completed": [r["usage"]["completion_tokens"] for r in done.get("r", [])] == [LONG] * 2}  # fmt: skip
+            "completed": [r["usage"]["completion_tokens"] for r in done.get("r", [])] == [LONG] * 4}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

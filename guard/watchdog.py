@@ -49,6 +49,7 @@ class CollectiveWatchdog:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._fired: tuple[str, int] | None = None  # (group, seq) already reported
+        self._last_tick = time.monotonic()
         self.fired = 0
 
     def start(self) -> None:
@@ -63,11 +64,23 @@ class CollectiveWatchdog:
             self._thread.join(2.0)
 
     def _run(self) -> None:
+        self._last_tick = time.monotonic()
         while not self._stop.wait(self._interval_s):
             try:
-                self.check()
+                self.tick(time.monotonic())
             except Exception:  # noqa: BLE001 - the watchdog must never take the worker down
                 log.exception("watchdog_error")
+
+    def tick(self, now: float, now_ns: int | None = None) -> bool:
+        """One wake-up of the thread at monotonic time `now`; True when it reported.
+
+        A tick far later than asked means this process itself was frozen (SIGSTOP, a VM
+        pause) or starved: its own call looks old only because of that, and finishes at once
+        now that the process runs again. Then it looks again at the next tick.
+        """
+        frozen = now - self._last_tick > max(1.0, 5 * self._interval_s)
+        self._last_tick = now
+        return False if frozen else self.check(now_ns)
 
     def check(self, now_ns: int | None = None) -> bool:
         """One look at the current call; True when it raised an incident."""

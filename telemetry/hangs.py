@@ -221,7 +221,15 @@ class HangDetector:
             self._thread.join(2.0)
 
     def _run(self) -> None:
+        last = time.monotonic()
         while not self._stop.wait(self.settings.check_interval_s):
+            now = time.monotonic()
+            gap, last = now - last, now
+            # woken far too late: this sidecar was itself starved or paused, so it has not
+            # been reading the streams either; judge silences again once it has caught up
+            if gap > max(1.0, 10 * self.settings.check_interval_s):
+                log.warning("hang_check_late", gap_s=round(gap, 3))
+                continue
             try:
                 self.check()
             except Exception:  # noqa: BLE001 - the sidecar keeps serving

@@ -82,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         for r in rows:
             print(json.dumps({"type": r["type"], "time_ns": r["time_ns"], "engine": r["engine"],
-                              "summary": r["summary"],
+                              "dp": r["dp"], "tp": r["tp"], "pp": r["pp"], "pid": r["pid"],
+                              "wave": r["wave"], "summary": r["summary"],
                               "evidence": json.loads(r["evidence"] or "{}")}, sort_keys=True))  # fmt: skip
         return 0
     if not rows:

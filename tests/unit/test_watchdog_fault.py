@@ -42,6 +42,20 @@ def test_watchdog_fires_once_per_stuck_call_and_only_when_armed():
     assert dog.fired == 2
 
 
+def test_watchdog_skips_the_tick_after_its_own_process_was_frozen():
+    """After a SIGSTOP/SIGCONT the frozen rank's own call looks old; it is not reported."""
+    tracker = CollectiveTracker(CollectivesConfig())
+    tracker.completed_waves = 3
+    reports: list = []
+    dog = _watchdog(tracker, reports, deadline_s=1.0)
+    start = 1_000_000_000
+    tracker.current = ("all_reduce", "tp", "shm", 5, start)
+    dog.tick(100.0, now_ns=start)
+    assert not dog.tick(104.0, now_ns=start + 4_000_000_000)  # woke 4 s late: frozen itself
+    assert dog.tick(104.01, now_ns=start + 4_010_000_000)  # still stuck on the next tick
+    assert len(reports) == 1
+
+
 def test_watchdog_thread_reports_while_the_call_blocks():
     tracker = CollectiveTracker(CollectivesConfig())
     tracker.completed_waves = 5
