@@ -289,17 +289,20 @@ class HangDetector:
             and now - r.speaking_since >= s.wait_s
         ]  # fmt: skip
         if behind:
-            return self._verdict(key, "not_arrived", behind, at, now)
+            # peers wait for it and it has been quiet past stale_s: frozen, even if the lag
+            # allowance has not run out yet (the peers' wait is the corroboration)
+            quiet = any(now - r.last_seen > self._silence_limit(r, lag=False) for r in behind)
+            return self._verdict(key, "no_heartbeat" if quiet else "not_arrived", behind, at, now)
         if len(at) == len(ranks):
             return self._verdict(key, "collective_stuck", at, at, now)
         return None
 
-    def _silence_limit(self, state: RankState) -> float:
+    def _silence_limit(self, state: RankState, lag: bool = True) -> float:
         """How long a rank may be silent: stale_s, or twice its heartbeat interval, plus how
         far behind the sidecar was on its stream (an overloaded sidecar reads late; a frozen
         rank's last heartbeat was read promptly, so this costs detection time only then)."""
         base = max(self.settings.stale_s, 2.0 * state.heartbeat_interval)
-        return base + min(state.lag_s, MAX_LAG_ALLOWANCE_S)
+        return base + (min(state.lag_s, MAX_LAG_ALLOWANCE_S) if lag else 0.0)
 
     def _verdict(
         self,

@@ -135,6 +135,16 @@ def test_a_sidecar_that_reads_late_gives_the_stream_that_much_longer(det):
     assert [e["kind"] for e in events] == ["no_heartbeat"]
 
 
+def test_a_quiet_laggard_that_peers_wait_for_is_frozen_even_within_the_lag_allowance(det):
+    for _ in range(4):
+        assert beat(det, batch(0), batch(1, lag_s=3.0)) == []
+    events = []
+    for i in range(1, 10):
+        events += beat(det, batch(0, op="all_reduce", seq=12, age_s=0.5 * i))
+    assert [e["kind"] for e in events] == ["no_heartbeat"]
+    assert events[0]["stopped"][0]["tp"] == 1 and events[0]["seq"] == 12
+
+
 def test_a_rank_that_exits_is_not_a_hang(det):
     beat(det, batch(0), batch(1))
     det.rank_gone("e", batch(1).rank)
