@@ -252,7 +252,8 @@ def test_sigstop_of_a_worker_is_named_within_5s_and_recovery_is_recorded(dep: De
     assert events[:2] == ["hang_verdict", "hang_recovered"], json.dumps(history)
     assert events == ["hang_verdict", "hang_recovered"] * (len(events) // 2), json.dumps(history)
     verdicts = [e for e in history if e["event"] == "hang_verdict"]
-    assert history[1]["stall_s"] >= HOLD_STOPPED_S - 0.5
+    # onset = when the sidecar read the frozen rank's last batch: late by the stream's lag
+    assert HOLD_STOPPED_S - 1.0 <= history[1]["stall_s"] <= HOLD_STOPPED_S + 5.0
 
     text = dep.metrics()
     assert value(text, "ascend_guard_hang_verdicts_total", kind="no_heartbeat", **rank(1)) >= 1
