@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from tests.support.collective_feed import send_collective_waves
+from tests.support.dashboard import load_dashboard, metric_names_in, panel_queries, render_expr
 from tests.support.feed import send_incidents_and_probes, send_waves
 from tests.support.prometheus import PrometheusServer
 from tests.support.sidecar import SidecarProcess
