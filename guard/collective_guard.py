@@ -64,6 +64,8 @@ class CollectiveGuard:
         except Exception:  # noqa: BLE001
             self.errors += 1
             log.exception("collective_fill_batch_failed")
+        # both counts are cumulative, so their sum with the processor's is too
+        batch.guard_errors_total += self.errors + self.tracker.errors
 
     def close(self) -> None:
         if self.watchdog is not None:

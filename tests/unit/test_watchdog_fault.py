@@ -128,3 +128,21 @@ def test_guard_logs_a_loud_warning_when_the_drill_is_on(capsys):
     )  # fmt: skip
     out = capsys.readouterr()
     assert "FAULT_INJECTION_ENABLED" in out.out + out.err
+
+
+def test_collective_guard_errors_reach_the_exported_error_count():
+    from telemetry.proto import guard_pb2
+
+    guard = CollectiveGuard(
+        CollectivesConfig(watchdog=False), FaultInjectionConfig(),
+        wave_source=lambda: 1 / 0, rank_source=lambda: (0, 0, 0),
+    )  # fmt: skip
+
+    class G:
+        unique_name = "tp:0"
+        world_size = 2
+
+    assert guard.tracker.run("all_reduce", lambda g: 7, G(), (), {}, lambda *a: None) == 7
+    batch = guard_pb2.Batch(guard_errors_total=2)
+    guard.fill_batch(batch, with_heartbeat=False)
+    assert batch.guard_errors_total == 3
