@@ -140,6 +140,9 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
         hang_stale_s = parse_duration_ns(args.hang_after, "--hang-after") / 1e9
         hang_wait_s = parse_duration_ns(args.hang_wait, "--hang-wait") / 1e9
         straggler_s = parse_duration_ns(args.straggler_threshold, "--straggler-threshold") / 1e9
+        for flag, seconds in (("--hang-after", hang_stale_s), ("--hang-wait", hang_wait_s)):
+            if seconds <= 0:
+                raise QueryError(f"{flag}: must be above 0, got {seconds:g}s")
     except QueryError as exc:
         print(f"ascend-guard sidecar: {exc}", file=sys.stderr)
         return 2

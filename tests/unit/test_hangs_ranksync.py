@@ -205,3 +205,15 @@ def test_wire_label_values_are_bounded():
         for s in m.samples
     }  # fmt: skip
     assert len(ops) <= 65 and "_other" in ops
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [("--hang-after", "0s", "--hang-after: must be above 0"),
+     ("--hang-wait", "soon", "--hang-wait: 'soon' is not a duration")],
+)  # fmt: skip
+def test_sidecar_refuses_bad_hang_thresholds(flag, value, message, capsys):
+    from telemetry.cli import main
+
+    assert main(["sidecar", flag, value]) == 2
+    assert message in capsys.readouterr().err
