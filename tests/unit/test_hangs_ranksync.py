@@ -212,8 +212,11 @@ def test_wire_label_values_are_bounded():
     [("--hang-after", "0s", "--hang-after: must be above 0"),
      ("--hang-wait", "soon", "--hang-wait: 'soon' is not a duration")],
 )  # fmt: skip
-def test_sidecar_refuses_bad_hang_thresholds(flag, value, message, capsys):
+def test_sidecar_refuses_bad_hang_thresholds(flag, value, message, capsys, monkeypatch):
+    from telemetry import logs
     from telemetry.cli import main
 
+    # logs.configure() would bind structlog to capsys's stream, closed after this test
+    monkeypatch.setattr(logs, "configure", lambda **_: None)
     assert main(["sidecar", flag, value]) == 2
     assert message in capsys.readouterr().err
