@@ -125,4 +125,7 @@ def activate(config: GuardConfig) -> None:
     atexit.register(processor.close)
     bind_all()
     bind_sampling()
+    from ascend_runtime.collective_binding import install_collective_guard
+
+    install_collective_guard(config, processor)
     _state["bound"] = True

@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from guard.collectives import CollectivesConfig
 from guard.config_schema import (  # noqa: F401 - re-exported for config sections
     ACTIONS,
     GuardConfigError,
@@ -24,6 +25,7 @@ from guard.config_schema import (  # noqa: F401 - re-exported for config section
     parse_section,
 )
 from guard.detectors.config import DetectorsConfig
+from guard.fault_injection import FaultInjectionConfig
 from telemetry.addresses import address_problem, default_sidecar_address
 
 CONFIG_KEY = "runtime_guard"
@@ -72,6 +74,8 @@ class GuardConfig:
     error_log_per_minute: int = dataclasses.field(default=5, metadata=_range(0, 10_000))
     incidents: IncidentsConfig = dataclasses.field(default_factory=IncidentsConfig)
     detectors: DetectorsConfig = dataclasses.field(default_factory=DetectorsConfig)
+    collectives: CollectivesConfig = dataclasses.field(default_factory=CollectivesConfig)
+    fault_injection: FaultInjectionConfig = dataclasses.field(default_factory=FaultInjectionConfig)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -14,7 +14,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
@@ -32,6 +32,15 @@ if TYPE_CHECKING:
 log = structlog.get_logger("ascend_guard.processor")
 
 RankDescriber = Callable[[Any], guard_pb2.RankInfo]
+
+
+class WaveObserver(Protocol):
+    """Extra per-wave work (guard/collective_guard.py): called on the engine thread at the
+    wave's boundaries, and on the streamer thread to add its fields to each batch."""
+
+    def begin_wave(self, wave: int) -> None: ...
+    def end_wave(self, wave: int) -> None: ...
+    def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool) -> None: ...
 
 
 # A wave between execute_model and sample_tokens: (wave, start_perf_ns, execute_ns, schedule).
@@ -109,6 +118,8 @@ class GuardProcessor:
             current_wave=lambda: self.wave,
             sink=self._queue_incident,
         )
+        # issue 4: collectives, watchdog, fire drill (guard/collective_guard.py); None = off
+        self.observer: WaveObserver | None = None
 
     # -- decorator entry points ---------------------------------------------------------------
     def run_step(self, fn: Callable[..., Any], runner: Any, args: tuple, kwargs: dict) -> Any:
@@ -120,6 +131,9 @@ class GuardProcessor:
         if self.streamer is None or self._open is not None:
             self._prepare_step(runner)
         self._runner = runner
+        observer = self.observer
+        if observer is not None:
+            observer.begin_wave(wave)
         start = time.perf_counter_ns()
         self._phase = (_EXECUTE, start)
         self._depth = 1
@@ -149,6 +163,8 @@ class GuardProcessor:
                 self._emit(opened, 0, 0, count_sampled_tokens(output), False)
                 if self.detectors is not None:
                     self.detectors.on_output(wave, runner, output)
+                if observer is not None:
+                    observer.end_wave(wave)
         except Exception:  # noqa: BLE001
             self.errors.record("step_end")
         return output
@@ -166,6 +182,9 @@ class GuardProcessor:
             self._depth = 0
             end = time.perf_counter_ns()
             self._phase = (_IDLE, end)
+        observer = self.observer
+        if observer is not None:
+            observer.end_wave(self.wave)
         opened = self._open
         if opened is not None:
             self._open = None
@@ -357,6 +376,7 @@ class GuardProcessor:
             heartbeat_interval_s=config.heartbeat_interval_s,
             max_backoff_s=config.reconnect_max_backoff_s,
             heartbeat_source=self.heartbeat,
+            batch_filler=self.observer.fill_batch if self.observer is not None else None,
             error_counter=lambda: self.errors.total,
             hits_source=self._hits,
             probe_source=self._probe_snapshot,

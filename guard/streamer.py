@@ -76,6 +76,7 @@ class Streamer:
         hits_source: Callable[[], dict[str, int]] = dict,
         spool: IncidentSpool | None = None,
         probe_source: Callable[[], list[tuple[str, float, dict[str, str]]]] | None = None,
+        batch_filler: Callable[[guard_pb2.Batch, bool], None] | None = None,
     ) -> None:
         self._address = address
         self._rank = rank
@@ -98,6 +99,7 @@ class Streamer:
         self._probes_lock = threading.Lock()
         self.incidents_sent = 0
         self.incidents_spooled = 0
+        self._batch_filler = batch_filler  # adds collective fields (issue 4), never raises
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._seq = 0
@@ -315,6 +317,8 @@ class Streamer:
             batch.heartbeat.last_wave = state.last_wave
             batch.heartbeat.phase = state.phase
             batch.heartbeat.phase_age_ns = state.phase_age_ns
+        if self._batch_filler is not None:
+            self._batch_filler(batch, with_heartbeat)
         return batch
 
 

@@ -8,7 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from telemetry import logs
+from telemetry import hangs_cli, logs
 from telemetry.addresses import default_sidecar_address
 from telemetry.incidents import IncidentFilter, list_incidents
 from telemetry.query import (
@@ -61,6 +61,24 @@ def _parser() -> argparse.ArgumentParser:
         "--max-message-bytes", type=int, default=4 * 1024 * 1024, help="largest accepted batch"
     )
     side.add_argument("--log-json", action="store_true", help="log JSON lines instead of key=value")
+    side.add_argument(
+        "--health-port", type=int, default=-1,
+        help="port of the liveness endpoint /live/<engine> (default: metrics port + 1 if free; 0: off)",
+    )  # fmt: skip
+    side.add_argument("--health-host", default="0.0.0.0", help="interface for /live")
+    side.add_argument(
+        "--hang-after",
+        default="2s",
+        help="a rank silent this long is declared stopped (default 2s)",
+    )
+    side.add_argument(
+        "--hang-wait", default="3s",
+        help="peers inside one collective this long while a rank is not: verdict (default 3s)",
+    )  # fmt: skip
+    side.add_argument(
+        "--straggler-threshold", default="50ms",
+        help="wave skew from which the slowest rank is counted as a straggler (default 50ms)",
+    )  # fmt: skip
 
     query = sub.add_parser("query", help="search stored spans; prints the slowest first")
     query.add_argument("--store", default=default_store_path())
@@ -109,6 +127,7 @@ def _parser() -> argparse.ArgumentParser:
     trace = sub.add_parser("trace", help="print one trace as a tree")
     trace.add_argument("trace_id", help="32 hex digits, as `ascend-guard query` prints")
     trace.add_argument("--store", default=default_store_path())
+    hangs_cli.add_parser(sub)
     return parser
 
 
@@ -118,13 +137,21 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
     logs.configure(json_output=args.log_json)
     try:
         retention_s = parse_duration_ns(args.retention, "--retention") / 1e9
+        hang_stale_s = parse_duration_ns(args.hang_after, "--hang-after") / 1e9
+        hang_wait_s = parse_duration_ns(args.hang_wait, "--hang-wait") / 1e9
+        straggler_s = parse_duration_ns(args.straggler_threshold, "--straggler-threshold") / 1e9
+        for flag, seconds in (("--hang-after", hang_stale_s), ("--hang-wait", hang_wait_s)):
+            if seconds <= 0:
+                raise QueryError(f"{flag}: must be above 0, got {seconds:g}s")
     except QueryError as exc:
         print(f"ascend-guard sidecar: {exc}", file=sys.stderr)
         return 2
     settings = SidecarSettings(
         listen=args.listen, metrics_host=args.metrics_host, metrics_port=args.metrics_port, store=args.store,
         otlp_endpoint=args.otlp_endpoint, retention_s=retention_s, max_spans=args.max_spans,
-        max_message_bytes=args.max_message_bytes,
+        max_message_bytes=args.max_message_bytes, health_host=args.health_host,
+        health_port=args.health_port, hang_stale_s=hang_stale_s, hang_wait_s=hang_wait_s,
+        straggler_threshold_s=straggler_s,
     )  # fmt: skip
     try:
         Sidecar(settings).serve_forever()
@@ -297,6 +324,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "incidents": _cmd_incidents,
         "config": _cmd_config,
         "doctor": _cmd_doctor,
+        "hangs": hangs_cli.run,
     }
     try:
         return handlers[args.command](args)

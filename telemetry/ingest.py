@@ -15,6 +15,7 @@ import grpc
 import structlog
 from google.protobuf.message import DecodeError
 
+from telemetry.crossrank import CrossRankView
 from telemetry.incidents import IncidentLedger
 from telemetry.labels import EngineLabels
 from telemetry.metrics import SidecarMetrics
@@ -64,6 +65,7 @@ class IngestService:
         engines: EngineLabels | None = None,
         on_batch: Callable[[guard_pb2.Batch], None] | None = None,
         incidents: IncidentLedger | None = None,
+        cross_rank: CrossRankView | None = None,
     ) -> None:
         self.metrics = metrics
         self.tracer = tracer
@@ -71,6 +73,7 @@ class IngestService:
         self.engines = engines or EngineLabels()
         self._on_batch = on_batch
         self.incidents = incidents
+        self.cross_rank = cross_rank  # collectives, skew, hang verdicts (telemetry/crossrank.py)
         self._lock = threading.Lock()
         self.streams: dict[int, RankView] = {}
         self._next_stream = 0
@@ -150,6 +153,8 @@ class IngestService:
         with self._lock:
             self.streams.pop(stream_id, None)
         self.metrics.ranks_connected.labels(view.engine).dec()
+        if self.cross_rank is not None:
+            self.cross_rank.rank_gone(view.engine, view.rank)
         rank = view.rank
         log.info(
             "rank_disconnected", engine=view.engine, dp=rank.dp_rank, tp=rank.tp_rank, pp=rank.pp_rank,
@@ -161,6 +166,8 @@ class IngestService:
         engine = self.engines.label(rank.engine or "default")
         labels = (engine, str(rank.dp_rank), str(rank.tp_rank), str(rank.pp_rank))
         source = (rank.run_id, engine, rank.dp_rank, rank.tp_rank, rank.pp_rank, rank.pid)
+        if self.cross_rank is not None:  # first: liveness must not wait for the span work
+            self.cross_rank.observe(engine, batch)
         self.metrics.observe_batch(labels, batch, source)
         if self.tracer is not None:
             for wave in batch.waves:

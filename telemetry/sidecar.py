@@ -15,8 +15,11 @@ import structlog
 from prometheus_client import start_http_server
 
 from telemetry.addresses import address_problem, unix_socket_path
+from telemetry.crossrank import CrossRankView
+from telemetry.hangs import HangSettings
 from telemetry.incidents import IncidentLedger
 from telemetry.ingest import DEFAULT_MAX_MESSAGE_BYTES, IngestService
+from telemetry.liveness import LivenessServer
 from telemetry.metrics import SidecarMetrics
 from telemetry.store import SqliteSpanExporter
 from telemetry.traces import WaveTracer, build_provider
@@ -38,6 +41,12 @@ class SidecarSettings:
     max_spans: int = 5_000_000
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_streams: int = 256
+    # liveness endpoint /live/<engine>: -1 = metrics port + 1 if free, 0 = off
+    health_host: str = "0.0.0.0"
+    health_port: int = -1
+    hang_stale_s: float = 2.0
+    hang_wait_s: float = 3.0
+    straggler_threshold_s: float = 0.05
 
 
 class SidecarStartError(RuntimeError):
@@ -90,6 +99,14 @@ class Sidecar:
             max_message_bytes=settings.max_message_bytes,
             incidents=self.incidents,
         )
+        self.cross_rank = CrossRankView(
+            self.metrics.registry,
+            hang_settings=HangSettings(stale_s=settings.hang_stale_s, wait_s=settings.hang_wait_s),
+            straggler_threshold_s=settings.straggler_threshold_s,
+            incident_sink=self.incidents.add,
+        )
+        self.ingest.cross_rank = self.cross_rank
+        self.liveness: LivenessServer | None = None
         self._server: grpc.Server | None = None
         self._http = None
         self._stopped = threading.Event()
@@ -135,8 +152,14 @@ class Sidecar:
             raise SidecarStartError(
                 f"cannot serve /metrics on {settings.metrics_host}:{settings.metrics_port}: {exc.strerror}"
             ) from exc
+        try:
+            self._start_liveness()
+        except SidecarStartError:
+            server.stop(0)
+            raise
         server.start()
         self._server = server
+        self.cross_rank.start()
         log.info(
             "sidecar_ready", listen=settings.listen, metrics=f"http://{settings.metrics_host}:{settings.metrics_port}/metrics",
             store=settings.store, otlp=settings.otlp_endpoint or "off",
@@ -148,6 +171,9 @@ class Sidecar:
         self._stopped.set()
         if self._server is not None:
             self._server.stop(grace_s).wait(grace_s + 1)
+        self.cross_rank.stop()
+        if self.liveness is not None:
+            self.liveness.stop()
         self.provider.shutdown()  # flushes pending spans into the store
         self.incidents.close()
         if self._http is not None:
@@ -156,6 +182,32 @@ class Sidecar:
         if unix_path and os.path.exists(unix_path):
             os.unlink(unix_path)
         log.info("sidecar_stopped", spans_stored=self.store_exporter.exported)
+
+    def _start_liveness(self) -> None:
+        settings = self.settings
+        port = settings.health_port
+        if port == 0:
+            return
+        try:
+            self.liveness = LivenessServer(
+                self.cross_rank,
+                settings.health_host,
+                settings.metrics_port + 1 if port < 0 else port,
+            )
+        except OSError as exc:
+            if port > 0:
+                if self._http is not None:
+                    self._http.shutdown()
+                raise SidecarStartError(
+                    f"cannot serve /live on {settings.health_host}:{port}: {exc.strerror}"
+                ) from exc
+            log.warning("liveness_port_busy", port=settings.metrics_port + 1, error=exc.strerror)
+            return
+        self.liveness.start()
+        log.info(
+            "liveness_ready",
+            url=f"http://{settings.health_host}:{self.liveness.port}/live/<engine>",
+        )
 
     def serve_forever(self) -> None:
         """Run until SIGINT or SIGTERM, then stop cleanly."""

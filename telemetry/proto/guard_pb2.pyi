@@ -63,16 +63,90 @@ class WaveRecord(_message.Message):
     def __init__(self, wave: _Optional[int] = ..., start_unix_nano: _Optional[int] = ..., execute_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., sample_offset_ns: _Optional[int] = ..., num_reqs: _Optional[int] = ..., prefill_reqs: _Optional[int] = ..., decode_reqs: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., dummy: _Optional[bool] = ..., sampled: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("time_unix_nano", "last_wave", "phase", "phase_age_ns")
+    __slots__ = ("time_unix_nano", "last_wave", "phase", "phase_age_ns", "collective_op", "collective_group", "collective_seq", "collective_age_ns", "collective_backend")
     TIME_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
     LAST_WAVE_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     PHASE_AGE_NS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_OP_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_GROUP_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_SEQ_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_AGE_NS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_BACKEND_FIELD_NUMBER: _ClassVar[int]
     time_unix_nano: int
     last_wave: int
     phase: str
     phase_age_ns: int
-    def __init__(self, time_unix_nano: _Optional[int] = ..., last_wave: _Optional[int] = ..., phase: _Optional[str] = ..., phase_age_ns: _Optional[int] = ...) -> None: ...
+    collective_op: str
+    collective_group: str
+    collective_seq: int
+    collective_age_ns: int
+    collective_backend: str
+    def __init__(self, time_unix_nano: _Optional[int] = ..., last_wave: _Optional[int] = ..., phase: _Optional[str] = ..., phase_age_ns: _Optional[int] = ..., collective_op: _Optional[str] = ..., collective_group: _Optional[str] = ..., collective_seq: _Optional[int] = ..., collective_age_ns: _Optional[int] = ..., collective_backend: _Optional[str] = ...) -> None: ...
+
+class CollectiveStat(_message.Message):
+    __slots__ = ("op", "group", "backend", "dtype", "calls", "bytes", "host_ns", "max_host_ns", "first_seq", "last_seq", "device_ns")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_NS_FIELD_NUMBER: _ClassVar[int]
+    MAX_HOST_NS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NS_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    group: str
+    backend: str
+    dtype: str
+    calls: int
+    bytes: int
+    host_ns: int
+    max_host_ns: int
+    first_seq: int
+    last_seq: int
+    device_ns: int
+    def __init__(self, op: _Optional[str] = ..., group: _Optional[str] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., calls: _Optional[int] = ..., bytes: _Optional[int] = ..., host_ns: _Optional[int] = ..., max_host_ns: _Optional[int] = ..., first_seq: _Optional[int] = ..., last_seq: _Optional[int] = ..., device_ns: _Optional[int] = ...) -> None: ...
+
+class CollectiveCall(_message.Message):
+    __slots__ = ("op", "group", "backend", "dtype", "seq", "bytes", "start_unix_nano", "host_ns")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    START_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    HOST_NS_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    group: str
+    backend: str
+    dtype: str
+    seq: int
+    bytes: int
+    start_unix_nano: int
+    host_ns: int
+    def __init__(self, op: _Optional[str] = ..., group: _Optional[str] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., seq: _Optional[int] = ..., bytes: _Optional[int] = ..., start_unix_nano: _Optional[int] = ..., host_ns: _Optional[int] = ...) -> None: ...
+
+class CollectiveWave(_message.Message):
+    __slots__ = ("wave", "first_arrival_unix_nano", "wait_ns", "stats", "slow_calls", "slow_calls_dropped", "injected_delay_ns")
+    WAVE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ARRIVAL_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    WAIT_NS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    SLOW_CALLS_FIELD_NUMBER: _ClassVar[int]
+    SLOW_CALLS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    INJECTED_DELAY_NS_FIELD_NUMBER: _ClassVar[int]
+    wave: int
+    first_arrival_unix_nano: int
+    wait_ns: int
+    stats: _containers.RepeatedCompositeFieldContainer[CollectiveStat]
+    slow_calls: _containers.RepeatedCompositeFieldContainer[CollectiveCall]
+    slow_calls_dropped: int
+    injected_delay_ns: int
+    def __init__(self, wave: _Optional[int] = ..., first_arrival_unix_nano: _Optional[int] = ..., wait_ns: _Optional[int] = ..., stats: _Optional[_Iterable[_Union[CollectiveStat, _Mapping]]] = ..., slow_calls: _Optional[_Iterable[_Union[CollectiveCall, _Mapping]]] = ..., slow_calls_dropped: _Optional[int] = ..., injected_delay_ns: _Optional[int] = ...) -> None: ...
 
 class Incident(_message.Message):
     __slots__ = ("schema_version", "id", "type", "severity", "wave", "request_id", "time_unix_nano", "summary", "evidence_json", "actions", "occurrence", "suppressed")
@@ -120,7 +194,7 @@ class ProbeValue(_message.Message):
     def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., value: _Optional[float] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("rank", "waves", "heartbeat", "dropped_total", "guard_errors_total", "seq", "incidents", "detector_hits_total", "probes")
+    __slots__ = ("rank", "waves", "heartbeat", "dropped_total", "guard_errors_total", "seq", "incidents", "detector_hits_total", "probes", "collective_waves")
     class DetectorHitsTotalEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +211,7 @@ class Batch(_message.Message):
     INCIDENTS_FIELD_NUMBER: _ClassVar[int]
     DETECTOR_HITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PROBES_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_WAVES_FIELD_NUMBER: _ClassVar[int]
     rank: RankInfo
     waves: _containers.RepeatedCompositeFieldContainer[WaveRecord]
     heartbeat: Heartbeat
@@ -146,7 +221,8 @@ class Batch(_message.Message):
     incidents: _containers.RepeatedCompositeFieldContainer[Incident]
     detector_hits_total: _containers.ScalarMap[str, int]
     probes: _containers.RepeatedCompositeFieldContainer[ProbeValue]
-    def __init__(self, rank: _Optional[_Union[RankInfo, _Mapping]] = ..., waves: _Optional[_Iterable[_Union[WaveRecord, _Mapping]]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., dropped_total: _Optional[int] = ..., guard_errors_total: _Optional[int] = ..., seq: _Optional[int] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., detector_hits_total: _Optional[_Mapping[str, int]] = ..., probes: _Optional[_Iterable[_Union[ProbeValue, _Mapping]]] = ...) -> None: ...
+    collective_waves: _containers.RepeatedCompositeFieldContainer[CollectiveWave]
+    def __init__(self, rank: _Optional[_Union[RankInfo, _Mapping]] = ..., waves: _Optional[_Iterable[_Union[WaveRecord, _Mapping]]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., dropped_total: _Optional[int] = ..., guard_errors_total: _Optional[int] = ..., seq: _Optional[int] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., detector_hits_total: _Optional[_Mapping[str, int]] = ..., probes: _Optional[_Iterable[_Union[ProbeValue, _Mapping]]] = ..., collective_waves: _Optional[_Iterable[_Union[CollectiveWave, _Mapping]]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("batches", "waves")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.collective_feed import send_collective_waves
 from tests.support.dashboard import load_dashboard, metric_names_in, panel_queries, render_expr
 from tests.support.feed import send_incidents_and_probes, send_waves
 from tests.support.prometheus import PrometheusServer
@@ -121,6 +122,8 @@ def test_every_dashboard_query_runs_against_live_sidecar(sidecar, prometheus_for
         drop=DROPPED_PER_RANK,
     )
     send_incidents_and_probes(sidecar.address, engine=ENGINE)
+    # collective records (issue 4's panels): per-op counters, skew, one straggler wave
+    send_collective_waves(sidecar.address, engine=ENGINE, ranks=RANKS)
 
     # 1. Every metric the dashboard and the alert rules reference is declared by the sidecar.
     with urllib.request.urlopen(sidecar.metrics_url, timeout=10) as resp:

@@ -67,9 +67,30 @@ WORKER_METRICS = {
     "ascend_guard_speculator_info",
     "ascend_guard_device_communicator_info",
     "ascend_guard_hccl_settings_info",
+    # collectives, skew, stragglers, hang verdicts (issue 4, telemetry/collective_metrics.py)
+    "ascend_guard_collective_calls_total",
+    "ascend_guard_collective_bytes_total",
+    "ascend_guard_collective_seconds_total",
+    "ascend_guard_collective_max_seconds",
+    "ascend_guard_collective_slow_calls_total",
+    "ascend_guard_collective_last_seq",
+    "ascend_guard_wave_skew_seconds",
+    "ascend_guard_wave_arrival_skew_seconds",
+    "ascend_guard_straggler_waves_total",
+    "ascend_guard_straggler_seconds_total",
+    "ascend_guard_waves_unaligned_total",
+    "ascend_guard_hang_verdicts_total",
+    "ascend_guard_hang_recoveries_total",
+    "ascend_guard_engine_wedged",
+    "ascend_guard_hang_stall_seconds",
 }
 SIDECAR_METRICS = {"ascend_guard_ingest_rejected_total"}  # no engine label
-HISTOGRAMS = {"ascend_guard_step_duration_seconds"}
+HISTOGRAMS = {
+    "ascend_guard_step_duration_seconds",
+    "ascend_guard_wave_skew_seconds",
+    "ascend_guard_wave_arrival_skew_seconds",
+    "ascend_guard_hang_stall_seconds",
+}
 EXPORTED = WORKER_METRICS | SIDECAR_METRICS
 ALLOWED = (
     EXPORTED | {f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
@@ -171,7 +192,8 @@ def test_every_panel_has_a_prometheus_query(overview):
         for t in targets:
             assert t.get("datasource", panel["datasource"])["uid"] == "${datasource}"
         unit = panel["fieldConfig"]["defaults"].get("unit")
-        assert unit in {"s", "ms", "ops", "short", "percentunit", "bytes"}, (
+        # percentunit: seconds per second (share of time); Bps: collective payload per second
+        assert unit in {"s", "ms", "ops", "short", "percentunit", "bytes", "Bps"}, (
             f"{panel['title']}: unit {unit!r}"
         )
 

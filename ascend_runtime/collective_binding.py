@@ -1,0 +1,155 @@
+"""Where the collective wrappers attach: methods of vLLM's `GroupCoordinator`.
+
+The out-of-place all-reduce/all-gather/reduce-scatter methods are what both call paths reach:
+the direct one (`GroupCoordinator.all_reduce` -> `_all_reduce_out_place`) and the torch custom
+op one (`torch.ops.vllm.all_reduce` -> module-level `all_reduce` -> `_all_reduce_out_place`),
+so every call is seen once whichever path the platform takes. The other collectives are
+wrapped where they are defined. Bound when `vllm.distributed.parallel_state` is imported; a
+method missing in the installed vLLM is skipped with one log line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import structlog
+
+from ascend_runtime.import_hooks import when_imported
+from guard.collectives import (
+    GroupMeta,
+    Payload,
+    arg_or_result,
+    first_arg,
+    no_payload,
+    result_only,
+    wrap_collective,
+)
+from guard.config import GuardConfig
+
+log = structlog.get_logger("ascend_guard.collective_binding")
+
+MODULE = "vllm.distributed.parallel_state"
+CLASS = "GroupCoordinator"
+
+# (method, op name reported, how to read its payload)
+COLLECTIVE_METHODS: tuple[tuple[str, str, Payload], ...] = (
+    ("_all_reduce_out_place", "all_reduce", first_arg),
+    ("_all_gather_out_place", "all_gather", first_arg),
+    ("_reduce_scatter_out_place", "reduce_scatter", first_arg),
+    ("all_gatherv", "all_gatherv", first_arg),
+    ("reduce_scatterv", "reduce_scatterv", first_arg),
+    ("gather", "gather", first_arg),
+    ("broadcast", "broadcast", first_arg),
+    ("broadcast_object", "broadcast_object", no_payload),
+    ("broadcast_object_list", "broadcast_object_list", no_payload),
+    ("broadcast_tensor_dict", "broadcast_tensor_dict", arg_or_result),
+    ("send_object", "send_object", no_payload),
+    ("recv_object", "recv_object", no_payload),
+    ("send_tensor_dict", "send_tensor_dict", first_arg),
+    ("recv_tensor_dict", "recv_tensor_dict", result_only),
+    ("send", "send", first_arg),
+    ("recv", "recv", result_only),
+    ("barrier", "barrier", no_payload),
+    ("dispatch", "all_to_all_dispatch", first_arg),
+    ("combine", "all_to_all_combine", first_arg),
+)
+
+
+def _is_compiling() -> Callable[[], bool]:
+    try:
+        import torch
+
+        return torch.compiler.is_compiling
+    except Exception:  # noqa: BLE001 - an old torch: nothing compiles through the wrapper
+        return lambda: False
+
+
+def bind_group_coordinator(cls: type) -> list[str]:
+    """Wrap the collective methods `cls` defines; returns the names now wrapped."""
+    compiling = _is_compiling()
+    bound = []
+    for method_name, op, payload in COLLECTIVE_METHODS:
+        method = cls.__dict__.get(method_name)
+        if method is None or not callable(method):
+            continue
+        setattr(cls, method_name, wrap_collective(op, method, payload, compiling))
+        bound.append(method_name)
+    return bound
+
+
+def _bind_module(module: ModuleType) -> None:
+    cls = getattr(module, CLASS, None)
+    if not isinstance(cls, type):
+        log.warning("collective_attach_point_missing", module=MODULE, cls=CLASS)
+        return
+    bound = bind_group_coordinator(cls)
+    missing = sorted({m for m, _, _ in COLLECTIVE_METHODS} - set(bound))
+    log.info("collective_attach_point_bound", cls=f"{MODULE}.{CLASS}", methods=len(bound),
+             missing=missing)  # fmt: skip
+
+
+def install_collective_hooks() -> None:
+    """Wrap `GroupCoordinator` when (or if) vLLM's parallel_state module is imported."""
+    when_imported(MODULE, _bind_module)
+
+
+def describe_group(group: Any) -> GroupMeta:
+    """Label, backend and position of a `GroupCoordinator` (cached on it by the tracker)."""
+    name = str(getattr(group, "unique_name", "") or "unknown")
+    return GroupMeta(
+        name.split(":", 1)[0],
+        group_backend(group),
+        int(getattr(group, "rank_in_group", 0) or 0),
+        int(getattr(group, "world_size", 1) or 1),
+    )
+
+
+def group_backend(group: Any) -> str:
+    """shm (vLLM's CPU shared-memory path), else the device group's torch backend: hccl,
+    nccl, gloo, ..."""
+    communicator = getattr(group, "device_communicator", None)
+    dist_module = getattr(communicator, "dist_module", None)
+    if dist_module is not None and "SHM" in type(dist_module).__name__:
+        return "shm"
+    try:
+        import torch.distributed as dist
+
+        return str(dist.get_backend(group.device_group)).lower()
+    except Exception:  # noqa: BLE001
+        return str(getattr(group, "torch_distributed_backend", "") or "unknown").lower()
+
+
+def current_rank() -> tuple[int, int, int]:
+    """(dp, tp, pp) of this process inside its groups; zeros where a group is absent."""
+    from vllm.distributed import parallel_state as ps
+
+    coords = []
+    for getter in (ps.get_dp_group, ps.get_tp_group, ps.get_pp_group):
+        try:
+            coords.append(int(getter().rank_in_group))
+        except Exception:  # noqa: BLE001 - group not initialised
+            coords.append(0)
+    return coords[0], coords[1], coords[2]
+
+
+def install_collective_guard(config: GuardConfig, processor: Any) -> None:
+    """Turn on collective recording, the watchdog and (if configured) the fire drill for the
+    guard `processor` of this process."""
+    from guard.collective_guard import CollectiveGuard
+    from guard.collectives import install_tracker
+
+    collectives, fault = config.collectives, config.fault_injection
+    if not collectives.enabled and not fault.enabled:
+        return
+    guard = CollectiveGuard(
+        collectives, fault, wave_source=lambda: processor.wave, rank_source=current_rank,
+        describe_group=describe_group,
+    )  # fmt: skip
+    processor.observer = guard
+    if collectives.enabled:
+        install_tracker(guard.tracker)
+        install_collective_hooks()
+    elif fault.where == "collective":
+        log.warning("fault_injection_needs_collectives", where=fault.where)

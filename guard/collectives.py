@@ -1,0 +1,388 @@
+"""Collective instrumentation inside a worker: sequence numbers, per-wave aggregates, the call
+a rank is in right now.
+
+The wrappers (`wrap_collective`) sit on vLLM's `GroupCoordinator` methods (bound by
+`ascend_runtime.collective_binding`). Each call takes a per-group sequence number — the same
+program order on every rank gives the same number for the same call — and adds its host time
+and payload to the aggregate of (op, group) for the current wave. Calls slower than
+`slow_call_ms` are also kept one by one. While a call runs, `current` names it, so the
+heartbeat (streamer thread) and the watchdog can say what a rank waits in even when its engine
+thread is blocked.
+
+Everything here runs on the engine thread except `fill_batch` (streamer thread) and the
+watchdog's reads of `current`, which is replaced as a whole tuple so readers see one call.
+No torch import: tensors are read through `.nbytes` and `.dtype` only.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import structlog
+
+from telemetry.proto import guard_pb2
+
+log = structlog.get_logger("ascend_guard.collectives")
+
+META_ATTR = "_ascend_guard_collective_meta"
+WRAPPED_ATTR = "__ascend_guard_collective__"
+
+
+def _range(low: float, high: float) -> dict[str, Any]:
+    return {"range": (low, high)}
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectivesConfig:
+    """`runtime_guard.collectives`: what the collective wrappers record and when the watchdog
+    speaks."""
+
+    enabled: bool = True
+    # calls slower than this (host time) are also reported one by one
+    slow_call_ms: float = dataclasses.field(default=50.0, metadata=_range(0.0, 3_600_000.0))
+    # at most this many slow calls per wave and rank; the rest are counted
+    max_slow_calls_per_wave: int = dataclasses.field(default=16, metadata=_range(0, 10_000))
+    # rank-local watchdog: `hang_suspected` once a collective runs longer than deadline_s
+    watchdog: bool = True
+    deadline_s: float = dataclasses.field(default=3.0, metadata=_range(0.05, 86_400.0))
+    watchdog_interval_ms: int = dataclasses.field(default=100, metadata=_range(10, 60_000))
+    # the watchdog is armed only once this many waves have finished (warm-up and model load
+    # legitimately keep one rank waiting for seconds)
+    arm_after_waves: int = dataclasses.field(default=1, metadata=_range(0, 1_000_000))
+
+
+class GroupMeta:
+    """What the guard caches on a `GroupCoordinator`: label, backend, the sequence counter."""
+
+    __slots__ = ("backend", "label", "rank_in_group", "seq", "world_size")
+
+    def __init__(self, label: str, backend: str, rank_in_group: int, world_size: int) -> None:
+        self.label = label
+        self.backend = backend
+        self.rank_in_group = rank_in_group
+        self.world_size = world_size
+        self.seq = 0
+
+
+# What a rank is inside right now: (op, group, backend, seq, start perf_counter_ns).
+CurrentCall = tuple[str, str, str, int, int]
+
+
+class FinishedWave(NamedTuple):
+    """One wave's collectives on this rank, handed to the streamer thread."""
+
+    wave: int
+    first_arrival_unix_nano: int
+    wait_ns: int
+    # (op, group) -> [calls, bytes, host_ns, max_host_ns, first_seq, last_seq, backend, dtype]
+    stats: dict[tuple[str, str], list]
+    # (op, group, backend, dtype, seq, bytes, start_unix_nano, host_ns)
+    slow_calls: list[tuple]
+    slow_calls_dropped: int
+    injected_delay_ns: int
+
+
+def tensor_size(value: Any) -> tuple[int, Any]:
+    """(bytes, dtype) of a tensor, a list of tensors or a dict of them; (0, None) otherwise."""
+    nbytes = getattr(value, "nbytes", None)
+    if nbytes is not None:
+        return int(nbytes), getattr(value, "dtype", None)
+    if isinstance(value, Mapping):
+        value = value.values()
+    elif not isinstance(value, (list, tuple)):
+        return 0, None
+    total, dtype = 0, None
+    for item in value:
+        size = getattr(item, "nbytes", None)
+        if size is not None:
+            total += int(size)
+            if dtype is None:
+                dtype = getattr(item, "dtype", None)
+    return total, dtype
+
+
+class CollectiveTracker:
+    """Per-process collective accounting; one lives in each guarded worker."""
+
+    def __init__(
+        self,
+        config: CollectivesConfig,
+        wave_source: Callable[[], int] = lambda: 0,
+        describe_group: Callable[[Any], GroupMeta] | None = None,
+    ) -> None:
+        self.config = config
+        self._wave_source = wave_source
+        self._describe_group = describe_group or _describe_group_generic
+        self._slow_ns = int(config.slow_call_ms * 1e6)
+        self._max_slow = config.max_slow_calls_per_wave
+        self.current: CurrentCall | None = None
+        self.finished: collections.deque[FinishedWave] = collections.deque(maxlen=4096)
+        self.completed_waves = 0
+        self.errors = 0
+        self.injected_delay_ns = 0  # the fault injector adds here; read at wave roll-over
+        self.before_call: Callable[[str, str], None] | None = None  # fault injector hook
+        self._depth = 0
+        self._dtype_names: dict[Any, str] = {}
+        self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()
+        self._reset(0)
+
+    # -- wave boundaries (engine thread) -------------------------------------------------------
+    def _reset(self, wave: int) -> None:
+        self.wave = wave
+        self._stats: dict[tuple[str, str], list] = {}
+        self._slow: list[tuple] = []
+        self._slow_dropped = 0
+        self._first_arrival = 0
+        self._wait_ns = 0
+
+    def roll(self, wave: int) -> None:
+        """Close the aggregates of the wave in progress (if any) and start `wave`."""
+        if self.wave and (self._stats or self.injected_delay_ns):
+            self.finished.append(
+                FinishedWave(
+                    self.wave,
+                    self._first_arrival,
+                    self._wait_ns,
+                    self._stats,
+                    self._slow,
+                    self._slow_dropped,
+                    self.injected_delay_ns,
+                )
+            )
+            self.completed_waves += 1
+        elif self.wave:
+            self.completed_waves += 1
+        self.injected_delay_ns = 0
+        self._reset(wave)
+
+    def end_wave(self, wave: int) -> None:
+        """The wave finished on this rank: hand its aggregates over now rather than at the
+        next wave, so an idle engine does not hold them back."""
+        if wave == self.wave:
+            self.roll(0)
+
+    # -- the wrapped call (engine thread) ------------------------------------------------------
+    def run(
+        self,
+        op: str,
+        fn: Callable[..., Any],
+        group: Any,
+        args: tuple,
+        kwargs: dict,
+        payload: Payload,
+    ) -> Any:
+        """Call `fn` as the collective `op` of `group`, numbered, timed and aggregated.
+
+        Written for cost (it runs for every collective): one method frame, two clock reads,
+        the payload's `nbytes`, and a handful of list updates.
+        """
+        if self._depth:  # a collective made of collectives (broadcast_tensor_dict): count once
+            return fn(group, *args, **kwargs)
+        try:
+            meta = getattr(group, META_ATTR, None)
+            if meta is None:
+                meta = self._describe_group(group)
+                setattr(group, META_ATTR, meta)
+            if meta.world_size > 1:  # vLLM short-cuts the others; nothing is communicated
+                meta.seq = seq = meta.seq + 1
+                wave = self._wave_source()
+                if wave != self.wave:
+                    self.roll(wave)
+                if self.before_call is not None:
+                    self.before_call(op, meta.label)
+            else:
+                meta = None
+        except Exception:  # noqa: BLE001 - never break the collective
+            self.errors += 1
+            meta = None
+        if meta is None:
+            return fn(group, *args, **kwargs)
+        start = time.perf_counter_ns()
+        self.current = (op, meta.label, meta.backend, seq, start)
+        self._depth = 1
+        try:
+            result = fn(group, *args, **kwargs)
+        finally:
+            end = time.perf_counter_ns()
+            self._depth = 0
+            self.current = None
+        if self.wave:  # outside any wave (model load, warm-up): sequence numbers only
+            try:
+                self._record(op, meta, seq, start, end - start, payload(args, kwargs, result))
+            except Exception:  # noqa: BLE001
+                self.errors += 1
+        return result
+
+    def _record(
+        self, op: str, meta: GroupMeta, seq: int, start: int, host_ns: int, data: Any
+    ) -> None:
+        nbytes = getattr(data, "nbytes", None)  # a tensor: the common case
+        if nbytes is None:
+            nbytes = tensor_size(data)[0] if data is not None else 0
+        key = (op, meta.label)
+        stat = self._stats.get(key)
+        if stat is None:
+            self._stats[key] = [
+                1,
+                nbytes,
+                host_ns,
+                host_ns,
+                seq,
+                seq,
+                meta.backend,
+                self._dtype(data),
+            ]
+        else:
+            stat[0] += 1
+            stat[1] += nbytes
+            stat[2] += host_ns
+            if host_ns > stat[3]:
+                stat[3] = host_ns
+            stat[5] = seq
+        if not self._first_arrival:
+            self._first_arrival = start + self._wall_offset_ns
+        self._wait_ns += host_ns
+        if host_ns >= self._slow_ns:
+            if len(self._slow) < self._max_slow:
+                self._slow.append(
+                    (op, meta.label, meta.backend, self._dtype(data), seq, nbytes,
+                     start + self._wall_offset_ns, host_ns)
+                )  # fmt: skip
+            else:
+                self._slow_dropped += 1
+
+    def _dtype(self, data: Any) -> str:
+        """The payload's dtype as text ("float32"), cached per dtype object."""
+        dtype = getattr(data, "dtype", None) if data is not None else None
+        if dtype is None:
+            dtype = tensor_size(data)[1] if data is not None else None
+        if dtype is None:
+            return ""
+        name = self._dtype_names.get(dtype)
+        if name is None:
+            name = self._dtype_names[dtype] = str(dtype).removeprefix("torch.")
+        return name
+
+    # -- streamer thread ------------------------------------------------------------------------
+    def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool) -> None:
+        """Add finished waves' aggregates, and the current collective to the heartbeat."""
+        self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()
+        finished = self.finished
+        while finished:
+            try:
+                item = finished.popleft()
+            except IndexError:
+                break
+            _add_wave(batch.collective_waves.add(), item)
+        if with_heartbeat:
+            current = self.current
+            if current is not None:
+                op, group, backend, seq, start = current
+                hb = batch.heartbeat
+                hb.collective_op = op
+                hb.collective_group = group
+                hb.collective_backend = backend
+                hb.collective_seq = seq
+                hb.collective_age_ns = max(0, time.perf_counter_ns() - start)
+
+
+def _add_wave(msg: guard_pb2.CollectiveWave, item: FinishedWave) -> None:
+    msg.wave = item.wave
+    msg.first_arrival_unix_nano = item.first_arrival_unix_nano
+    msg.wait_ns = item.wait_ns
+    msg.slow_calls_dropped = item.slow_calls_dropped
+    msg.injected_delay_ns = item.injected_delay_ns
+    for (op, group), stat in item.stats.items():
+        calls, nbytes, host_ns, max_ns, first_seq, last_seq, backend, dtype = stat
+        msg.stats.add(
+            op=op, group=group, backend=backend, dtype=dtype, calls=calls, bytes=nbytes,
+            host_ns=host_ns, max_host_ns=max_ns, first_seq=first_seq, last_seq=last_seq,
+        )  # fmt: skip
+    for op, group, backend, dtype, seq, nbytes, start, host_ns in item.slow_calls:
+        msg.slow_calls.add(
+            op=op, group=group, backend=backend, dtype=dtype, seq=seq, bytes=nbytes,
+            start_unix_nano=start, host_ns=host_ns,
+        )  # fmt: skip
+
+
+def _describe_group_generic(group: Any) -> GroupMeta:
+    """Label from `unique_name` ("tp:0" -> "tp"); backend from the object if it says."""
+    name = str(getattr(group, "unique_name", "") or "unknown")
+    return GroupMeta(
+        name.split(":", 1)[0],
+        str(getattr(group, "backend", "") or "unknown"),
+        int(getattr(group, "rank_in_group", 0) or 0),
+        int(getattr(group, "world_size", 1) or 1),
+    )
+
+
+# -- payload readers: (args, kwargs, result) -> the tensor, list or dict carried (or None) ----
+Payload = Callable[[tuple, dict, Any], Any]
+
+
+def first_arg(args: tuple, kwargs: dict, result: Any) -> Any:
+    if args:
+        return args[0]
+    for value in kwargs.values():
+        return value
+    return None
+
+
+def arg_or_result(args: tuple, kwargs: dict, result: Any) -> Any:
+    """The tensor (dict) passed in, or on receiving ranks the one that came back."""
+    data = first_arg(args, kwargs, result)
+    return result if data is None else data
+
+
+def result_only(args: tuple, kwargs: dict, result: Any) -> Any:
+    return result
+
+
+def no_payload(args: tuple, kwargs: dict, result: Any) -> Any:
+    return None
+
+
+# -- the wrapper ----------------------------------------------------------------------------
+_tracker: CollectiveTracker | None = None
+
+
+def install_tracker(tracker: CollectiveTracker | None) -> None:
+    """Turn collective recording on for this process (or off, with None)."""
+    global _tracker
+    _tracker = tracker
+
+
+def active_tracker() -> CollectiveTracker | None:
+    return _tracker
+
+
+def wrap_collective(
+    op: str,
+    fn: Callable[..., Any],
+    payload: Payload = first_arg,
+    is_compiling: Callable[[], bool] = lambda: False,
+) -> Callable[..., Any]:
+    """A `GroupCoordinator` method that reports itself to this process's tracker.
+
+    With no tracker installed it is the bare call plus one global read. While torch.compile
+    traces (is_compiling), it is the bare call too, so no guard code enters a graph.
+    """
+    if getattr(fn, WRAPPED_ATTR, None) is not None:
+        return fn
+
+    def guarded_collective(self: Any, *args: Any, **kwargs: Any) -> Any:
+        tracker = _tracker
+        if tracker is None or is_compiling():
+            return fn(self, *args, **kwargs)
+        return tracker.run(op, fn, self, args, kwargs, payload)
+
+    guarded_collective.__name__ = getattr(fn, "__name__", op)
+    guarded_collective.__qualname__ = getattr(fn, "__qualname__", op)
+    guarded_collective.__doc__ = getattr(fn, "__doc__", None)
+    guarded_collective.__wrapped__ = fn  # type: ignore[attr-defined]
+    setattr(guarded_collective, WRAPPED_ATTR, fn)
+    return guarded_collective

@@ -1,0 +1,123 @@
+"""`ascend-guard hangs`: hang verdicts, recoveries and watchdog reports, newest first.
+
+From the trace store (what every sidecar on the node recorded), or with `--live URL` from a
+running sidecar's liveness endpoint (verdicts standing right now).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import urllib.error
+import urllib.request
+
+from telemetry.hangs import RECOVERY, VERDICT
+from telemetry.incidents import IncidentFilter, list_incidents
+from telemetry.query import QueryError, parse_time_ns
+from telemetry.store import connect, default_store_path
+from telemetry.table import render_table
+
+HANG_TYPES = (VERDICT, RECOVERY, "hang_suspected")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    hangs = sub.add_parser("hangs", help="hang verdicts, recoveries and watchdog reports")
+    hangs.add_argument("--store", default=default_store_path())
+    hangs.add_argument("--since", default="24h", help="age (15m), unix seconds or ISO time")
+    hangs.add_argument("--engine", default=None, help="engine label")
+    hangs.add_argument("--run", dest="run_id", default=None, help="run id")
+    hangs.add_argument("--limit", type=int, default=50)
+    hangs.add_argument(
+        "--live", default=None, metavar="URL",
+        help="ask a running sidecar instead, e.g. http://127.0.0.1:9465 (its --health-port)",
+    )  # fmt: skip
+    hangs.add_argument("--json", action="store_true", help="one JSON object per line")
+
+
+def _clock(ns: int) -> str:
+    return dt.datetime.fromtimestamp(ns / 1e9, tz=dt.timezone.utc).strftime("%H:%M:%S.%f")[:-3]
+
+
+def _ranks(ranks: list[dict]) -> str:
+    return ",".join(f"tp{r.get('tp')}/pid{r.get('pid')}" for r in ranks) or "-"
+
+
+def _where(ev: dict) -> str:
+    return f"{ev['op']} {ev['group']}#{ev['seq']}" if ev.get("op") else "-"
+
+
+def _row(time_ns: int, kind: str, ev: dict) -> tuple:
+    if kind == VERDICT:
+        return (_clock(time_ns), "VERDICT " + ev.get("kind", ""), ev.get("engine", ""),
+                ev.get("dp", ""), _ranks(ev.get("stopped", [])), _where(ev),
+                _ranks(ev.get("waiting", [])), ev.get("wave", ""), f"detect {ev.get('detect_s')}s")  # fmt: skip
+    if kind == RECOVERY:
+        v = ev.get("verdict", {})
+        return (_clock(time_ns), "recovered", ev.get("engine", ""), ev.get("dp", ""),
+                _ranks(v.get("stopped", [])), _where(v), "-", v.get("wave", ""),
+                f"stall {ev.get('stall_s')}s")  # fmt: skip
+    return (_clock(time_ns), "watchdog", ev.get("engine", ""), ev.get("dp", ""),
+            f"tp{ev.get('tp')}/pid{ev.get('pid')} waits", _where(ev), "-", ev.get("wave", ""),
+            f"age {ev.get('age_s')}s")  # fmt: skip
+
+
+HEADER = ("time (UTC)", "event", "engine", "dp", "stopped", "collective", "waiting", "wave", "")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.limit < 1:
+        raise QueryError(f"--limit: {args.limit} must be 1 or more")
+    if args.live:
+        return _live(args)
+    since = parse_time_ns(args.since, "--since")
+    conn = connect(args.store, readonly=True)
+    rows = []
+    for kind in HANG_TYPES:
+        flt = IncidentFilter(since_ns=since, type=kind, run_id=args.run_id, engine=args.engine,
+                             limit=args.limit)  # fmt: skip
+        rows.extend(list_incidents(conn, flt))
+    rows.sort(key=lambda r: r["time_ns"], reverse=True)
+    rows = rows[: args.limit]
+    if args.json:
+        for r in rows:
+            print(json.dumps({"type": r["type"], "time_ns": r["time_ns"], "engine": r["engine"],
+                              "dp": r["dp"], "tp": r["tp"], "pp": r["pp"], "pid": r["pid"],
+                              "wave": r["wave"], "summary": r["summary"],
+                              "evidence": json.loads(r["evidence"] or "{}")}, sort_keys=True))  # fmt: skip
+        return 0
+    if not rows:
+        print("no hangs recorded; widen --since")
+        return 0
+    table = []
+    for r in rows:
+        ev = json.loads(r["evidence"] or "{}")
+        if r["type"] == "hang_suspected":
+            ev = {**ev, "engine": r["engine"], "dp": r["dp"], "tp": r["tp"], "pid": r["pid"]}
+        table.append(_row(r["time_ns"], r["type"], ev))
+    print(render_table(HEADER, table))
+    print(f"\n{len(rows)} event(s); details: ascend-guard incidents --type hang_verdict --json")
+    return 0
+
+
+def _live(args: argparse.Namespace) -> int:
+    url = args.live.rstrip("/") + "/hangs"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            body = json.loads(resp.read())
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        print(f"ascend-guard hangs: cannot read {url}: {exc}")
+        return 1
+    standing = [
+        v for v in body.get("standing", []) if not args.engine or v["engine"] == args.engine
+    ]
+    if args.json:
+        for v in standing:
+            print(json.dumps(v, sort_keys=True))
+        return 0
+    if not standing:
+        print("no hang verdict stands; every engine this sidecar sees is moving")
+        return 0
+    rows = [_row(int(v["verdict_unix"] * 1e9), VERDICT, v) for v in standing]
+    print(render_table(HEADER, rows))
+    return 3  # like a failed probe: an engine is wedged

@@ -1,0 +1,79 @@
+"""HTTP liveness per engine, for probes that must not trust vLLM's `/health` alone.
+
+`GET /live/<engine>`: 200 with `{"live": true, ...}` while no hang verdict stands on the
+engine; 503 with the verdict(s) (stopped ranks, the op, group and sequence number their peers
+wait in) while one does; 404 for an engine no rank has reported. `GET /live` lists engines;
+`GET /hangs` returns the standing verdicts and recent verdicts/recoveries; `GET /skew` the
+latest aligned waves (skew, straggler, per-rank wait).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import urllib.parse
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import structlog
+
+from telemetry.crossrank import CrossRankView
+
+log = structlog.get_logger("ascend_guard.liveness")
+
+
+def _handler(view: CrossRankView) -> type[BaseHTTPRequestHandler]:
+    detector = view.hangs
+
+    class LivenessHandler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            path = urllib.parse.urlparse(self.path).path.rstrip("/")
+            if path == "/live":
+                self._send(200, {"engines": detector.engines()})
+            elif path.startswith("/live/"):
+                engine = urllib.parse.unquote(path[len("/live/") :])
+                status = detector.engine_status(engine)
+                if status is None:
+                    self._send(404, {"engine": engine, "error": "no rank of this engine has "
+                                     "reported to this sidecar", "engines": detector.engines()})  # fmt: skip
+                else:
+                    live, body = status
+                    self._send(200 if live else 503, body)
+            elif path == "/hangs":
+                self._send(200, detector.snapshot())
+            elif path == "/skew":
+                recent = [dataclasses.asdict(s) for s in list(view.sync.recent)[-200:]]
+                self._send(200, {"waves": recent})
+            else:
+                self._send(404, {"error": f"unknown path {path!r}; try /live/<engine> or /hangs"})
+
+        def _send(self, code: int, body: dict[str, Any]) -> None:
+            data = json.dumps(body, default=str).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - quiet probes
+            return
+
+    return LivenessHandler
+
+
+class LivenessServer:
+    def __init__(self, view: CrossRankView, host: str, port: int) -> None:
+        self._server = ThreadingHTTPServer((host, port), _handler(view))
+        self._server.daemon_threads = True
+        self.port = self._server.server_address[1]
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="liveness-http", daemon=True
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,177 @@
+"""Hang verdicts across real processes: a real sidecar, stand-in ranks (the real streamer
+client in their own processes, see tests/support/rank_process.py), one frozen with SIGSTOP.
+The e2e test (tests/e2e/test_collectives.py) does the same with real vLLM workers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.support.metrics import value
+from tests.support.ports import free_port
+from tests.support.sidecar import SidecarProcess
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(90)
+
+
+def get(port: int, path: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+class Ranks:
+    def __init__(self, address: str, engine: str, waiting: tuple[int, ...]) -> None:
+        self.procs = {
+            tp: subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.support.rank_process",
+                    address,
+                    "--engine",
+                    engine,
+                    "--tp",
+                    str(tp),
+                    *(["--in-collective"] if tp in waiting else []),
+                ],
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )  # fmt: skip
+            for tp in (0, 1)
+        }
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.terminate()
+                proc.wait(10)
+
+
+def wait_until(check, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def sidecar_with(tmp_path):
+    started = []
+
+    def start(*args: str) -> tuple[SidecarProcess, int]:
+        port = free_port()
+        sidecar = SidecarProcess.start(
+            tmp_path, address=f"unix://{tmp_path / 'guard.sock'}",
+            extra_args=("--health-port", str(port), "--health-host", "127.0.0.1", *args),
+        )  # fmt: skip
+        started.append(sidecar)
+        return sidecar, port
+
+    yield start
+    for sidecar in started:
+        sidecar.stop()
+
+
+def test_sigstopped_rank_is_named_and_recovery_recorded(sidecar_with):
+    sidecar, port = sidecar_with("--hang-after", "1.5s", "--hang-wait", "60s")
+    ranks = Ranks(sidecar.address, "eng", waiting=(0,))
+    try:
+        wait_until(lambda: len(get(port, "/live/eng")[1].get("ranks", [])) == 2, 20, "two ranks")
+        assert get(port, "/live/eng")[0] == 200
+        assert get(port, "/live")[1] == {"engines": ["eng"]}
+        victim = ranks.procs[1].pid
+        os.kill(victim, signal.SIGSTOP)
+        stopped = time.monotonic()
+        status, body = wait_until(
+            lambda: (r := get(port, "/live/eng"))[0] == 503 and r, 10, "a verdict"
+        )
+        detect = time.monotonic() - stopped
+        assert 1.5 <= detect < 3.0, detect
+        verdict = body["verdicts"][0]
+        assert verdict["kind"] == "no_heartbeat"
+        assert [(r["tp"], r["pid"]) for r in verdict["stopped"]] == [(1, victim)]
+        assert (verdict["op"], verdict["group"], verdict["seq"]) == ("all_reduce", "tp", 31)
+        assert [r["tp"] for r in verdict["waiting"]] == [0]
+        text = sidecar.metrics_text()
+        assert value(text, "ascend_guard_engine_wedged", engine="eng") == 1
+        assert value(text, "ascend_guard_hang_verdicts_total", tp="1", kind="no_heartbeat") == 1
+        time.sleep(0.5)
+        os.kill(victim, signal.SIGCONT)
+        wait_until(lambda: get(port, "/live/eng")[0] == 200, 5, "recovery")
+        history = get(port, "/hangs")[1]["history"]
+        assert [e["event"] for e in history] == ["hang_verdict", "hang_recovered"]
+        assert history[1]["stall_s"] >= 2.0
+        text = sidecar.metrics_text()
+        assert value(text, "ascend_guard_engine_wedged", engine="eng") == 0
+        assert value(text, "ascend_guard_hang_recoveries_total", engine="eng") == 1
+    finally:
+        ranks.stop()
+    out = subprocess.run(
+        [sys.executable, "-m", "telemetry.cli", "hangs", "--store", str(sidecar.store_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "VERDICT no_heartbeat" in out.stdout and f"tp1/pid{victim}" in out.stdout
+    assert "all_reduce tp#31" in out.stdout and "recovered" in out.stdout
+
+
+def test_rank_that_never_arrives_is_named_while_both_still_speak(sidecar_with):
+    sidecar, port = sidecar_with("--hang-after", "5s", "--hang-wait", "1s")
+    ranks = Ranks(sidecar.address, "eng2", waiting=(0,))
+    try:
+        status, body = wait_until(
+            lambda: (r := get(port, "/live/eng2"))[0] == 503 and r, 15, "a verdict"
+        )
+        verdict = body["verdicts"][0]
+        assert verdict["kind"] == "not_arrived"
+        assert [r["tp"] for r in verdict["stopped"]] == [1]
+        assert verdict["stopped"][0]["silent_s"] < 1.0  # it speaks: it is busy elsewhere
+        live = subprocess.run(
+            [sys.executable, "-m", "telemetry.cli", "hangs", "--live", f"http://127.0.0.1:{port}"],
+            cwd=REPO, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert live.returncode == 3 and "not_arrived" in live.stdout
+    finally:
+        ranks.stop()
+    # the ranks exit: the verdict ends, and an unknown engine is a 404 that lists known ones
+    wait_until(lambda: get(port, "/hangs")[1]["standing"] == [], 10, "the verdict to end")
+    assert get(port, "/hangs")[1]["history"][-1]["how"] == "ranks_gone"
+    status, body = get(port, "/live/nope")
+    assert status == 404 and "nope" in body["error"] + body["engine"]
+
+
+def test_a_taken_health_port_stops_the_sidecar_with_a_clear_error(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "telemetry.cli", "sidecar", "--listen",
+             f"unix://{tmp_path / 's.sock'}", "--metrics-port", str(free_port()),
+             "--metrics-host", "127.0.0.1", "--health-port", str(port), "--health-host",
+             "127.0.0.1", "--store", str(tmp_path / "store.db")],
+            cwd=REPO, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+    assert proc.returncode == 1
+    assert f"cannot serve /live on 127.0.0.1:{port}" in proc.stderr
