@@ -230,6 +230,12 @@ def _guard_decorator(decorator: Callable) -> Wrapper:
     return lambda fn, point: decorator(fn)
 
 
+def _collective(method: Callable[..., Any], point: AttachPoint) -> Callable[..., Any]:
+    from ascend_runtime.collective_binding import collective_wrapper
+
+    return collective_wrapper(point.method, method)
+
+
 WRAPPERS: dict[str, Wrapper] = {
     "step": _guard_decorator(runtime_guard_step),
     "sample": _guard_decorator(runtime_guard_sample_tokens),
@@ -243,5 +249,6 @@ WRAPPERS: dict[str, Wrapper] = {
     "logits": _guard_decorator(runtime_guard_logits),
     "verify_logits": _guard_decorator(runtime_guard_verify_logits),
     "schedule": _guard_decorator(guard_schedule),
+    "collective": _collective,
 }
 assert set(WRAPPERS) == set(ACTIONS), "every action needs a wrapper"

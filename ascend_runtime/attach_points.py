@@ -21,7 +21,7 @@ RUNTIMES = tuple(f"{p}-{g}" for p in PLATFORMS for g in GENERATIONS)
 
 COMPONENTS = (
     "worker", "model_runner", "sampler", "kv_cache", "graph", "speculator", "communicator",
-    "scheduler",
+    "scheduler", "collective",
 )  # fmt: skip
 
 # What the guard does at an attach point; the binder maps each action to a wrapper.
@@ -38,7 +38,18 @@ ACTIONS = {
     "logits": "logits before sampling: the logits detectors",
     "verify_logits": "spec-decode verification logits: the logits detectors",
     "schedule": "engine core: stamp hot-reloaded config onto the scheduler output",
+    "collective": "op, group, backend, bytes, per-group sequence number; per-wave aggregates",
 }
+
+# GroupCoordinator methods that carry a collective: the out-of-place all-reduce / all-gather /
+# reduce-scatter are what both the direct and the custom-op paths reach; the rest are wrapped
+# where they are defined. How each one's payload is read is in ascend_runtime/collective_binding.py.
+COLLECTIVE_METHODS = (
+    "_all_reduce_out_place", "_all_gather_out_place", "_reduce_scatter_out_place", "all_gatherv",
+    "reduce_scatterv", "gather", "broadcast", "broadcast_object", "broadcast_object_list",
+    "broadcast_tensor_dict", "send_object", "recv_object", "send_tensor_dict", "recv_tensor_dict",
+    "send", "recv", "barrier", "dispatch", "combine",
+)  # fmt: skip
 
 ASCEND = ("ascend-mrv2", "ascend-v1")
 ASCEND_MRV2 = ("ascend-mrv2",)
@@ -262,6 +273,11 @@ ATTACH_POINTS: tuple[AttachPoint, ...] = tuple(
         "scheduler", "vllm.v1.core.sched.scheduler", "Scheduler", {"schedule": "schedule"},
         RUNTIMES,
     )
+    # -- collectives: every platform's GroupCoordinator (HCCL, NCCL, gloo, shm) ----------------
+    + _points(
+        "collective", "vllm.distributed.parallel_state", "GroupCoordinator",
+        dict.fromkeys(COLLECTIVE_METHODS, "collective"), RUNTIMES,
+    )  # fmt: skip
 )  # fmt: skip
 
 

@@ -4,19 +4,19 @@ The out-of-place all-reduce/all-gather/reduce-scatter methods are what both call
 the direct one (`GroupCoordinator.all_reduce` -> `_all_reduce_out_place`) and the torch custom
 op one (`torch.ops.vllm.all_reduce` -> module-level `all_reduce` -> `_all_reduce_out_place`),
 so every call is seen once whichever path the platform takes. The other collectives are
-wrapped where they are defined. Bound when `vllm.distributed.parallel_state` is imported; a
-method missing in the installed vLLM is skipped with one log line.
+wrapped where they are defined. Which methods are wrapped is listed with every other attach
+point in `ascend_runtime/attach_points.py` (action "collective") and bound by the same binder
+when `vllm.distributed.parallel_state` is imported; this module says how each one's op and
+payload are read, and turns recording on.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import structlog
 
-from ascend_runtime.import_hooks import when_imported
 from guard.collectives import (
     GroupMeta,
     Payload,
@@ -66,6 +66,15 @@ def _is_compiling() -> Callable[[], bool]:
         return lambda: False
 
 
+_HOW = {method: (op, payload) for method, op, payload in COLLECTIVE_METHODS}
+
+
+def collective_wrapper(method_name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    """The wrapper of one GroupCoordinator method (the binder's "collective" action)."""
+    op, payload = _HOW[method_name]
+    return wrap_collective(op, method, payload, _is_compiling())
+
+
 def bind_group_coordinator(cls: type) -> list[str]:
     """Wrap the collective methods `cls` defines; returns the names now wrapped."""
     compiling = _is_compiling()
@@ -77,22 +86,6 @@ def bind_group_coordinator(cls: type) -> list[str]:
         setattr(cls, method_name, wrap_collective(op, method, payload, compiling))
         bound.append(method_name)
     return bound
-
-
-def _bind_module(module: ModuleType) -> None:
-    cls = getattr(module, CLASS, None)
-    if not isinstance(cls, type):
-        log.warning("collective_attach_point_missing", module=MODULE, cls=CLASS)
-        return
-    bound = bind_group_coordinator(cls)
-    missing = sorted({m for m, _, _ in COLLECTIVE_METHODS} - set(bound))
-    log.info("collective_attach_point_bound", cls=f"{MODULE}.{CLASS}", methods=len(bound),
-             missing=missing)  # fmt: skip
-
-
-def install_collective_hooks() -> None:
-    """Wrap `GroupCoordinator` when (or if) vLLM's parallel_state module is imported."""
-    when_imported(MODULE, _bind_module)
 
 
 def describe_group(group: Any) -> GroupMeta:
@@ -149,7 +142,6 @@ def install_collective_guard(config: GuardConfig, processor: Any) -> None:
     )  # fmt: skip
     processor.observer = guard
     if collectives.enabled:
-        install_tracker(guard.tracker)
-        install_collective_hooks()
+        install_tracker(guard.tracker)  # the GroupCoordinator rows of the attach-point table
     elif fault.where == "collective":
         log.warning("fault_injection_needs_collectives", where=fault.where)

@@ -30,6 +30,9 @@ log = structlog.get_logger("ascend_guard.collectives")
 
 META_ATTR = "_ascend_guard_collective_meta"
 WRAPPED_ATTR = "__ascend_guard_collective__"
+# the marker every guard wrapper carries (guard.decorators.WRAPPED_ATTR; not imported here: that
+# module imports the config, which imports this one), so is_guarded/unwrap and the binder see it
+GUARD_WRAPPED_ATTR = "__ascend_guard_wrapped__"
 
 
 def _range(low: float, high: float) -> dict[str, Any]:
@@ -385,4 +388,5 @@ def wrap_collective(
     guarded_collective.__doc__ = getattr(fn, "__doc__", None)
     guarded_collective.__wrapped__ = fn  # type: ignore[attr-defined]
     setattr(guarded_collective, WRAPPED_ATTR, fn)
+    setattr(guarded_collective, GUARD_WRAPPED_ATTR, fn)
     return guarded_collective

@@ -209,3 +209,27 @@ def test_tensor_size_reads_tensors_lists_and_dicts():
     assert tensor_size([t, t])[0] == 24
     assert tensor_size({"a": t, "meta": 3}) == (12, torch.bfloat16)
     assert tensor_size("not a tensor") == (0, None)
+
+
+def test_collective_rows_of_the_attach_point_table_match_the_wrapper_table():
+    """One list of attach points: every GroupCoordinator row has a way to read its payload."""
+    from ascend_runtime.attach_points import ATTACH_POINTS
+    from ascend_runtime.attach_points import COLLECTIVE_METHODS as TABLE_METHODS
+
+    rows = [p for p in ATTACH_POINTS if p.action == "collective"]
+    assert {p.method for p in rows} == set(TABLE_METHODS) == {m for m, _, _ in COLLECTIVE_METHODS}
+    assert {(p.module, p.qualname) for p in rows} == {
+        ("vllm.distributed.parallel_state", "GroupCoordinator")
+    }
+
+
+def test_collective_wrappers_carry_the_common_guard_marker():
+    from guard import collectives, decorators
+
+    assert collectives.GUARD_WRAPPED_ATTR == decorators.WRAPPED_ATTR
+
+    def all_reduce(self, tensor):
+        return tensor
+
+    wrapped = collectives.wrap_collective("all_reduce", all_reduce)
+    assert decorators.is_guarded(wrapped) and decorators.unwrap(wrapped) is all_reduce
