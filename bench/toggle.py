@@ -56,6 +56,32 @@ def abba(rounds: int) -> list[str]:
     return order
 
 
+def _time_detectors() -> dict:
+    """Wrap the detector suite's entry points with timers (bench only): the time spent inside
+    the detectors is measured in place, which the round-to-round noise cannot blur."""
+    from guard.detectors.suite import DetectorSuite
+
+    acc = {"ns": 0, "calls": 0, "measured_ns": 0, "measuring": False}
+    for name in ("on_schedule", "on_logits", "on_output"):
+        original = getattr(DetectorSuite, name)
+
+        def timed(self, *a, _original=original, **kw):
+            start = time.perf_counter_ns()
+            try:
+                return _original(self, *a, **kw)
+            finally:
+                took = time.perf_counter_ns() - start
+                acc["ns"] += took
+                acc["calls"] += 1
+                if acc["measuring"]:
+                    acc["measured_ns"] += took
+                    acc[_original.__name__] = acc.get(_original.__name__, 0) + took
+                    acc["n_" + _original.__name__] = acc.get("n_" + _original.__name__, 0) + 1
+
+        setattr(DetectorSuite, name, timed)
+    return acc
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -115,6 +141,7 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
             setattr(cls, name, method if mode == "on" else bare[(cls, name)])
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    inside = _time_detectors()
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} #{i}" for i in range(args.requests)]
 
     def one_round(mode: str) -> tuple[float, float, int, list[list[int]]]:
@@ -140,6 +167,8 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
     times: dict[str, list[float]] = {"off": [], "on": []}
     cpus: dict[str, list[float]] = {"off": [], "on": []}
     identical = True
+    inside["measured_ns"] = 0
+    inside["measuring"] = True
     for index, mode in enumerate(abba(args.rounds)):
         took, cpu, tokens, ids = one_round(mode)
         times[mode].append(took)
@@ -188,6 +217,21 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
         f"paired rounds on/off time: median {statistics.median(paired):.4f} (IQR {q[0]:.4f}..{q[2]:.4f})"
     )
     print(f"wall time added per wave: {added_us:+.1f} us ({steps_per_round:.0f} waves per round)")
+    if inside["calls"]:
+        share = inside["measured_ns"] / 1e9 / sum(times["on"]) * 100
+        print(
+            f"time inside the detectors (timed in place, measured rounds): "
+            f"{inside['measured_ns'] / 1e3 / (args.rounds * steps_per_round):.1f} us per wave = "
+            f"{share:.2f}% of the guarded rounds' wall time"
+        )
+        waves_measured = args.rounds * steps_per_round
+        parts = ", ".join(
+            f"{name} {inside.get(name, 0) / 1e3 / waves_measured:.1f} us"
+            f" ({inside.get('n_' + name, 0) / waves_measured:.2f} calls)"
+            for name in ("on_schedule", "on_logits", "on_output")
+        )
+        print(f"  per entry point and wave: {parts}")
+
     qc = statistics.quantiles(paired_cpu, n=4) if len(paired_cpu) >= 2 else [paired_cpu[0]] * 3
     cpu_added = (statistics.median(cpus["on"]) - statistics.median(cpus["off"])) / steps_per_round
     print(
