@@ -53,7 +53,10 @@ class Deployment:
         sock = root / "guard.sock"
         self.sidecar = SidecarProcess.start(
             root, address=f"unix://{sock}",
-            extra_args=("--health-port", str(self.health_port), "--health-host", "127.0.0.1"),
+            # 1.5 s of silence (three missed 0.5 s heartbeats) leaves margin under the 5 s
+            # bound on a loaded 2-core CI machine, where the stream is read up to ~1.5 s late
+            extra_args=("--health-port", str(self.health_port), "--health-host", "127.0.0.1",
+                        "--hang-after", "1.5s", "--hang-wait", "2s"),
         )  # fmt: skip
         guard = {
             "sidecar": f"unix://{sock}", "engine": ENGINE, "flush_interval_ms": 20,
