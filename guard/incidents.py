@@ -75,6 +75,11 @@ class IncidentReporter:
     def reconfigure(self, config: IncidentsConfig) -> None:
         self.config = config
 
+    def hits_snapshot(self) -> dict[str, int]:
+        """Cumulative hits per type, copied under the lock (read from the streamer thread)."""
+        with self._lock:
+            return dict(self.hits)
+
     def report(
         self,
         type_: str,

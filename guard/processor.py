@@ -352,11 +352,6 @@ class GuardProcessor:
         detectors = self.detectors
         return detectors.probe_values() if detectors is not None else []
 
-    def _hits(self) -> dict[str, int]:
-        reporter = self.incidents
-        with reporter._lock:
-            return dict(reporter.hits)
-
     def heartbeat(self) -> HeartbeatState:
         """What this rank is doing right now; called on the streamer thread."""
         now = time.perf_counter_ns()
@@ -378,7 +373,7 @@ class GuardProcessor:
             heartbeat_source=self.heartbeat,
             batch_filler=self.observer.fill_batch if self.observer is not None else None,
             error_counter=lambda: self.errors.total,
-            hits_source=self._hits,
+            hits_source=self.incidents.hits_snapshot,
             probe_source=self._probe_snapshot,
             spool=IncidentSpool(
                 config.incidents.spool_dir, rank.run_id, rank.pid, config.incidents.spool_max_bytes

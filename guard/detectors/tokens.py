@@ -126,19 +126,6 @@ def find_loop(
     return None
 
 
-def find_ngram(
-    window: Sequence[int], size: int, max_count: int
-) -> tuple[int, int, list[int]] | None:
-    """An n-gram occurring at least max_count times in the window: (n, count, the n-gram)."""
-    if len(window) < size * 2:
-        return None
-    counts = collections.Counter(zip(*(window[i:] for i in range(size)), strict=False))
-    gram, count = counts.most_common(1)[0]
-    if count >= max_count:
-        return size, count, list(gram)
-    return None
-
-
 def out_of_range(tokens: Sequence[int], vocab_size: int) -> list[int]:
     """Sampled ids outside [0, vocab_size); the common case costs one min and one max."""
     if not tokens or (min(tokens) >= 0 and max(tokens) < vocab_size):

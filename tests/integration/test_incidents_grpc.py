@@ -16,26 +16,16 @@ import time
 import grpc
 import pytest
 
-from guard.config import IncidentsConfig
-from guard.incidents import IncidentReporter
 from guard.spool import IncidentSpool
 from tests.integration.test_sidecar_grpc import batch, raw_call, store_rows, wait_for
-from tests.support.feed import make_streamer, wave_tuple
+from tests.support.feed import attach_reporter, make_streamer, wave_tuple
 from tests.support.metrics import value
 
 pytestmark = pytest.mark.timeout(90)
 
 
-def reporter_for(streamer, run_id: str = "run-test", **config) -> IncidentReporter:
-    """A reporter wired to the streamer the way GuardProcessor wires them."""
-    reporter = IncidentReporter(
-        IncidentsConfig(**config),
-        run_id=run_id,
-        current_wave=lambda: 7,
-        sink=streamer.offer_incident,
-    )
-    streamer._hits_source = lambda: dict(reporter.hits)
-    return reporter
+def reporter_for(streamer, run_id: str = "run-test", **config):
+    return attach_reporter(streamer, run_id, **config)
 
 
 def stored_ids(sidecar) -> set[str]:

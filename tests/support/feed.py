@@ -75,19 +75,26 @@ def send_waves(
         streamer.stop()
 
 
+def attach_reporter(streamer: Streamer, run_id: str, *, wave: int = 7, **config):
+    """An IncidentReporter wired to `streamer` the way GuardProcessor wires them."""
+    from guard.config import IncidentsConfig
+    from guard.incidents import IncidentReporter
+
+    reporter = IncidentReporter(
+        IncidentsConfig(**config), run_id=run_id, current_wave=lambda: wave,
+        sink=streamer.offer_incident,
+    )  # fmt: skip
+    streamer._hits_source = reporter.hits_snapshot
+    return reporter
+
+
 def send_incidents_and_probes(
     address: str, *, engine: str = "test", run_id: str = "run-test", timeout: float = 10.0
 ) -> None:
     """One rank reports a few incidents (through a real IncidentReporter) and every probe the
     dashboard shows, then stops once they are handed over."""
-    from guard.config import IncidentsConfig
-    from guard.incidents import IncidentReporter
-
     streamer = make_streamer(address, engine=engine, run_id=run_id, pid=4999)
-    reporter = IncidentReporter(
-        IncidentsConfig(), run_id=run_id, current_wave=lambda: 1, sink=streamer.offer_incident
-    )
-    streamer._hits_source = lambda: dict(reporter.hits)
+    reporter = attach_reporter(streamer, run_id, wave=1)
     for n in range(3):
         reporter.report("logits_finite", "error", "nan row", request_id=f"req-{n}")
     reporter.report("token_repeat", "warning", "loop", request_id="req-9")

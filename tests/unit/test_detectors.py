@@ -21,7 +21,7 @@ from guard.detectors.config import (
 from guard.detectors.evidence import EvidenceDumper
 from guard.detectors.spec import AcceptanceTracker
 from guard.detectors.suite import DetectorSuite
-from guard.detectors.tokens import RepeatDetector, find_loop, find_ngram, out_of_range
+from guard.detectors.tokens import RepeatDetector, find_loop, out_of_range
 from guard.incidents import IncidentReporter
 
 
@@ -63,12 +63,17 @@ def test_find_loop_needs_min_repeats_and_min_span():
     assert find_loop(list(range(64)), 16, 4, 32) is None
 
 
-def test_find_ngram_counts_non_contiguous_repeats():
+def test_ngram_repeats_count_non_contiguous_occurrences():
     window = []
     for filler in range(8):
         window += [7, 8, 9, 100 + filler, 200 + filler]
-    assert find_ngram(window, 3, 8) == (3, 8, [7, 8, 9])
-    assert find_ngram(window, 3, 9) is None
+
+    def findings(max_count):
+        detector = RepeatDetector(TokenRepeatConfig(ngram_size=3, ngram_max_count=max_count))
+        return [f for i in range(0, len(window), 5) for f in detector.add("r", window[i : i + 5])]
+
+    assert findings(8) == [("ngram", 3, 8, [7, 8, 9])]
+    assert findings(9) == []
 
 
 def test_repeat_detector_reports_episodes_not_every_token():
