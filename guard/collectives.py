@@ -31,11 +31,12 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import structlog
 
-from telemetry.proto import guard_pb2
+if TYPE_CHECKING:  # the messages are built by the caller: counting needs no protobuf
+    from telemetry.proto import guard_pb2
 
 log = structlog.get_logger("ascend_guard.collectives")
 
