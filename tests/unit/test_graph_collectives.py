@@ -265,3 +265,55 @@ def test_a_wave_waits_for_its_replay_times_then_is_handed_over_without_them(part
     assert [w.wave for w in tracker.finished][:2] == [1, 2]
     assert tracker.finished[1].replay_device_ns == 0
     assert tracker.replay_events_dropped >= 1
+
+
+def test_sidecar_verdict_names_the_replayed_graph_its_peer_waits_in():
+    """No stand-in: the sidecar's real HangDetector on hand-made heartbeats. Rank 1 freezes;
+    rank 0's device is inside a replayed graph's all-reduce (seq 41) that never completes: the
+    verdict names the stopped rank, the waiting rank's phase, the graph and its collective
+    list."""
+    from prometheus_client import CollectorRegistry
+
+    from telemetry.collective_metrics import CollectiveMetrics
+    from telemetry.hangs import HangDetector, HangSettings
+
+    clock = {"t": 100.0}
+    det = HangDetector(
+        CollectiveMetrics(CollectorRegistry()), HangSettings(stale_s=2.0, wait_s=3.0),
+        incident_sink=lambda *a: None, clock=lambda: clock["t"],
+    )  # fmt: skip
+
+    def hb(tp: int, *, age_s: float = 0.0, in_graph: bool = False) -> guard_pb2.Batch:
+        b = guard_pb2.Batch(rank=guard_pb2.RankInfo(
+            run_id="r", engine="e", tp_rank=tp, tp_size=2, dp_size=1, pp_size=1, pid=10 + tp,
+            node="n"))  # fmt: skip
+        h = b.heartbeat
+        h.time_unix_nano, h.last_wave, h.phase = time_ns(), 7, "execute_model"
+        if in_graph:
+            h.collective_op, h.collective_group, h.collective_seq = "all_reduce", "tp", 41
+            h.collective_age_ns = int(age_s * 1e9)
+            h.collective_graph, h.collective_graph_holds = "FULL tokens=8 #3", "all_reduce tp x5"
+        return b
+
+    events = []
+    for _ in range(4):
+        clock["t"] += 0.5
+        det.observe("e", hb(0))
+        det.observe("e", hb(1))
+        events += det.check()
+    for i in range(1, 7):
+        clock["t"] += 0.5
+        det.observe("e", hb(0, age_s=0.5 * i, in_graph=True))
+        events += det.check()
+    (verdict,) = [e for e in events if e.get("event") == "hang_verdict"]
+    assert [r["tp"] for r in verdict["stopped"]] == [1]
+    (waiting,) = verdict["waiting"]
+    assert waiting["phase"] == "execute_model"
+    assert (waiting["graph"], waiting["graph_holds"]) == ("FULL tokens=8 #3", "all_reduce tp x5")
+    assert "inside replay of graph FULL tokens=8 #3 (all_reduce tp x5)" in verdict["summary"]
+
+
+def time_ns() -> int:
+    import time
+
+    return time.time_ns()
