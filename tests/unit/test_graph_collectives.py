@@ -317,3 +317,34 @@ def time_ns() -> int:
     import time
 
     return time.time_ns()
+
+
+def test_doctor_says_per_call_per_replay_or_not_at_all_and_why():
+    """No stand-in: the doctor's reading of attach-point rows (as bound or not) per runtime."""
+    from ascend_runtime.attach_points import points_for
+    from ascend_runtime.doctor import Row, collective_lines
+    from guard.config import GuardConfig, parse_config
+
+    def rows(runtime: str, failing: str = "") -> list[Row]:
+        return [
+            Row(p, "missing" if p.method == failing else "bound", "gone" if p.method == failing else "")
+            for p in points_for(runtime)
+        ]  # fmt: skip
+
+    cpu = collective_lines(rows("cpu-v1"), "cpu-v1", GuardConfig())
+    assert cpu["collectives eager"].startswith("per call")
+    assert (
+        cpu["collectives compiled"].startswith("per call")
+        and "guard op" in cpu["collectives compiled"]
+    )
+    assert cpu["collectives graphs"].startswith("none captured")
+    cuda = collective_lines(rows("cuda-v1"), "cuda-v1", GuardConfig())
+    assert "vLLM custom ops" in cuda["collectives compiled"]
+    assert cuda["collectives graphs"].startswith("per replay")
+    broken = collective_lines(rows("cuda-mrv2", failing="replay"), "cuda-mrv2", GuardConfig())
+    assert broken["collectives graphs"] == "not at all: CUDAGraph.replay missing: gone"
+    broken = collective_lines(rows("cpu-v1", failing="all_reduce"), "cpu-v1", GuardConfig())
+    assert broken["collectives compiled"].startswith("not at all: CpuCommunicator.all_reduce")
+    off = parse_config({"sidecar": "localhost:1", "collectives": {"enabled": False}})
+    lines = collective_lines(rows("cpu-v1"), "cpu-v1", off)
+    assert set(lines.values()) == {"not at all: runtime_guard.collectives.enabled is false"}
