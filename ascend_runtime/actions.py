@@ -236,6 +236,18 @@ def _collective(method: Callable[..., Any], point: AttachPoint) -> Callable[...,
     return collective_wrapper(point.method, method)
 
 
+def _collective_op(method: Callable[..., Any], point: AttachPoint) -> Callable[..., Any]:
+    from ascend_runtime.collective_ops import compiled_collective_wrapper
+
+    return compiled_collective_wrapper(point.method, method)
+
+
+def _graph_collectives(method: Callable[..., Any], point: AttachPoint) -> Callable[..., Any]:
+    from ascend_runtime.graph_collectives import graph_wrapper
+
+    return graph_wrapper(point.method, method)
+
+
 WRAPPERS: dict[str, Wrapper] = {
     "step": _guard_decorator(runtime_guard_step),
     "sample": _guard_decorator(runtime_guard_sample_tokens),
@@ -250,5 +262,7 @@ WRAPPERS: dict[str, Wrapper] = {
     "verify_logits": _guard_decorator(runtime_guard_verify_logits),
     "schedule": _guard_decorator(guard_schedule),
     "collective": _collective,
+    "collective_op": _collective_op,
+    "graph_collectives": _graph_collectives,
 }
 assert set(WRAPPERS) == set(ACTIONS), "every action needs a wrapper"

@@ -39,6 +39,10 @@ ACTIONS = {
     "verify_logits": "spec-decode verification logits: the logits detectors",
     "schedule": "engine core: stamp hot-reloaded config onto the scheduler output",
     "collective": "op, group, backend, bytes, per-group sequence number; per-wave aggregates",
+    "collective_op": "under torch.compile: the communicator's collective as an opaque guard op, "
+    "counted per call at run time",
+    "graph_collectives": "captured device graphs: collectives noted at capture, counted at each "
+    "replay (replayed), replay device time from events",
 }
 
 # GroupCoordinator methods that carry a collective: the out-of-place all-reduce / all-gather /
@@ -50,6 +54,14 @@ COLLECTIVE_METHODS = (
     "broadcast_tensor_dict", "send_object", "recv_object", "send_tensor_dict", "recv_tensor_dict",
     "send", "recv", "barrier", "dispatch", "combine",
 )  # fmt: skip
+
+# Device communicator methods that torch.compile inlines where the platform does not route
+# collectives through vLLM's custom ops (CPU): wrapped so the compiled graph keeps them opaque
+# (ascend_runtime/collective_ops.py). Elsewhere vLLM's custom ops already are opaque.
+COMPILED_COLLECTIVE_METHODS = ("all_reduce", "all_gather")
+# Device graph classes' own capture/replay hooks: every capture path (vLLM's CUDAGraphWrapper,
+# MRV2's graph managers, vllm-ascend's ACLGraphWrapper; piecewise and FULL) goes through them.
+GRAPH_METHODS = ("capture_begin", "capture_end", "replay")
 
 ASCEND = ("ascend-mrv2", "ascend-v1")
 ASCEND_MRV2 = ("ascend-mrv2",)
@@ -277,6 +289,21 @@ ATTACH_POINTS: tuple[AttachPoint, ...] = tuple(
     + _points(
         "collective", "vllm.distributed.parallel_state", "GroupCoordinator",
         dict.fromkeys(COLLECTIVE_METHODS, "collective"), RUNTIMES,
+    )  # fmt: skip
+    # -- collectives inside torch.compile where no custom op hides them (CPU) ----------------
+    + _points(
+        "collective", "vllm.distributed.device_communicators.cpu_communicator", "CpuCommunicator",
+        dict.fromkeys(COMPILED_COLLECTIVE_METHODS, "collective_op"), CPU,
+        note="compiled: guard op per call; eager: counted by GroupCoordinator",
+    )  # fmt: skip
+    # -- collectives inside captured graphs: the device graph classes' capture and replay ------
+    + _points(
+        "graph", "torch.cuda.graphs", "CUDAGraph", dict.fromkeys(GRAPH_METHODS, "graph_collectives"),
+        CUDA, note="CUDA graph, piecewise and FULL: collectives counted per replay",
+    )  # fmt: skip
+    + _points(
+        "graph", "torch_npu.npu", "NPUGraph", dict.fromkeys(GRAPH_METHODS, "graph_collectives"),
+        ASCEND, note="ACL graph, piecewise and FULL: collectives counted per replay",
     )  # fmt: skip
 )  # fmt: skip
 

@@ -127,6 +127,17 @@ def current_rank() -> tuple[int, int, int]:
     return coords[0], coords[1], coords[2]
 
 
+def _replay_events() -> Callable[[], Any] | None:
+    """Device timing events for graph replays (None on CPU, where nothing is captured)."""
+    try:
+        from ascend_runtime.actions import platform
+        from ascend_runtime.probes.device_time import event_factory
+
+        return event_factory(platform())
+    except Exception:  # noqa: BLE001
+        return None
+
+
 def install_collective_guard(config: GuardConfig, processor: Any) -> None:
     """Turn on collective recording, the watchdog and (if configured) the fire drill for the
     guard `processor` of this process."""
@@ -138,7 +149,7 @@ def install_collective_guard(config: GuardConfig, processor: Any) -> None:
         return
     guard = CollectiveGuard(
         collectives, fault, wave_source=lambda: processor.wave, rank_source=current_rank,
-        describe_group=describe_group,
+        describe_group=describe_group, new_event=_replay_events(),
     )  # fmt: skip
     processor.observer = guard
     if collectives.enabled:

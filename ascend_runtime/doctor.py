@@ -153,6 +153,91 @@ def hccl_lines(config: Any = None) -> tuple[dict[str, str], str | None]:
     return lines, problem
 
 
+def _custom_op_collectives(platform: str) -> bool:
+    """Whether the platform routes collectives through vLLM's opaque custom ops
+    (`torch.ops.vllm.all_reduce`, ...), which torch.compile keeps out of its graph."""
+    try:
+        from vllm.platforms import current_platform
+
+        if platform == "cpu" or current_platform.device_type == platform:
+            return bool(current_platform.use_custom_op_collectives())
+    except Exception:  # noqa: BLE001 - no vLLM here: what vLLM's platforms declare
+        pass
+    return platform in ("cuda", "ascend")
+
+
+def collective_lines(rows: Sequence[Row], runtime: str, config: Any = None) -> dict[str, str]:
+    """How collectives are seen on `runtime`, per execution mode: per call, per replay, or not
+    at all, and why (from the bound rows and the platform)."""
+    if config is None:
+        from guard.config import GuardConfig, resolve_config
+
+        try:
+            config = resolve_config(None) or GuardConfig()
+        except Exception:  # noqa: BLE001
+            config = GuardConfig()
+    section = getattr(config, "collectives", None)
+    if section is not None and not getattr(section, "enabled", True):
+        off = "not at all: runtime_guard.collectives.enabled is false"
+        return {"collectives eager": off, "collectives compiled": off, "collectives graphs": off}
+    if runtime == "all":
+        return {}
+    platform = runtime.split("-", 1)[0]
+
+    def unbound(action: str, component: str | None = None) -> list[Row]:
+        return [
+            r for r in rows
+            if r.point.action == action and (component is None or r.point.component == component)
+            and r.status not in OK_STATUSES
+        ]  # fmt: skip
+
+    def present(action: str) -> bool:
+        return any(r.point.action == action for r in rows)
+
+    def why_not(missing: list[Row]) -> str:
+        r = missing[0]
+        more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
+        return f"not at all: {r.point.qualname}.{r.point.method} {r.status}: {r.detail}{more}"
+
+    coordinator = unbound("collective")
+    eager = (
+        why_not(coordinator) if coordinator
+        else "per call: GroupCoordinator methods (host time, bytes, seq per group)"
+    )  # fmt: skip
+    if coordinator:
+        compiled = eager
+    elif _custom_op_collectives(platform):
+        compiled = (
+            "per call: the platform's collectives are vLLM custom ops, opaque to torch.compile; "
+            "their implementation calls the GroupCoordinator methods at run time"
+        )
+    elif present("collective_op"):
+        missing = unbound("collective_op")
+        compiled = why_not(missing) if missing else (
+            "per call: torch.compile would inline the communicator down to its kernel; its "
+            "methods emit the guard op ascend_guard::all_reduce_ / all_gather instead, which "
+            "counts each call at run time"
+        )  # fmt: skip
+    else:
+        compiled = "not at all: the compiled graph inlines the communicator (no guard op here)"
+    if platform == "cpu":
+        graphs = "none captured: vLLM captures no device graph on CPU"
+    elif present("graph_collectives"):
+        missing = unbound("graph_collectives")
+        graphs = why_not(missing) if missing else (
+            "per replay: collectives noted at capture (op, group, bytes per batch size), "
+            "counted at each replay as replayed; device time from events around the replay; "
+            "no per-call host time"
+        )  # fmt: skip
+    else:
+        graphs = "not at all: no device graph attach point for this runtime"
+    return {
+        "collectives eager": eager,
+        "collectives compiled": compiled,
+        "collectives graphs": graphs,
+    }
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ascend-guard doctor",
@@ -205,15 +290,16 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     ok = [r for r in rows if r.status in OK_STATUSES]
     not_ok = [r for r in rows if r.status not in OK_STATUSES]
     hccl, problem = hccl_lines()
+    visibility = collective_lines(rows, runtime)
     fully = not not_ok and bool(rows) and problem is None
     if args.json:
         document = {
             **header, "ok": fully, "attach_points": [r.as_dict() for r in rows],
-            "hccl": hccl, "hang_deadline_problem": problem,
+            "hccl": hccl, "hang_deadline_problem": problem, "collectives": visibility,
         }  # fmt: skip
         print(json.dumps(document, indent=2, sort_keys=True), file=out)
         return 0 if fully else 1
-    for key, value in {**header, **hccl}.items():
+    for key, value in {**header, **hccl, **visibility}.items():
         if isinstance(value, dict):
             value = "  ".join(f"{k} {v or '-'}" for k, v in value.items())
         print(f"{key}: {value}", file=out)

@@ -14,6 +14,13 @@ paired B/A ratios. On a 2-core machine the rounds spread by several percent, far
 the effect; the micro numbers and the measured step time give the share that the macro
 numbers cannot resolve.
 
+**Compiled (in-process, torch.compile with inductor).** The same calls made from inside a
+compiled function, as vLLM's compiled model makes them on CPU: bare (Dynamo inlines the
+communicator down to its kernel), guard off (the communicator's method emits the guard's
+opaque op, no tracker) and guard on (the op's kernel counts the call). `COMPILED_CALLS`
+collectives per compiled call; the compiled function's own fixed cost is the same in all three.
+The summary line compares the guard's added host cost per call, compiled against eager.
+
     python bench/collectives.py [--calls 20000] [--rounds 7] [--macro-rounds 6] [--no-macro]
 """
 
@@ -33,6 +40,7 @@ sys.path.insert(0, str(REPO))
 from telemetry.table import render_table  # noqa: E402
 
 CALLS_PER_WAVE = 6  # tiny model at TP=2: 5 all-reduces + 1 all-gather per step
+COMPILED_CALLS = 6  # collectives per compiled call (a wave's worth)
 
 
 def _micro(calls: int, rounds: int) -> dict[str, dict[str, float]]:
@@ -96,9 +104,153 @@ def _micro(calls: int, rounds: int) -> dict[str, dict[str, float]]:
         # best-of-rounds: other processes on the machine only ever add time
         results[name] = {mode: min(v) for mode, v in samples.items()}
         results[name + " median"] = {mode: statistics.median(v) for mode, v in samples.items()}
+    results.update(_compiled(calls, rounds, group, tracker, wave))
     dist.destroy_process_group()
     os.unlink(store.name)
     return results
+
+
+def _compiled(calls: int, rounds: int, group, tracker, wave) -> dict[str, dict[str, float]]:
+    """Per-call ns of collectives made inside an inductor-compiled function."""
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed import parallel_state
+
+    from ascend_runtime import collective_ops
+    from guard.collectives import install_tracker
+
+    class Communicator:  # CpuCommunicator's shape
+        unique_name = "tp:bench"
+
+        def all_reduce(self, input_):
+            dist.all_reduce(input_, group=group)
+            return input_
+
+    class NoopCommunicator(Communicator):
+        def all_reduce(self, input_):
+            return input_
+
+    class Coordinator:  # what the guard op's kernel resolves by name
+        unique_name = "tp:bench"
+        world_size = 2
+        rank_in_group = 0
+
+    results: dict[str, dict[str, float]] = {}
+    tensor = torch.ones(1, 128, dtype=torch.float32)
+    n = max(1, calls // COMPILED_CALLS)
+    for label, cls in (("compiled _all_reduce_out_place", Communicator),
+                       ("compiled noop", NoopCommunicator)):  # fmt: skip
+        bare_fn = cls.__dict__["all_reduce"]
+        guarded_cls = type("Guarded" + cls.__name__, (cls,), {
+            "all_reduce": collective_ops.compiled_collective_wrapper("all_reduce", bare_fn)
+        })  # fmt: skip
+        coordinator = Coordinator()
+        coordinator.device_communicator = guarded_cls()
+        parallel_state._groups[coordinator.unique_name] = weakref.ref(coordinator)
+        collective_ops._targets.clear()
+        bare_comm, guarded_comm = cls(), coordinator.device_communicator
+
+        def make(comm):
+            def step(x):
+                for _ in range(COMPILED_CALLS):
+                    comm.all_reduce(x)
+                return x
+
+            return torch.compile(step, backend="inductor", fullgraph=True)
+
+        torch._dynamo.reset()
+        fns = {"bare": make(bare_comm), "guard off": make(guarded_comm)}
+        fns["guard on"] = fns["guard off"]
+        for fn in fns.values():
+            fn(tensor)  # compile outside the timing
+
+        def run(fn, on: bool) -> float:
+            install_tracker(tracker if on else None)
+            start = time.perf_counter_ns()
+            for _ in range(n):
+                wave["n"] += 1
+                fn(tensor)
+            elapsed = time.perf_counter_ns() - start
+            install_tracker(None)
+            tracker.finished.clear()
+            return elapsed / (n * COMPILED_CALLS)
+
+        samples: dict[str, list[float]] = {mode: [] for mode in fns}
+        with torch.inference_mode():
+            for r in range(rounds + 1):
+                order = list(fns) if r % 2 else list(reversed(fns))
+                for mode in order:
+                    ns = run(fns[mode], mode == "guard on")
+                    if r:
+                        samples[mode].append(ns)
+        results[label] = {mode: min(v) for mode, v in samples.items()}
+        results[label + " median"] = {mode: statistics.median(v) for mode, v in samples.items()}
+        parallel_state._groups.pop(coordinator.unique_name, None)
+    results.update(_compiled_custom_op(n, rounds, tracker, wave, tensor))
+    return results
+
+
+def _compiled_custom_op(n: int, rounds: int, tracker, wave, tensor) -> dict[str, dict[str, float]]:
+    """CUDA / Ascend shape: the compiled graph calls vLLM's own opaque `torch.ops.vllm.all_reduce`,
+    whose implementation calls `GroupCoordinator._all_reduce_out_place` (no-op body here);
+    bare = that method unwrapped (vLLM without the guard), guard off / on = wrapped."""
+    import weakref
+
+    import torch
+    from vllm.distributed import parallel_state
+
+    from ascend_runtime.collective_binding import collective_wrapper
+    from guard.collectives import install_tracker
+
+    def out_place(self, input_):
+        return torch.empty_like(input_)  # a new tensor, as a device communicator returns
+
+    coordinators = {}
+    for name, method in (("bare", out_place),
+                         ("guarded", collective_wrapper("_all_reduce_out_place", out_place))):  # fmt: skip
+        cls = type(f"Coordinator_{name}", (), {
+            "unique_name": f"tp:op-{name}", "world_size": 2, "rank_in_group": 0,
+            "_all_reduce_out_place": method,
+        })  # fmt: skip
+        coordinators[name] = cls()
+        parallel_state._groups[cls.unique_name] = weakref.ref(coordinators[name])
+
+    def make(group_name: str):
+        def step(x):
+            for _ in range(COMPILED_CALLS):
+                x = torch.ops.vllm.all_reduce(x, group_name=group_name)
+            return x
+
+        return torch.compile(step, backend="inductor", fullgraph=True)
+
+    torch._dynamo.reset()
+    fns = {"bare": make("tp:op-bare"), "guard off": make("tp:op-guarded")}
+    fns["guard on"] = fns["guard off"]
+    for fn in fns.values():
+        fn(tensor)
+    samples: dict[str, list[float]] = {mode: [] for mode in fns}
+    with torch.inference_mode():
+        for r in range(rounds + 1):
+            for mode in list(fns) if r % 2 else list(reversed(fns)):
+                install_tracker(tracker if mode == "guard on" else None)
+                start = time.perf_counter_ns()
+                for _ in range(n):
+                    wave["n"] += 1
+                    fns[mode](tensor)
+                ns = (time.perf_counter_ns() - start) / (n * COMPILED_CALLS)
+                install_tracker(None)
+                tracker.finished.clear()
+                if r:
+                    samples[mode].append(ns)
+    for name in coordinators:
+        parallel_state._groups.pop(f"tp:op-{name}", None)
+    label = "compiled vllm custom op"
+    return {
+        label: {mode: min(v) for mode, v in samples.items()},
+        label + " median": {mode: statistics.median(v) for mode, v in samples.items()},
+    }
 
 
 def _macro(rounds: int, requests: int, max_tokens: int) -> dict:
@@ -167,10 +319,16 @@ def main(argv: list[str] | None = None) -> int:
     micro = _micro(args.calls, args.rounds)
     rows = []
     for name, label in (
-        ("_all_reduce_out_place", "gloo all_reduce 512 B, best round"),
-        ("_all_reduce_out_place median", "gloo all_reduce 512 B, median"),
-        ("noop", "no-op, best round"),
-        ("noop median", "no-op, median"),
+        ("_all_reduce_out_place", "eager gloo all_reduce 512 B, best round"),
+        ("_all_reduce_out_place median", "eager gloo all_reduce 512 B, median"),
+        ("noop", "eager no-op, best round"),
+        ("noop median", "eager no-op, median"),
+        ("compiled _all_reduce_out_place", "compiled gloo all_reduce 512 B, best round"),
+        ("compiled _all_reduce_out_place median", "compiled gloo all_reduce 512 B, median"),
+        ("compiled noop", "compiled no-op, best round"),
+        ("compiled noop median", "compiled no-op, median"),
+        ("compiled vllm custom op", "compiled via vllm custom op, no-op, best"),
+        ("compiled vllm custom op median", "compiled via vllm custom op, no-op, median"),
     ):
         m = micro[name]
         rows.append((label, f"{m['bare']:.0f}", f"{m['guard off']:.0f}", f"{m['guard on']:.0f}",
@@ -179,6 +337,25 @@ def main(argv: list[str] | None = None) -> int:
     print(render_table(("call", "bare", "guard off", "guard on", "off - bare", "on - bare"), rows,
                        right=(1, 2, 3, 4, 5)))  # fmt: skip
     added_ns = micro["noop"]["guard on"] - micro["noop"]["bare"]
+    compiled_ns = micro["compiled noop"]["guard on"] - micro["compiled noop"]["bare"]
+    compiled_gloo = (
+        micro["compiled _all_reduce_out_place"]["guard on"]
+        - micro["compiled _all_reduce_out_place"]["bare"]
+    )
+    eager_gloo = micro["_all_reduce_out_place"]["guard on"] - micro["_all_reduce_out_place"]["bare"]
+    print(
+        f"\nCompiled vs eager, guard's added host cost per collective call: no-op "
+        f"{compiled_ns / 1e3:.2f} us vs {added_ns / 1e3:.2f} us (ratio "
+        f"{compiled_ns / max(added_ns, 1):.2f}); gloo all_reduce {compiled_gloo / 1e3:.2f} us "
+        f"vs {eager_gloo / 1e3:.2f} us (ratio {compiled_gloo / max(eager_gloo, 1):.2f}); "
+        "goal: ratio <= 1"
+    )
+    custom = micro["compiled vllm custom op"]
+    custom_ns = custom["guard on"] - custom["bare"]
+    print(
+        f"Compiled through vLLM's custom op (the CUDA / Ascend path): {custom_ns / 1e3:.2f} us "
+        f"vs eager {added_ns / 1e3:.2f} us (ratio {custom_ns / max(added_ns, 1):.2f})"
+    )
     if args.no_macro:
         return 0
     macro = _macro(args.macro_rounds, args.requests, args.max_tokens)

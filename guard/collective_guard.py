@@ -27,8 +27,9 @@ class CollectiveGuard:
         wave_source: Callable[[], int],
         rank_source: RankSource,
         describe_group: Callable[[object], GroupMeta] | None = None,
+        new_event: Callable[[], object] | None = None,
     ) -> None:
-        self.tracker = CollectiveTracker(config, wave_source, describe_group)
+        self.tracker = CollectiveTracker(config, wave_source, describe_group, new_event)
         self.watchdog: CollectiveWatchdog | None = None
         if config.watchdog:
             self.watchdog = CollectiveWatchdog(

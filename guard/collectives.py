@@ -9,9 +9,20 @@ and payload to the aggregate of (op, group) for the current wave. Calls slower t
 heartbeat (streamer thread) and the watchdog can say what a rank waits in even when its engine
 thread is blocked.
 
+Captured device graphs (CUDA graph, ACL graph; piecewise or FULL) replay their collectives
+with no Python. While a graph is captured (`begin_capture` ... `end_capture`, called from the
+device graph class's own capture hooks), each collective the capture passes through is noted
+on the graph (op, group, bytes for that graph's batch size) instead of being counted: nothing
+is communicated yet. Each `replay` of such a graph then counts its collectives into the wave,
+marked as replayed (`replayed` of their `CollectiveStat`), advances the groups' sequence
+numbers as the device will, and times the replay with device events that are resolved later
+without a sync. While a replay has not finished on the device, `in_replay` names the graph and
+its collective list, so the heartbeat and the watchdog say which graph a rank hangs in.
+
 Everything here runs on the engine thread except `fill_batch` (streamer thread) and the
-watchdog's reads of `current`, which is replaced as a whole tuple so readers see one call.
-No torch import: tensors are read through `.nbytes` and `.dtype` only.
+watchdog's reads of `current` / `in_replay`, each replaced as a whole so readers see one call.
+No torch import: tensors are read through `.nbytes` and `.dtype` only; device events come
+from `ascend_runtime` as a factory.
 """
 
 from __future__ import annotations
@@ -20,11 +31,12 @@ import collections
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import structlog
 
-from telemetry.proto import guard_pb2
+if TYPE_CHECKING:  # the messages are built by the caller: counting needs no protobuf
+    from telemetry.proto import guard_pb2
 
 log = structlog.get_logger("ascend_guard.collectives")
 
@@ -74,6 +86,46 @@ class GroupMeta:
 # What a rank is inside right now: (op, group, backend, seq, start perf_counter_ns).
 CurrentCall = tuple[str, str, str, int, int]
 
+# a finished wave waits at most this many waves for the device times of its replays
+PARK_WAVES = 4
+
+# Stat list layout, per (op, group) and wave:
+# [calls, bytes, host_ns, max_host_ns, first_seq, last_seq, backend, dtype, replayed]
+REPLAYED = 8
+
+
+class CapturedGraph:
+    """The collectives one captured device graph holds, noted while it was captured."""
+
+    __slots__ = ("calls", "label", "replays")
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        # (op, group meta, bytes, dtype) in program order
+        self.calls: list[tuple[str, GroupMeta, int, str]] = []
+        self.replays = 0
+
+    def holds(self) -> str:
+        """The collective list as text: "all_reduce tp x5 (20480 B), all_gather tp x1 (...)"."""
+        counts: dict[tuple[str, str], list[int]] = {}
+        for op, meta, nbytes, _ in self.calls:
+            entry = counts.setdefault((op, meta.label), [0, 0])
+            entry[0] += 1
+            entry[1] += nbytes
+        return ", ".join(f"{op} {group} x{n} ({b} B)" for (op, group), (n, b) in counts.items())
+
+
+class InReplay(NamedTuple):
+    """A replay of a graph holding collectives that the device may not have finished."""
+
+    graph: CapturedGraph
+    op: str  # the graph's first collective, as the heartbeat's current collective
+    group: str
+    backend: str
+    seq: int
+    start_ns: int  # perf_counter_ns at the replay call
+    end_event: Any  # device event after the replay (None: no device clock, host call only)
+
 
 class FinishedWave(NamedTuple):
     """One wave's collectives on this rank, handed to the streamer thread."""
@@ -87,6 +139,7 @@ class FinishedWave(NamedTuple):
     slow_calls: list[tuple]
     slow_calls_dropped: int
     injected_delay_ns: int
+    replay_device_ns: int = 0  # device time of graph replays holding collectives (events)
 
 
 def tensor_size(value: Any) -> tuple[int, Any]:
@@ -116,6 +169,7 @@ class CollectiveTracker:
         config: CollectivesConfig,
         wave_source: Callable[[], int] = lambda: 0,
         describe_group: Callable[[Any], GroupMeta] | None = None,
+        new_event: Callable[[], Any] | None = None,
     ) -> None:
         self.config = config
         self._wave_source = wave_source
@@ -129,13 +183,25 @@ class CollectiveTracker:
         self.injected_delay_ns = 0  # the fault injector adds here; read at wave roll-over
         self.before_call: Callable[[str, str], None] | None = None  # fault injector hook
         self._depth = 0
+        self.capturing: CapturedGraph | None = None  # a device graph being captured
+        self.in_replay: InReplay | None = None
+        self._new_event = new_event  # device timing events (None on CPU)
+        # (wave, start event, end event) of replays not resolved yet; bounded
+        self._replay_events: collections.deque[tuple[int, Any, Any]] = collections.deque()
+        self._replay_device_ns: dict[int, int] = {}
+        # finished waves held back until the device times of their replays resolve
+        self._parked: collections.deque[FinishedWave] = collections.deque()
+        self.replay_events_dropped = 0
         self._dtype_names: dict[Any, str] = {}
         self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()
+        self._latest_wave = 0
         self._reset(0)
 
     # -- wave boundaries (engine thread) -------------------------------------------------------
     def _reset(self, wave: int) -> None:
         self.wave = wave
+        if wave > self._latest_wave:
+            self._latest_wave = wave
         self._stats: dict[tuple[str, str], list] = {}
         self._slow: list[tuple] = []
         self._slow_dropped = 0
@@ -144,18 +210,23 @@ class CollectiveTracker:
 
     def roll(self, wave: int) -> None:
         """Close the aggregates of the wave in progress (if any) and start `wave`."""
+        if self._replay_events or self._parked:
+            self.poll_replays()
         if self.wave and (self._stats or self.injected_delay_ns):
-            self.finished.append(
-                FinishedWave(
-                    self.wave,
-                    self._first_arrival,
-                    self._wait_ns,
-                    self._stats,
-                    self._slow,
-                    self._slow_dropped,
-                    self.injected_delay_ns,
-                )
+            item = FinishedWave(
+                self.wave,
+                self._first_arrival,
+                self._wait_ns,
+                self._stats,
+                self._slow,
+                self._slow_dropped,
+                self.injected_delay_ns,
+                self._replay_device_ns.pop(self.wave, 0),
             )
+            if any(w == self.wave for w, _, _ in self._replay_events):
+                self._parked.append(item)  # its replays' device times are not resolved yet
+            else:
+                self.finished.append(item)
             self.completed_waves += 1
         elif self.wave:
             self.completed_waves += 1
@@ -185,6 +256,8 @@ class CollectiveTracker:
         """
         if self._depth:  # a collective made of collectives (broadcast_tensor_dict): count once
             return fn(group, *args, **kwargs)
+        if self.capturing is not None:
+            return self._run_captured(op, fn, group, args, kwargs, payload)
         try:
             meta = getattr(group, META_ATTR, None)
             if meta is None:
@@ -220,6 +293,161 @@ class CollectiveTracker:
                 self.errors += 1
         return result
 
+    def _meta(self, group: Any) -> GroupMeta:
+        meta = getattr(group, META_ATTR, None)
+        if meta is None:
+            meta = self._describe_group(group)
+            setattr(group, META_ATTR, meta)
+        return meta
+
+    def _run_captured(
+        self,
+        op: str,
+        fn: Callable[..., Any],
+        group: Any,
+        args: tuple,
+        kwargs: dict,
+        payload: Payload,
+    ) -> Any:
+        """A collective met while a device graph is captured: enqueued into the graph, not run
+        now. Noted on the graph (counted at each replay); no sequence number is taken."""
+        self._depth = 1
+        try:
+            result = fn(group, *args, **kwargs)
+        finally:
+            self._depth = 0
+        try:
+            graph = self.capturing
+            meta = self._meta(group)
+            if graph is not None and meta.world_size > 1:
+                data = payload(args, kwargs, result)
+                nbytes = getattr(data, "nbytes", None)
+                if nbytes is None:
+                    nbytes = tensor_size(data)[0] if data is not None else 0
+                graph.calls.append((op, meta, int(nbytes), self._dtype(data)))
+        except Exception:  # noqa: BLE001
+            self.errors += 1
+        return result
+
+    # -- captured device graphs (engine thread) ------------------------------------------------
+    def begin_capture(self, label: str) -> CapturedGraph:
+        """A device graph's capture begins: collectives until `end_capture` belong to it."""
+        graph = CapturedGraph(label)
+        self.capturing = graph
+        return graph
+
+    def end_capture(self) -> CapturedGraph | None:
+        graph, self.capturing = self.capturing, None
+        if graph is not None and graph.calls:
+            log.debug("graph_collectives_captured", graph=graph.label, holds=graph.holds())
+        return graph
+
+    def replay(self, graph: CapturedGraph, replay: Callable[..., Any], target: Any) -> Any:
+        """Replay `graph` (`replay(target)`) and count the collectives it holds into the wave,
+        marked as replayed; device events around it give its device time later."""
+        calls = graph.calls
+        if not calls or self._depth or self.capturing is not None:
+            return replay(target)
+        try:
+            wave = self._wave_source()
+            if wave != self.wave:
+                self.roll(wave)
+            first_op, first_meta = calls[0][0], calls[0][1]
+            first_seq = first_meta.seq + 1
+            start_event = end_event = None
+            if self._new_event is not None and self.wave:
+                start_event = self._new_event()
+                start_event.record()
+        except Exception:  # noqa: BLE001 - never break the replay
+            self.errors += 1
+            return replay(target)
+        start = time.perf_counter_ns()
+        self.current = (first_op, first_meta.label, first_meta.backend, first_seq, start)
+        self.in_replay = InReplay(
+            graph, first_op, first_meta.label, first_meta.backend, first_seq, start, None
+        )
+        try:
+            result = replay(target)
+        finally:
+            self.current = None
+        try:
+            if start_event is not None:
+                end_event = self._new_event()  # type: ignore[misc]
+                end_event.record()
+                self._replay_events.append((self.wave, start_event, end_event))
+                if len(self._replay_events) > 256:  # the device is far behind: drop the oldest
+                    self._replay_events.popleft()
+                    self.replay_events_dropped += 1
+            # the host call has returned; the device may still be inside the graph
+            self.in_replay = self.in_replay._replace(end_event=end_event) if end_event else None
+            graph.replays += 1
+            self._record_replay(graph, start)
+        except Exception:  # noqa: BLE001
+            self.errors += 1
+        return result
+
+    def _record_replay(self, graph: CapturedGraph, start: int) -> None:
+        stats = self._stats
+        counting = bool(self.wave)
+        for op, meta, nbytes, dtype in graph.calls:
+            meta.seq = seq = meta.seq + 1
+            if not counting:
+                continue
+            key = (op, meta.label)
+            stat = stats.get(key)
+            if stat is None:
+                stats[key] = [1, nbytes, 0, 0, seq, seq, meta.backend, dtype, 1]
+            else:
+                stat[0] += 1
+                stat[1] += nbytes
+                stat[5] = seq
+                stat[REPLAYED] += 1
+        if counting and not self._first_arrival:
+            self._first_arrival = start + self._wall_offset_ns
+
+    def poll_replays(self) -> None:
+        """Resolve replay device times the device has finished, oldest first; never waits."""
+        pending = self._replay_events
+        while pending:
+            wave, start_event, end_event = pending[0]
+            try:
+                if not end_event.query():
+                    break
+                ns = int(float(start_event.elapsed_time(end_event)) * 1e6)
+            except Exception:  # noqa: BLE001
+                self.errors += 1
+                ns = 0
+            pending.popleft()
+            parked = self._parked
+            if wave == self.wave:
+                self._replay_device_ns[wave] = self._replay_device_ns.get(wave, 0) + ns
+            else:
+                for i, item in enumerate(parked):
+                    if item.wave == wave:
+                        parked[i] = item._replace(replay_device_ns=item.replay_device_ns + ns)
+                        break
+        parked = self._parked
+        while parked:
+            item = parked[0]
+            waiting = any(w == item.wave for w, _, _ in pending)
+            if waiting and self._latest_wave - item.wave < PARK_WAVES:
+                break
+            if waiting:  # the device is far behind: hand the wave over without them
+                self.replay_events_dropped += 1
+            self.finished.append(parked.popleft())
+        if self.in_replay is not None and not pending:
+            self.in_replay = None
+
+    def replay_pending(self) -> InReplay | None:
+        """The replay the device has not finished (streamer/watchdog thread; query only)."""
+        in_replay = self.in_replay
+        if in_replay is None or in_replay.end_event is None:
+            return None
+        try:
+            return None if in_replay.end_event.query() else in_replay
+        except Exception:  # noqa: BLE001
+            return None
+
     def _record(
         self, op: str, meta: GroupMeta, seq: int, start: int, host_ns: int, data: Any
     ) -> None:
@@ -238,6 +466,7 @@ class CollectiveTracker:
                 seq,
                 meta.backend,
                 self._dtype(data),
+                0,
             ]
         else:
             stat[0] += 1
@@ -283,6 +512,15 @@ class CollectiveTracker:
             _add_wave(batch.collective_waves.add(), item)
         if with_heartbeat:
             current = self.current
+            replaying = self.in_replay
+            if current is None and replaying is not None:
+                # the host call returned; is the device still inside the graph?
+                replaying = self.replay_pending()
+                if replaying is not None:
+                    current = (
+                        replaying.op, replaying.group, replaying.backend, replaying.seq,
+                        replaying.start_ns,
+                    )  # fmt: skip
             if current is not None:
                 op, group, backend, seq, start = current
                 hb = batch.heartbeat
@@ -291,6 +529,9 @@ class CollectiveTracker:
                 hb.collective_backend = backend
                 hb.collective_seq = seq
                 hb.collective_age_ns = max(0, time.perf_counter_ns() - start)
+                if replaying is not None and replaying.seq == seq and replaying.op == op:
+                    hb.collective_graph = replaying.graph.label
+                    hb.collective_graph_holds = replaying.graph.holds()
 
 
 def _add_wave(msg: guard_pb2.CollectiveWave, item: FinishedWave) -> None:
@@ -299,11 +540,13 @@ def _add_wave(msg: guard_pb2.CollectiveWave, item: FinishedWave) -> None:
     msg.wait_ns = item.wait_ns
     msg.slow_calls_dropped = item.slow_calls_dropped
     msg.injected_delay_ns = item.injected_delay_ns
+    msg.replay_device_ns = item.replay_device_ns
     for (op, group), stat in item.stats.items():
-        calls, nbytes, host_ns, max_ns, first_seq, last_seq, backend, dtype = stat
+        calls, nbytes, host_ns, max_ns, first_seq, last_seq, backend, dtype, replayed = stat
         msg.stats.add(
             op=op, group=group, backend=backend, dtype=dtype, calls=calls, bytes=nbytes,
             host_ns=host_ns, max_host_ns=max_ns, first_seq=first_seq, last_seq=last_seq,
+            replayed=replayed,
         )  # fmt: skip
     for op, group, backend, dtype, seq, nbytes, start, host_ns in item.slow_calls:
         msg.slow_calls.add(

@@ -84,8 +84,19 @@ class CollectiveWatchdog:
 
     def check(self, now_ns: int | None = None) -> bool:
         """One look at the current call; True when it raised an incident."""
-        current = self._tracker.current
-        if current is None or self._tracker.completed_waves < self._arm_after:
+        tracker = self._tracker
+        current = tracker.current
+        if tracker.completed_waves < self._arm_after:
+            return False
+        replaying = tracker.in_replay
+        if current is None and replaying is not None:
+            replaying = tracker.replay_pending()  # the device is still inside a replayed graph
+            if replaying is not None:
+                current = (
+                    replaying.op, replaying.group, replaying.backend, replaying.seq,
+                    replaying.start_ns,
+                )  # fmt: skip
+        if current is None:
             return False
         op, group, backend, seq, start = current
         age = (now_ns if now_ns is not None else time.perf_counter_ns()) - start
@@ -94,14 +105,18 @@ class CollectiveWatchdog:
         self._fired = (group, seq)
         self.fired += 1
         age_s = round(age / 1e9, 3)
+        evidence = {
+            "op": op, "group": group, "backend": backend, "seq": seq, "age_s": age_s,
+            "deadline_s": self._deadline_ns / 1e9, "wave": self._wave_source(),
+        }  # fmt: skip
+        where = f"{op} on group {group} (seq {seq}, {backend})"
+        if replaying is not None and replaying.seq == seq:
+            holds = replaying.graph.holds()
+            evidence.update(graph=replaying.graph.label, graph_holds=holds)
+            where = f"replay of graph {replaying.graph.label} (holds {holds}) at {where}"
         self._report(
-            "hang_suspected",
-            "critical",
-            f"{op} on group {group} (seq {seq}, {backend}) has not returned after {age_s}s",
-            evidence={
-                "op": op, "group": group, "backend": backend, "seq": seq, "age_s": age_s,
-                "deadline_s": self._deadline_ns / 1e9, "wave": self._wave_source(),
-            },
+            "hang_suspected", "critical", f"{where} has not returned after {age_s}s",
+            evidence=evidence,
         )  # fmt: skip
         log.warning("hang_suspected", op=op, group=group, seq=seq, age_s=age_s)
         return True

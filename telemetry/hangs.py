@@ -69,6 +69,8 @@ class RankState:
     group: str = ""
     seq: int = 0
     op_age_s: float = 0.0  # as of heartbeat_at
+    graph: str = ""  # the captured graph being replayed around that collective, if any
+    graph_holds: str = ""  # ... and the collectives it holds
 
     def waiting_s(self, now: float) -> float:
         """How long the rank has been inside its current collective, as of `now`."""
@@ -84,6 +86,8 @@ class RankState:
         if self.op:
             info.update(op=self.op, group=self.group, seq=self.seq,
                         waiting_s=round(self.waiting_s(now), 3))  # fmt: skip
+            if self.graph:
+                info.update(graph=self.graph, graph_holds=self.graph_holds)
         return info
 
 
@@ -106,6 +110,9 @@ class Verdict:
     def summary(self) -> str:
         who = ", ".join(f"tp{r['tp']}/pp{r['pp']} (pid {r['pid']})" for r in self.stopped)
         where = f"{self.op} on {self.group} seq {self.seq}" if self.op else "no collective"
+        graph = next((r for r in self.waiting + self.stopped if r.get("graph")), None)
+        if self.op and graph is not None:
+            where += f" inside replay of graph {graph['graph']} ({graph['graph_holds']})"
         peers = (
             "; peers wait in " + where
             if self.waiting and self.kind != "collective_stuck"
@@ -185,6 +192,8 @@ class HangDetector:
                 state.group = hb.collective_group
                 state.seq = hb.collective_seq
                 state.op_age_s = hb.collective_age_ns / 1e9
+                state.graph = hb.collective_graph
+                state.graph_holds = hb.collective_graph_holds
                 if state.op and state.seq > state.seq_done.get(state.group, 0):
                     state.seq_done[state.group] = state.seq
 

@@ -63,7 +63,7 @@ class WaveRecord(_message.Message):
     def __init__(self, wave: _Optional[int] = ..., start_unix_nano: _Optional[int] = ..., execute_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., sample_offset_ns: _Optional[int] = ..., num_reqs: _Optional[int] = ..., prefill_reqs: _Optional[int] = ..., decode_reqs: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., dummy: _Optional[bool] = ..., sampled: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("time_unix_nano", "last_wave", "phase", "phase_age_ns", "collective_op", "collective_group", "collective_seq", "collective_age_ns", "collective_backend")
+    __slots__ = ("time_unix_nano", "last_wave", "phase", "phase_age_ns", "collective_op", "collective_group", "collective_seq", "collective_age_ns", "collective_backend", "collective_graph", "collective_graph_holds")
     TIME_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
     LAST_WAVE_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,8 @@ class Heartbeat(_message.Message):
     COLLECTIVE_SEQ_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_AGE_NS_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_GRAPH_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_GRAPH_HOLDS_FIELD_NUMBER: _ClassVar[int]
     time_unix_nano: int
     last_wave: int
     phase: str
@@ -82,10 +84,12 @@ class Heartbeat(_message.Message):
     collective_seq: int
     collective_age_ns: int
     collective_backend: str
-    def __init__(self, time_unix_nano: _Optional[int] = ..., last_wave: _Optional[int] = ..., phase: _Optional[str] = ..., phase_age_ns: _Optional[int] = ..., collective_op: _Optional[str] = ..., collective_group: _Optional[str] = ..., collective_seq: _Optional[int] = ..., collective_age_ns: _Optional[int] = ..., collective_backend: _Optional[str] = ...) -> None: ...
+    collective_graph: str
+    collective_graph_holds: str
+    def __init__(self, time_unix_nano: _Optional[int] = ..., last_wave: _Optional[int] = ..., phase: _Optional[str] = ..., phase_age_ns: _Optional[int] = ..., collective_op: _Optional[str] = ..., collective_group: _Optional[str] = ..., collective_seq: _Optional[int] = ..., collective_age_ns: _Optional[int] = ..., collective_backend: _Optional[str] = ..., collective_graph: _Optional[str] = ..., collective_graph_holds: _Optional[str] = ...) -> None: ...
 
 class CollectiveStat(_message.Message):
-    __slots__ = ("op", "group", "backend", "dtype", "calls", "bytes", "host_ns", "max_host_ns", "first_seq", "last_seq", "device_ns")
+    __slots__ = ("op", "group", "backend", "dtype", "calls", "bytes", "host_ns", "max_host_ns", "first_seq", "last_seq", "device_ns", "replayed")
     OP_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -97,6 +101,7 @@ class CollectiveStat(_message.Message):
     FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
     op: str
     group: str
     backend: str
@@ -108,7 +113,8 @@ class CollectiveStat(_message.Message):
     first_seq: int
     last_seq: int
     device_ns: int
-    def __init__(self, op: _Optional[str] = ..., group: _Optional[str] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., calls: _Optional[int] = ..., bytes: _Optional[int] = ..., host_ns: _Optional[int] = ..., max_host_ns: _Optional[int] = ..., first_seq: _Optional[int] = ..., last_seq: _Optional[int] = ..., device_ns: _Optional[int] = ...) -> None: ...
+    replayed: int
+    def __init__(self, op: _Optional[str] = ..., group: _Optional[str] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., calls: _Optional[int] = ..., bytes: _Optional[int] = ..., host_ns: _Optional[int] = ..., max_host_ns: _Optional[int] = ..., first_seq: _Optional[int] = ..., last_seq: _Optional[int] = ..., device_ns: _Optional[int] = ..., replayed: _Optional[int] = ...) -> None: ...
 
 class CollectiveCall(_message.Message):
     __slots__ = ("op", "group", "backend", "dtype", "seq", "bytes", "start_unix_nano", "host_ns")
@@ -131,7 +137,7 @@ class CollectiveCall(_message.Message):
     def __init__(self, op: _Optional[str] = ..., group: _Optional[str] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., seq: _Optional[int] = ..., bytes: _Optional[int] = ..., start_unix_nano: _Optional[int] = ..., host_ns: _Optional[int] = ...) -> None: ...
 
 class CollectiveWave(_message.Message):
-    __slots__ = ("wave", "first_arrival_unix_nano", "wait_ns", "stats", "slow_calls", "slow_calls_dropped", "injected_delay_ns")
+    __slots__ = ("wave", "first_arrival_unix_nano", "wait_ns", "stats", "slow_calls", "slow_calls_dropped", "injected_delay_ns", "replay_device_ns")
     WAVE_FIELD_NUMBER: _ClassVar[int]
     FIRST_ARRIVAL_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
     WAIT_NS_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +145,7 @@ class CollectiveWave(_message.Message):
     SLOW_CALLS_FIELD_NUMBER: _ClassVar[int]
     SLOW_CALLS_DROPPED_FIELD_NUMBER: _ClassVar[int]
     INJECTED_DELAY_NS_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_DEVICE_NS_FIELD_NUMBER: _ClassVar[int]
     wave: int
     first_arrival_unix_nano: int
     wait_ns: int
@@ -146,7 +153,8 @@ class CollectiveWave(_message.Message):
     slow_calls: _containers.RepeatedCompositeFieldContainer[CollectiveCall]
     slow_calls_dropped: int
     injected_delay_ns: int
-    def __init__(self, wave: _Optional[int] = ..., first_arrival_unix_nano: _Optional[int] = ..., wait_ns: _Optional[int] = ..., stats: _Optional[_Iterable[_Union[CollectiveStat, _Mapping]]] = ..., slow_calls: _Optional[_Iterable[_Union[CollectiveCall, _Mapping]]] = ..., slow_calls_dropped: _Optional[int] = ..., injected_delay_ns: _Optional[int] = ...) -> None: ...
+    replay_device_ns: int
+    def __init__(self, wave: _Optional[int] = ..., first_arrival_unix_nano: _Optional[int] = ..., wait_ns: _Optional[int] = ..., stats: _Optional[_Iterable[_Union[CollectiveStat, _Mapping]]] = ..., slow_calls: _Optional[_Iterable[_Union[CollectiveCall, _Mapping]]] = ..., slow_calls_dropped: _Optional[int] = ..., injected_delay_ns: _Optional[int] = ..., replay_device_ns: _Optional[int] = ...) -> None: ...
 
 class Incident(_message.Message):
     __slots__ = ("schema_version", "id", "type", "severity", "wave", "request_id", "time_unix_nano", "summary", "evidence_json", "actions", "occurrence", "suppressed")

@@ -55,15 +55,18 @@ class VllmServer:
         env: dict[str, str] | None = None,
         timeout: float = 300.0,
         port: int | None = None,
+        eager: bool = True,
     ) -> VllmServer:
         port = port or free_port()
         model = str(model)
         cmd = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-            "--dtype", "float32", "--enforce-eager", "--gpu-memory-utilization", "0.1",
+            "--dtype", "float32", "--gpu-memory-utilization", "0.1",
             "--max-model-len", "1024", "--max-num-seqs", "32", "--port", str(port), "--host", "127.0.0.1",
             "--tensor-parallel-size", str(tp), "--seed", "0", *extra_args,
         ]  # fmt: skip
+        if eager:  # torch.compile off: faster start; `eager=False` is vLLM's default (compiled)
+            cmd.append("--enforce-eager")
         if guard is not None:
             cmd += ["--additional-config", json.dumps({"runtime_guard": guard})]
         log_dir.mkdir(parents=True, exist_ok=True)

@@ -109,7 +109,9 @@ def test_real_upstream_classes_are_bound(runtime):
     for row in checked:
         assert row["status"] == "bound", row
         assert row["guarded"], row
-        assert "/site-packages/vllm/" in row["bare_from"], row
+        # the device graph class's capture/replay rows wrap torch's own methods
+        package = "torch" if row["target"].startswith("torch.") else "vllm"
+        assert f"/site-packages/{package}/" in row["bare_from"], row
         assert row["bare_name"] == row["target"].rsplit(".", 1)[1], row
 
 
