@@ -411,11 +411,13 @@ class HangDetector:
                 states = self._ranks.get(key, {})
                 replicas.append(
                     {
-                        "run_id": key.run_id, "dp": key.dp, "live": verdict is None,
+                        "run_id": key.run_id,
+                        "dp": key.dp,
+                        "live": verdict is None,
                         "ranks": [states[k].describe(now) for k in sorted(states)],
                         "verdict": verdict.as_dict() if verdict is not None else None,
                     }
-                )  # fmt: skip
+                )
         verdicts = [r["verdict"] for r in replicas if r["verdict"] is not None]
         body: dict[str, Any] = {
             "engine": engine,
