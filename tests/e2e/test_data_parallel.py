@@ -215,7 +215,8 @@ def test_sigstop_of_one_dp_engines_worker_is_named_while_the_other_serves(dep: D
     # stop while tokens are flowing: 2 x LONG tokens per engine take seconds to decode even on
     # an idle machine (the sidecar's view can run seconds behind here, so time it from here)
     time.sleep(0.2)
-    assert not any(f.done() for f in long), "the requests finished before the stop"
+    early = [f.exception() or f.result()["usage"] for f in long if f.done()]
+    assert not early, f"requests ended before the stop: {early}"
     before = dep.guard_metrics()
     os.kill(victim, signal.SIGSTOP)
     stopped_at, stopped_unix = time.monotonic(), time.time()
