@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 import socket
-from typing import Any
+from typing import Any, NamedTuple
 
 from guard.config import GuardConfig
 from telemetry.proto import guard_pb2
@@ -27,6 +27,55 @@ def engine_label(config: GuardConfig, vllm_config: Any) -> str:
     return re.sub(r"[^A-Za-z0-9_.:-]", "_", name)[:64]
 
 
+class DpIdentity(NamedTuple):
+    """Which DP engine a worker belongs to, of how many, and whether the engines step together."""
+
+    rank: int
+    size: int
+    lockstep: bool
+
+
+def dp_identity(parallel_config: Any, dp_group: Any = None) -> DpIdentity:
+    """The DP rank and size of this worker's engine, from vLLM's own DP state.
+
+    vLLM runs DP in one of two ways, in-process (`--data-parallel-size N`: one engine core
+    process per DP rank) and external (`--data-parallel-rank R`, one `vllm serve` per rank or
+    `--data-parallel-size-local` engines per node); both hand each engine core its rank, and
+    the engine core (`EngineCoreProc.run_engine_core`) then sets:
+
+    - MoE models: `data_parallel_rank` = the rank; the engines form one DP process group
+      (`get_dp_group()`) and step in lockstep, idle ones running dummy batches.
+    - dense models: `data_parallel_index` = the rank, and the DP fields are reset to those of
+      a lone engine (`reconfigure_for_independent_dp_rank`: size 1, rank 0), since the
+      engines are independent replicas. `data_parallel_rank` then reads 0 on every engine.
+
+    So the rank is `data_parallel_index` (always the rank, "not overridden for dense models");
+    the engines step in lockstep when the engine kept a DP size above 1 (its DP group, once
+    distributed is up, says the same); the size is then the DP group's, else the deployment's
+    size as the config was validated (`elastic_ep_max_dp_size`, which vLLM sets to
+    `data_parallel_size` then unless elastic EP is on, and which the reset leaves alone).
+    """
+    index = getattr(parallel_config, "data_parallel_index", None)
+    if not isinstance(index, int):
+        index = getattr(parallel_config, "data_parallel_rank", 0)
+    rank = int(index or 0)
+    configured = int(getattr(parallel_config, "data_parallel_size", 1) or 1)
+    group_size = int(getattr(dp_group, "world_size", 1) or 1) if dp_group is not None else 1
+    if group_size > 1:
+        return DpIdentity(int(getattr(dp_group, "rank_in_group", rank)), group_size, True)
+    validated = getattr(parallel_config, "elastic_ep_max_dp_size", None)
+    size = max(configured, validated if isinstance(validated, int) else 1, rank + 1)
+    return DpIdentity(rank, size, configured > 1)
+
+
+def _dp_group(ps: Any) -> Any:
+    """vLLM's DP process group, or None where it is not set up (single engine, older vLLM)."""
+    try:
+        return ps.get_dp_group()
+    except (AssertionError, AttributeError):
+        return None
+
+
 def describe_rank(runner: Any, config: GuardConfig, run_id: str) -> guard_pb2.RankInfo:
     """Rank coordinates of the process that runs `runner` (call after distributed init)."""
     from vllm.distributed import parallel_state as ps
@@ -35,13 +84,15 @@ def describe_rank(runner: Any, config: GuardConfig, run_id: str) -> guard_pb2.Ra
     parallel = getattr(vllm_config, "parallel_config", None)
     tp_group = ps.get_tp_group()
     pp_group = ps.get_pp_group()
+    dp = dp_identity(parallel, _dp_group(ps))
     return guard_pb2.RankInfo(
         run_id=run_id,
         engine=engine_label(config, vllm_config),
-        dp_rank=int(getattr(parallel, "data_parallel_rank", 0) or 0),
+        dp_rank=dp.rank,
         tp_rank=tp_group.rank_in_group,
         pp_rank=pp_group.rank_in_group,
-        dp_size=int(getattr(parallel, "data_parallel_size", 1) or 1),
+        dp_size=dp.size,
+        dp_lockstep=dp.lockstep,
         tp_size=tp_group.world_size,
         pp_size=pp_group.world_size,
         node=socket.gethostname(),

@@ -12,9 +12,10 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from telemetry.metrics import RANK_LABELS
+from telemetry.replica import REPLICA_LABELS
 
 COLLECTIVE_LABELS = (*RANK_LABELS, "op", "group", "backend")
-REPLICA_LABELS = ("engine", "dp", "pp")
+STAGE_LABELS = (*REPLICA_LABELS, "pp")  # the ranks of one replica's PP stage align waves
 # skew / waits: 100 us .. 60 s
 SKEW_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
@@ -90,14 +91,14 @@ class CollectiveMetrics:
             "ascend_guard_wave_skew_seconds",
             "Per wave: how much longer the most-waiting rank spent in collectives than the "
             "least-waiting one (the time the ranks waited for the slowest).",
-            REPLICA_LABELS,
+            STAGE_LABELS,
             buckets=SKEW_BUCKETS,
             registry=r,
         )
         self.arrival_skew = Histogram(
             "ascend_guard_wave_arrival_skew_seconds",
             "Per wave: spread of the ranks' arrival at the wave's first collective.",
-            REPLICA_LABELS,
+            STAGE_LABELS,
             buckets=SKEW_BUCKETS,
             registry=r,
         )
@@ -116,7 +117,7 @@ class CollectiveMetrics:
         self.waves_unaligned = Counter(
             "ascend_guard_waves_unaligned",
             "Waves whose collective records did not arrive from every rank in time.",
-            REPLICA_LABELS,
+            STAGE_LABELS,
             registry=r,
         )
         self.hang_verdicts = Counter(
@@ -127,20 +128,20 @@ class CollectiveMetrics:
         )
         self.hang_recoveries = Counter(
             "ascend_guard_hang_recoveries",
-            "Hangs after which the engine moved again.",
-            ("engine",),
+            "Hangs after which the replica (DP engine) moved again.",
+            REPLICA_LABELS,
             registry=r,
         )
         self.wedged = Gauge(
             "ascend_guard_engine_wedged",
-            "1 while a hang verdict on the engine stands, else 0.",
-            ("engine",),
+            "1 while a hang verdict on the replica (DP engine) stands, else 0.",
+            REPLICA_LABELS,
             registry=r,
         )
         self.stall_duration = Histogram(
             "ascend_guard_hang_stall_seconds",
-            "Length of a stall, from its onset to recovery.",
-            ("engine",),
+            "Length of a replica's stall, from its onset to recovery.",
+            REPLICA_LABELS,
             buckets=STALL_BUCKETS,
             registry=r,
         )

@@ -32,11 +32,10 @@ import structlog
 
 from telemetry.collective_metrics import CollectiveMetrics
 from telemetry.proto import guard_pb2
+from telemetry.replica import RankKey, Replica, rank_key, replica_of
 
 log = structlog.get_logger("ascend_guard.hangs")
 
-ReplicaKey = tuple[str, str, int]  # run_id, engine label, dp
-RankKey = tuple[int, int]  # tp, pp
 KINDS = ("no_heartbeat", "not_arrived", "collective_stuck")
 MAX_LAG_ALLOWANCE_S = 10.0
 VERDICT = "hang_verdict"
@@ -147,8 +146,8 @@ class HangDetector:
         self._sink = incident_sink
         self._clock = clock
         self._lock = threading.Lock()
-        self._ranks: dict[ReplicaKey, dict[RankKey, RankState]] = {}
-        self.verdicts: dict[ReplicaKey, Verdict] = {}
+        self._ranks: dict[Replica, dict[RankKey, RankState]] = {}
+        self.verdicts: dict[Replica, Verdict] = {}
         self.history: list[dict[str, Any]] = []  # verdicts and recoveries, newest last
         self._ids = itertools.count(1)
         self._id_prefix = f"sidecar-{os.getpid()}-{time.time_ns()}"
@@ -159,14 +158,14 @@ class HangDetector:
     def observe(self, engine: str, batch: guard_pb2.Batch) -> None:
         rank = batch.rank
         now = self._clock()
-        key = (rank.run_id, engine, rank.dp_rank)
+        key = replica_of(engine, rank)
         with self._lock:
             ranks = self._ranks.setdefault(key, {})
-            state = ranks.get((rank.tp_rank, rank.pp_rank))
+            state = ranks.get(rank_key(rank))
             if state is None or state.rank.pid != rank.pid:
                 state = RankState(guard_pb2.RankInfo(), now)
                 state.rank.CopyFrom(rank)
-                ranks[(rank.tp_rank, rank.pp_rank)] = state
+                ranks[rank_key(rank)] = state
                 self._create_series(engine, rank)
             if now - state.last_seen > self._silence_limit(state) or not state.speaking_since:
                 state.speaking_since = now  # back from a silence: give it time to catch up
@@ -200,9 +199,10 @@ class HangDetector:
     def _create_series(self, engine: str, rank: guard_pb2.RankInfo) -> None:
         """Series exist (at 0) once a rank speaks, so dashboards and alerts see them."""
         m = self.metrics
-        m.wedged.labels(engine)
-        m.hang_recoveries.labels(engine)
-        m.stall_duration.labels(engine)
+        replica = (engine, str(rank.dp_rank))
+        m.wedged.labels(*replica)
+        m.hang_recoveries.labels(*replica)
+        m.stall_duration.labels(*replica)
         for kind in KINDS:
             m.hang_verdicts.labels(
                 engine, str(rank.dp_rank), str(rank.tp_rank), str(rank.pp_rank), kind
@@ -210,12 +210,12 @@ class HangDetector:
 
     def rank_gone(self, engine: str, rank: guard_pb2.RankInfo) -> None:
         """A rank's stream ended (the worker exited): it is no longer expected to speak."""
-        key = (rank.run_id, engine, rank.dp_rank)
+        key = replica_of(engine, rank)
         with self._lock:
             ranks = self._ranks.get(key, {})
-            state = ranks.get((rank.tp_rank, rank.pp_rank))
+            state = ranks.get(rank_key(rank))
             if state is not None and state.rank.pid == rank.pid:
-                del ranks[(rank.tp_rank, rank.pp_rank)]
+                del ranks[rank_key(rank)]
             if not ranks:
                 self._ranks.pop(key, None)
 
@@ -266,7 +266,7 @@ class HangDetector:
             del self.history[:-256]
         return events
 
-    def _judge(self, key: ReplicaKey, ranks: dict[RankKey, RankState], now: float):
+    def _judge(self, key: Replica, ranks: dict[RankKey, RankState], now: float):
         if not ranks:
             return None
         s = self.settings
@@ -315,7 +315,7 @@ class HangDetector:
 
     def _verdict(
         self,
-        key: ReplicaKey,
+        key: Replica,
         kind: str,
         stopped: list[RankState],
         waiting: list[RankState],
@@ -340,7 +340,7 @@ class HangDetector:
     def _raise(self, verdict: Verdict) -> dict[str, Any]:
         event = {"event": VERDICT, **verdict.as_dict()}
         m = self.metrics
-        m.wedged.labels(verdict.engine).set(1)
+        m.wedged.labels(verdict.engine, str(verdict.dp)).set(1)
         for r in verdict.stopped:
             m.hang_verdicts.labels(
                 verdict.engine, str(r["dp"]), str(r["tp"]), str(r["pp"]), verdict.kind
@@ -362,10 +362,11 @@ class HangDetector:
                        f"{stall:.1f}s stall ({verdict.kind})",
         }  # fmt: skip
         m = self.metrics
-        still = any(v.engine == verdict.engine for v in self.verdicts.values())
-        m.wedged.labels(verdict.engine).set(1 if still else 0)
-        m.hang_recoveries.labels(verdict.engine).inc()
-        m.stall_duration.labels(verdict.engine).observe(stall)
+        replica = (verdict.engine, str(verdict.dp))
+        still = any((v.engine, str(v.dp)) == replica for v in self.verdicts.values())
+        m.wedged.labels(*replica).set(1 if still else 0)
+        m.hang_recoveries.labels(*replica).inc()
+        m.stall_duration.labels(*replica).observe(stall)
         log.warning("hang_recovered", engine=verdict.engine, dp=verdict.dp, stall_s=stall)
         self._emit(verdict, RECOVERY, "info", event["summary"], event)
         return event
@@ -400,22 +401,43 @@ class HangDetector:
         )  # fmt: skip
 
     # -- liveness -------------------------------------------------------------------------------
-    def engine_status(self, engine: str) -> tuple[bool, dict[str, Any]] | None:
-        """(live, body) for one engine label; None when no rank of it is known."""
+    def engine_status(
+        self, engine: str, dp: int | None = None
+    ) -> tuple[bool, dict[str, Any]] | None:
+        """(live, body) for one engine label, or one replica of it (`dp`); None when no rank
+        of it is known. The body lists every rank of every replica, each replica's state, and
+        the replicas a standing verdict names as wedged."""
         with self._lock:
-            known = any(key[1] == engine for key in self._ranks) or any(
-                v.engine == engine for v in self.verdicts.values()
-            )
-            if not known:
+            keys = {k for k in (*self._ranks, *self.verdicts) if k.engine == engine}
+            if dp is not None:
+                keys = {k for k in keys if k.dp == dp}
+            if not keys:
                 return None
-            verdicts = [v.as_dict() for v in self.verdicts.values() if v.engine == engine]
             now = self._clock()
-            ranks = [
-                state.describe(now)
-                for key, states in self._ranks.items() if key[1] == engine
-                for state in states.values()
-            ]  # fmt: skip
-        body = {"engine": engine, "live": not verdicts, "ranks": ranks, "verdicts": verdicts}
+            replicas = []
+            for key in sorted(keys):
+                verdict = self.verdicts.get(key)
+                states = self._ranks.get(key, {})
+                replicas.append(
+                    {
+                        "run_id": key.run_id,
+                        "dp": key.dp,
+                        "live": verdict is None,
+                        "ranks": [states[k].describe(now) for k in sorted(states)],
+                        "verdict": verdict.as_dict() if verdict is not None else None,
+                    }
+                )
+        verdicts = [r["verdict"] for r in replicas if r["verdict"] is not None]
+        body: dict[str, Any] = {
+            "engine": engine,
+            "live": not verdicts,
+            "ranks": [rank for r in replicas for rank in r["ranks"]],
+            "replicas": replicas,
+            "wedged": [{"run_id": r["run_id"], "dp": r["dp"]} for r in replicas if not r["live"]],
+            "verdicts": verdicts,
+        }
+        if dp is not None:
+            body["dp"] = dp
         return not verdicts, body
 
     def snapshot(self) -> dict[str, Any]:
@@ -428,6 +450,4 @@ class HangDetector:
 
     def engines(self) -> list[str]:
         with self._lock:
-            return sorted(
-                {key[1] for key in self._ranks} | {v.engine for v in self.verdicts.values()}
-            )
+            return sorted({key.engine for key in (*self._ranks, *self.verdicts)})

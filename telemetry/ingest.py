@@ -142,7 +142,7 @@ class IngestService:
         view.rank.CopyFrom(rank)
         with self._lock:
             self.streams[stream_id] = view
-        self.metrics.ranks_connected.labels(engine).inc()
+        self.metrics.ranks_connected.labels(engine, str(rank.dp_rank)).inc()
         log.info(
             "rank_connected", engine=engine, run_id=rank.run_id, dp=rank.dp_rank, tp=rank.tp_rank, pp=rank.pp_rank,
             node=rank.node, pid=rank.pid, runner=rank.runner,
@@ -152,7 +152,7 @@ class IngestService:
     def _unregister(self, stream_id: int, view: RankView) -> None:
         with self._lock:
             self.streams.pop(stream_id, None)
-        self.metrics.ranks_connected.labels(view.engine).dec()
+        self.metrics.ranks_connected.labels(view.engine, str(view.rank.dp_rank)).dec()
         if self.cross_rank is not None:
             self.cross_rank.rank_gone(view.engine, view.rank)
         rank = view.rank

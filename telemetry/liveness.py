@@ -1,8 +1,11 @@
 """HTTP liveness per engine, for probes that must not trust vLLM's `/health` alone.
 
-`GET /live/<engine>`: 200 with `{"live": true, ...}` while no hang verdict stands on the
-engine; 503 with the verdict(s) (stopped ranks, the op, group and sequence number their peers
-wait in) while one does; 404 for an engine no rank has reported. `GET /live` lists engines;
+`GET /live/<engine>`: 200 with `{"live": true, ...}` while no hang verdict stands on any
+replica (DP engine) of the engine; 503 with the verdict(s) (stopped ranks, the op, group and
+sequence number their peers wait in) while one does; 404 for an engine no rank has reported.
+The body lists every rank of every replica, each replica's state (`replicas`) and the wedged
+ones (`wedged`: run id and dp). `GET /live/<engine>/<dp>`: the same for one replica, for a
+probe of one DP engine (one `vllm serve` per DP rank). `GET /live` lists engines;
 `GET /hangs` returns the standing verdicts and recent verdicts/recoveries; `GET /skew` the
 latest aligned waves (skew, straggler, per-rank wait).
 """
@@ -32,11 +35,22 @@ def _handler(view: CrossRankView) -> type[BaseHTTPRequestHandler]:
             if path == "/live":
                 self._send(200, {"engines": detector.engines()})
             elif path.startswith("/live/"):
-                engine = urllib.parse.unquote(path[len("/live/") :])
-                status = detector.engine_status(engine)
+                engine, _, dp_part = urllib.parse.unquote(path[len("/live/") :]).partition("/")
+                if dp_part and not dp_part.isdigit():
+                    self._send(400, {"error": f"dp {dp_part!r} is not a DP rank (0, 1, ...)"})
+                    return
+                dp = int(dp_part) if dp_part else None
+                status = detector.engine_status(engine, dp)
                 if status is None:
-                    self._send(404, {"engine": engine, "error": "no rank of this engine has "
-                                     "reported to this sidecar", "engines": detector.engines()})  # fmt: skip
+                    what = "this engine" if dp is None else f"replica dp{dp} of this engine"
+                    self._send(
+                        404,
+                        {
+                            "engine": engine,
+                            "error": f"no rank of {what} has reported to this sidecar",
+                            "engines": detector.engines(),
+                        },
+                    )
                 else:
                     live, body = status
                     self._send(200 if live else 503, body)
@@ -46,7 +60,9 @@ def _handler(view: CrossRankView) -> type[BaseHTTPRequestHandler]:
                 recent = [dataclasses.asdict(s) for s in list(view.sync.recent)[-200:]]
                 self._send(200, {"waves": recent})
             else:
-                self._send(404, {"error": f"unknown path {path!r}; try /live/<engine> or /hangs"})
+                self._send(
+                    404, {"error": f"unknown path {path!r}; try /live/<engine>[/<dp>] or /hangs"}
+                )
 
         def _send(self, code: int, body: dict[str, Any]) -> None:
             data = json.dumps(body, default=str).encode()

@@ -1,6 +1,6 @@
 """Prometheus metrics of the sidecar, fed from validated wave batches.
 
-Per-rank series carry `engine`, `dp`, `tp`, `pp`. Workers send cumulative counts of dropped
+Per-rank series carry `engine`, `dp`, `tp`, `pp`; per-replica series `engine`, `dp`. Workers send cumulative counts of dropped
 records and internal errors; the sidecar turns them into counter increments per worker process,
 so counters stay monotonic across worker and sidecar restarts.
 """
@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 from telemetry.probes import PROBE_METRICS
 from telemetry.proto import guard_pb2
+from telemetry.replica import REPLICA_LABELS
 
 RANK_LABELS = ("engine", "dp", "tp", "pp")
 PHASES = ("execute_model", "sample_tokens", "step")
@@ -91,8 +92,8 @@ class SidecarMetrics:
         )
         self.ranks_connected = Gauge(
             "ascend_guard_ranks_connected",
-            "Worker streams connected to this sidecar.",
-            ("engine",),
+            "Worker streams connected to this sidecar, per replica (DP engine).",
+            REPLICA_LABELS,
             registry=r,
         )
         self.rejected = Counter(

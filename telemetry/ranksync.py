@@ -1,5 +1,7 @@
 """Cross-rank view of collectives: per-rank counters, and waves aligned across the ranks of
-one engine replica (same run, engine, dp and pp) to measure skew and name stragglers.
+one PP stage of one replica (`telemetry.replica`: same run, engine and dp; and the same pp) to
+measure skew and name stragglers. DP engines are never aligned with each other: each has its
+own scheduler and wave numbering.
 
 Wave numbers are the same on every rank for the same scheduler step, and within a wave every
 rank makes the same collectives, so the wave is the unit of alignment. For each wave:
@@ -23,8 +25,9 @@ import threading
 
 from telemetry.collective_metrics import CollectiveMetrics
 from telemetry.proto import guard_pb2
+from telemetry.replica import Replica, replica_of
 
-ReplicaKey = tuple[str, str, int, int]  # run_id, engine label, dp, pp
+StageKey = tuple[Replica, int]  # a replica and one of its PP stages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +66,7 @@ class RankSync:
         self.max_pending = max_pending
         self._lock = threading.Lock()
         # replica -> wave -> tp -> record
-        self._pending: dict[ReplicaKey, collections.OrderedDict[int, dict[int, _RankWave]]] = {}
+        self._pending: dict[StageKey, collections.OrderedDict[int, dict[int, _RankWave]]] = {}
         self.recent: collections.deque[WaveSkew] = collections.deque(maxlen=keep_recent)
 
     def observe(self, engine: str, batch: guard_pb2.Batch) -> list[WaveSkew]:
@@ -75,7 +78,7 @@ class RankSync:
         self._count(labels, batch.collective_waves)
         if rank.tp_size <= 1:
             return []
-        key = (rank.run_id, engine, rank.dp_rank, rank.pp_rank)
+        key = (replica_of(engine, rank), rank.pp_rank)
         done: list[WaveSkew] = []
         with self._lock:
             pending = self._pending.get(key)

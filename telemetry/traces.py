@@ -1,12 +1,21 @@
-"""OpenTelemetry traces of waves: one trace per (run, wave), one span per rank, phases below.
+"""OpenTelemetry traces of waves: one trace per wave of one replica, one span per rank.
 
-Trace and span ids are derived from (run id, wave, rank), not drawn at random, so the spans of
-one wave built by different sidecars on different nodes join into one trace in any OTel backend:
+A replica is one DP engine (`telemetry.replica`): its own scheduler, its own wave numbering.
+Trace and span ids are derived from (run id, wave, dp) and the rank, not drawn at random, so
+the spans of one wave built by different sidecars on different nodes join into one trace in
+any OTel backend, and wave N of dp0 and wave N of dp1 are different traces:
 
-    wave                      (emitted by the sidecar that hosts rank dp0 tp0 pp0)
+    wave                      (emitted by the sidecar that hosts the replica's tp0 pp0)
     └─ rank                   one per rank: execute_model entry .. sample_tokens exit
        ├─ execute_model
        └─ sample_tokens
+
+DP engines in lockstep (MoE with EP: one DP group, idle ranks run dummy batches) still get a
+trace per replica, because nothing guarantees that wave N is the same step on every DP rank
+(each counts its own steps, dummies included). Instead each replica's wave span carries span
+links to the wave spans of wave N of the other DP ranks (`lockstep_links`): a trace view
+steps from one replica's wave to its peers' in one click, and a link to a wave a peer never
+reported is harmless. Independent DP engines (dense models) are not linked.
 """
 
 from __future__ import annotations
@@ -30,17 +39,29 @@ def _digest(text: str, size: int) -> int:
     return value or 1  # zero is the invalid id in OTel
 
 
-def wave_trace_id(run_id: str, wave: int) -> int:
-    """The trace id of a wave: the same in every process that knows run id and wave."""
-    return _digest(f"ascend-guard/wave/{run_id}/{wave}", 16)
+# The one home of id derivation: every span id below is a function of these inputs only.
+def wave_trace_id(run_id: str, wave: int, dp: int) -> int:
+    """The trace id of one replica's wave: the same in every process that knows run id, wave
+    and DP rank."""
+    return _digest(f"ascend-guard/wave/{run_id}/dp{dp}/{wave}", 16)
 
 
-def wave_span_id(run_id: str, wave: int) -> int:
-    return _digest(f"ascend-guard/wave-span/{run_id}/{wave}", 8)
+def wave_span_id(run_id: str, wave: int, dp: int) -> int:
+    return _digest(f"ascend-guard/wave-span/{run_id}/dp{dp}/{wave}", 8)
 
 
 def rank_span_id(run_id: str, wave: int, dp: int, tp: int, pp: int) -> int:
     return _digest(f"ascend-guard/rank-span/{run_id}/{wave}/{dp}/{tp}/{pp}", 8)
+
+
+def lockstep_links(run_id: str, wave: int, dp: int, dp_size: int) -> list[tuple[int, int, int]]:
+    """(trace id, wave span id, dp) of wave `wave` of every other DP rank, for a replica whose
+    DP engines step in lockstep."""
+    return [
+        (wave_trace_id(run_id, wave, other), wave_span_id(run_id, wave, other), other)
+        for other in range(dp_size)
+        if other != dp
+    ]
 
 
 def format_trace_id(trace_id: int) -> str:
@@ -114,20 +135,28 @@ class WaveTracer:
             if wave.sampled
             else execute_end
         )
-        trace_id = wave_trace_id(run_id, number)
+        trace_id = wave_trace_id(run_id, number, dp)
         common = {
             attrs.ATTR_RUN: run_id,
             attrs.ATTR_ENGINE: engine,
             attrs.ATTR_WAVE: number,
         }
         tracer, ids = self._tracer, self._ids
-        wave_span = wave_span_id(run_id, number)
-        if dp == 0 and tp == 0 and pp == 0:
+        wave_span = wave_span_id(run_id, number, dp)
+        if tp == 0 and pp == 0:
             ids.preset(trace_id=trace_id, span_id=wave_span)
             root = tracer.start_span(
-                "wave", kind=SpanKind.INTERNAL, start_time=start,
-                attributes={**common, "ascend_guard.num_reqs": wave.num_reqs, "ascend_guard.dummy": wave.dummy},
-            )  # fmt: skip
+                "wave",
+                kind=SpanKind.INTERNAL,
+                start_time=start,
+                attributes={
+                    **common,
+                    attrs.ATTR_DP: dp,
+                    "ascend_guard.num_reqs": wave.num_reqs,
+                    "ascend_guard.dummy": wave.dummy,
+                },
+                links=self._lockstep(rank, number),
+            )
             root.end(end)
         parent = SpanContext(
             trace_id, wave_span, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED)
@@ -162,6 +191,21 @@ class WaveTracer:
             ).end(sample_start + wave.sample_ns)
         rank_span.end(end)
 
+    @staticmethod
+    def _lockstep(rank: guard_pb2.RankInfo, wave: int) -> list[trace.Link]:
+        if not rank.dp_lockstep or rank.dp_size <= 1:
+            return []
+        flags = TraceFlags(TraceFlags.SAMPLED)
+        return [
+            trace.Link(
+                SpanContext(trace_id, span_id, is_remote=True, trace_flags=flags),
+                {"ascend_guard.link": "dp_lockstep", attrs.ATTR_DP: other},
+            )
+            for trace_id, span_id, other in lockstep_links(
+                rank.run_id, wave, rank.dp_rank, rank.dp_size
+            )
+        ]
+
     def record_incident(
         self, rank: guard_pb2.RankInfo | None, engine: str, incident: guard_pb2.Incident
     ) -> str:
@@ -172,11 +216,12 @@ class WaveTracer:
         Returns the trace id as hex.
         """
         run_id = rank.run_id if rank is not None else ""
-        trace_id = wave_trace_id(run_id, incident.wave)
+        dp = rank.dp_rank if rank is not None else 0
+        trace_id = wave_trace_id(run_id, incident.wave, dp)
         parent_id = (
-            rank_span_id(run_id, incident.wave, rank.dp_rank, rank.tp_rank, rank.pp_rank)
+            rank_span_id(run_id, incident.wave, dp, rank.tp_rank, rank.pp_rank)
             if rank is not None
-            else wave_span_id(run_id, incident.wave)
+            else wave_span_id(run_id, incident.wave, dp)
         )
         parent = SpanContext(
             trace_id, parent_id, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RankInfo(_message.Message):
-    __slots__ = ("run_id", "engine", "dp_rank", "tp_rank", "pp_rank", "dp_size", "tp_size", "pp_size", "node", "pid", "runner")
+    __slots__ = ("run_id", "engine", "dp_rank", "tp_rank", "pp_rank", "dp_size", "tp_size", "pp_size", "node", "pid", "runner", "dp_lockstep")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -19,6 +19,7 @@ class RankInfo(_message.Message):
     NODE_FIELD_NUMBER: _ClassVar[int]
     PID_FIELD_NUMBER: _ClassVar[int]
     RUNNER_FIELD_NUMBER: _ClassVar[int]
+    DP_LOCKSTEP_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     engine: str
     dp_rank: int
@@ -30,7 +31,8 @@ class RankInfo(_message.Message):
     node: str
     pid: int
     runner: str
-    def __init__(self, run_id: _Optional[str] = ..., engine: _Optional[str] = ..., dp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., runner: _Optional[str] = ...) -> None: ...
+    dp_lockstep: bool
+    def __init__(self, run_id: _Optional[str] = ..., engine: _Optional[str] = ..., dp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., runner: _Optional[str] = ..., dp_lockstep: _Optional[bool] = ...) -> None: ...
 
 class WaveRecord(_message.Message):
     __slots__ = ("wave", "start_unix_nano", "execute_ns", "sample_ns", "sample_offset_ns", "num_reqs", "prefill_reqs", "decode_reqs", "prefill_tokens", "decode_tokens", "sampled_tokens", "dummy", "sampled")

@@ -27,7 +27,8 @@ pytestmark = [pytest.mark.prometheus, pytest.mark.timeout(240)]
 OVERVIEW = ROOT / "dashboards" / "ascend-guard-overview.json"
 ALERTS = ROOT / "dashboards" / "prometheus" / "alerts.yml"
 ENGINE = "test"
-RANKS = ((0, 0, 0), (0, 1, 0))  # (dp, tp, pp)
+RANKS = ((0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0))  # (dp, tp, pp): two DP engines of TP=2
+COLLECTIVE_RANKS = RANKS[:2]
 WAVES = 50
 SAMPLED_PER_WAVE = 4
 DROPPED_PER_RANK = 2  # reported by each rank's client as dropped before the sidecar
@@ -123,7 +124,7 @@ def test_every_dashboard_query_runs_against_live_sidecar(sidecar, prometheus_for
     )
     send_incidents_and_probes(sidecar.address, engine=ENGINE)
     # collective records (issue 4's panels): per-op counters, skew, one straggler wave
-    send_collective_waves(sidecar.address, engine=ENGINE, ranks=RANKS)
+    send_collective_waves(sidecar.address, engine=ENGINE, ranks=COLLECTIVE_RANKS)
 
     # 1. Every metric the dashboard and the alert rules reference is declared by the sidecar.
     with urllib.request.urlopen(sidecar.metrics_url, timeout=10) as resp:
@@ -137,6 +138,17 @@ def test_every_dashboard_query_runs_against_live_sidecar(sidecar, prometheus_for
         elif types[family] != _expected_type(name):
             problems.append(f"{name}: declared as {types[family]}, expected {_expected_type(name)}")
     assert not problems, "\n".join(problems)
+    # every series a rank made is per DP rank (ingest refusals have no rank)
+    no_dp = sorted(
+        {
+            line.split("{")[0]
+            for line in metrics_text.splitlines()
+            if line.startswith("ascend_guard_")
+            and not line.startswith("ascend_guard_ingest_rejected")
+            and 'dp="' not in line
+        }
+    )
+    assert not no_dp, f"series without a dp label: {no_dp}"
 
     # 2. A real Prometheus scrapes the sidecar.
     prom = prometheus_for(sidecar.metrics_port)
@@ -173,6 +185,19 @@ def test_every_dashboard_query_runs_against_live_sidecar(sidecar, prometheus_for
     # 4. The `engine` template variable finds the engine.
     body = prom.api("label/engine/values", {"match[]": "ascend_guard_waves_total"})
     assert body["status"] == "success" and ENGINE in body["data"], body
+
+    # 4b. The `dp` variable finds both DP engines, and choosing one shows that replica only.
+    body = prom.api(
+        "label/dp/values", {"match[]": f'ascend_guard_waves_total{{engine="{ENGINE}"}}'}
+    )
+    assert body["status"] == "success" and set(body["data"]) == {"0", "1"}, body
+    (per_rank,) = [
+        e for t, e in panel_queries(load_dashboard(OVERVIEW)) if t == "Waves per second by rank"
+    ]
+    one = prom.query(
+        render_expr(per_rank, engine=ENGINE, rate_interval=RATE_INTERVAL, extra={"dp": "1"})
+    )
+    assert {_rank_key(s) for s in one} == {("1", "0", "0"), ("1", "1", "0")}, one
 
     # 5. Every panel query is accepted, and all but the explicit few return series.
     dashboard = load_dashboard(OVERVIEW)

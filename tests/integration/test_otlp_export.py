@@ -67,7 +67,7 @@ def test_wave_spans_reach_an_otlp_receiver(receiver, tmp_path: Path) -> None:
     by_trace: dict[str, list] = {}
     for span in spans:
         by_trace.setdefault(span.trace_id.hex(), []).append(span)
-    assert set(by_trace) == {format_trace_id(wave_trace_id("run-otlp", w)) for w in range(1, 11)}
+    assert set(by_trace) == {format_trace_id(wave_trace_id("run-otlp", w, 0)) for w in range(1, 11)}
     for members in by_trace.values():
         names = sorted(s.name for s in members)
         assert names == sorted(["wave", "rank", "rank"] + ["execute_model", "sample_tokens"] * 2)

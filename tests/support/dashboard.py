@@ -108,7 +108,7 @@ def render_expr(
     """Substitute Grafana variables so that ``expr`` can run against a real Prometheus.
 
     ``$engine`` / ``${engine}`` / ``[[engine]]`` (and ``${engine:regex}``-style formats) become
-    ``engine``; ``$__rate_interval`` becomes ``rate_interval``; ``$__interval`` becomes
+    ``engine``; ``$dp`` becomes ``.*`` (the variable's "All"); ``$__rate_interval`` becomes ``rate_interval``; ``$__interval`` becomes
     ``interval`` (``rate_interval`` when not given); ``$__range`` becomes ``range_``;
     ``$__range_s`` / ``$__range_ms`` and ``$__interval_ms`` the matching numbers;
     ``$datasource`` becomes ``datasource``. ``extra`` adds or overrides variables by name.
@@ -117,6 +117,7 @@ def render_expr(
     interval = interval or rate_interval
     values: dict[str, str] = {
         "engine": engine,
+        "dp": ".*",
         "datasource": datasource,
         "__rate_interval": rate_interval,
         "__interval": interval,

@@ -56,8 +56,11 @@ def send_waves(
     `drop` records per rank are reported as dropped (the client's drop counter is set directly).
     """
     streamers = []
+    sizes = tuple(max(2 if axis == 1 else 1, 1 + max(r[axis] for r in ranks)) for axis in range(3))
     for index, rank in enumerate(ranks):
-        streamer = make_streamer(address, engine=engine, rank=rank, run_id=run_id, pid=4000 + index)
+        streamer = make_streamer(
+            address, engine=engine, rank=rank, sizes=sizes, run_id=run_id, pid=4000 + index
+        )
         streamer.dropped = drop
         for n in range(1, waves + 1):
             streamer.offer(wave_tuple(n, sampled=sampled_per_wave))

@@ -162,6 +162,15 @@ def test_template_variables(overview):
     assert engine["datasource"]["uid"] == "${datasource}"
 
 
+def test_dp_variable_selects_replicas_of_the_chosen_engines(overview):
+    variables = {v["name"]: v for v in overview["templating"]["list"]}
+    dp = variables["dp"]
+    assert dp["type"] == "query" and dp["datasource"]["uid"] == "${datasource}"
+    query = dp["query"]["query"] if isinstance(dp["query"], dict) else dp["query"]
+    assert query.replace(" ", "") == 'label_values(ascend_guard_waves_total{engine=~"$engine"},dp)'
+    assert dp["multi"] is True and dp["includeAll"] is True and dp["allValue"] == ".*"
+
+
 def test_panel_ids_refids_and_layout(overview):
     panels = [p for p in iter_panels(overview)]
     ids = [p["id"] for p in panels]
@@ -212,7 +221,7 @@ def test_panel_metrics_are_exported_families(overview):
     assert used == EXPORTED, f"families without a panel: {sorted(EXPORTED - used)}"
 
 
-def test_worker_queries_filter_by_engine(overview):
+def test_worker_queries_filter_by_engine_and_dp(overview):
     for title, expr in panel_queries(overview):
         for m in re.finditer(r"(ascend_guard_\w+)(\{[^}]*\})?", expr):
             name, selector = m.group(1), m.group(2) or ""
@@ -220,6 +229,16 @@ def test_worker_queries_filter_by_engine(overview):
                 assert "engine" not in selector, f"{title!r}: {name} has no engine label"
                 continue
             assert 'engine=~"$engine"' in selector, f"{title!r}: {name} not filtered by engine"
+            assert 'dp=~"$dp"' in selector, f"{title!r}: {name} not filtered by dp"
+
+
+def test_lag_panels_compare_ranks_within_one_replica(overview):
+    """Each DP engine numbers its own waves and collectives: a lag across replicas means
+    nothing, so the leading rank is found per (engine, dp)."""
+    lags = [(t, e) for t, e in panel_queries(overview) if "lag behind the leading rank" in t]
+    assert len(lags) == 2
+    for title, expr in lags:
+        assert re.search(r"on \(engine, ?dp\b", expr), (title, expr)
 
 
 def test_rate_queries_use_rate_interval(overview):
@@ -313,6 +332,11 @@ def test_alert_rules_cover_the_failure_modes():
         assert rule.get("annotations", {}).get("summary"), rule["alert"]
         for name in metric_names_in(rule["expr"]):
             by_metric.setdefault(name, []).append(rule["alert"])
+    for rule in rules:  # per replica: one DP engine's trouble is not averaged into another's
+        for by in re.findall(r"\b(?:by|on) \(([^)]*)\)", rule["expr"]):
+            labels = {label.strip() for label in by.split(",")}
+            if "engine" in labels and rule["alert"] != "AscendGuardConfigReloadRefused":
+                assert "dp" in labels, f"{rule['alert']}: groups by engine without dp: {by}"
     for needed in (
         "ascend_guard_last_heartbeat_timestamp_seconds",
         "ascend_guard_records_dropped_total",

@@ -82,7 +82,7 @@ def test_silent_rank_is_named_with_the_op_its_peer_waits_in_and_recovery_follows
     assert 2.0 < verdict["detect_s"] <= 2.6
     live, body = det.engine_status("e")
     assert not live and body["verdicts"][0]["kind"] == "no_heartbeat"
-    assert det.metrics.wedged.labels("e")._value.get() == 1
+    assert det.metrics.wedged.labels("e", "0")._value.get() == 1
     # rank 1 resumes; rank 0's heartbeat still says it waits (it is a moment old), rank 1's
     # first one comes from before the collective: that is not a new hang
     events = beat(det, batch(0, op="all_reduce", seq=40, age_s=3.6), batch(1), dt=0.1)
@@ -91,7 +91,7 @@ def test_silent_rank_is_named_with_the_op_its_peer_waits_in_and_recovery_follows
     assert beat(det, batch(0, wave=6), batch(1, wave=6)) == []
     assert events[0]["stall_s"] >= 2.5
     assert det.engine_status("e")[0] is True
-    assert det.metrics.wedged.labels("e")._value.get() == 0
+    assert det.metrics.wedged.labels("e", "0")._value.get() == 0
     kinds = [inc.type for _, _, inc in det.incidents]
     assert kinds == ["hang_verdict", "hang_recovered"]
     assert det.incidents[0][1].tp_rank == 1 and det.incidents[0][2].severity == "critical"

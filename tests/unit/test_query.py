@@ -25,6 +25,7 @@ from telemetry.traces import (
     WaveTracer,
     build_provider,
     format_trace_id,
+    lockstep_links,
     rank_span_id,
     wave_span_id,
     wave_trace_id,
@@ -282,11 +283,11 @@ def test_store_holds_one_trace_per_wave_with_rank_spans(store):
     assert len({r["trace_id"] for r in rows}) == 3
     for n in (1, 2, 3):
         trace = [r for r in rows if r["wave"] == n]
-        assert {r["trace_id"] for r in trace} == {format_trace_id(wave_trace_id("run-q", n))}
+        assert {r["trace_id"] for r in trace} == {format_trace_id(wave_trace_id("run-q", n, 0))}
         ranks = [r for r in trace if r["name"] == "rank"]
         assert sorted(r["tp"] for r in ranks) == [0, 1]
         (root,) = [r for r in trace if r["name"] == "wave"]
-        assert root["span_id"] == format(wave_span_id("run-q", n), "016x")
+        assert root["span_id"] == format(wave_span_id("run-q", n, 0), "016x")
         for r in ranks:
             assert r["parent_id"] == root["span_id"]
             assert r["span_id"] == format(rank_span_id("run-q", n, 0, r["tp"], 0), "016x")
@@ -300,7 +301,7 @@ def test_cli_query_slowest_first(store, capsys):
     assert "dp0 tp1 pp0" in rows[0] and " rank " in rows[0]
     assert "81.100 ms" in rows[0]  # execute 80 ms, sample 1 ms starting 0.1 ms after it
     assert "execute_model" in rows[1] and "80.000 ms" in rows[1]
-    trace = format_trace_id(wave_trace_id("run-q", 2))
+    trace = format_trace_id(wave_trace_id("run-q", 2, 0))
     assert rows[0].endswith(trace)
     assert f"ascend-guard trace {trace} --store {store}" in out
 
@@ -329,7 +330,7 @@ def test_cli_query_other_filters(store, capsys):
 
 
 def test_cli_trace_prints_the_tree(store, capsys):
-    trace = format_trace_id(wave_trace_id("run-q", 2))
+    trace = format_trace_id(wave_trace_id("run-q", 2, 0))
     assert cli.main(["trace", trace.upper(), "--store", str(store)]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
@@ -463,26 +464,42 @@ def test_same_span_exported_twice_is_stored_once(tmp_path):
 
 
 def test_wave_trace_id_is_deterministic_across_calls_and_processes():
-    here = [wave_trace_id("run-a", 7), wave_span_id("run-a", 7), rank_span_id("run-a", 7, 0, 1, 0)]
-    assert here == [wave_trace_id("run-a", 7), wave_span_id("run-a", 7), rank_span_id("run-a", 7, 0, 1, 0)]  # fmt: skip
+    def ids() -> list[int]:
+        return [
+            wave_trace_id("run-a", 7, 1),
+            wave_span_id("run-a", 7, 1),
+            rank_span_id("run-a", 7, 1, 1, 0),
+        ]
+
+    here = ids()
+    assert here == ids()
     code = (
         "from telemetry.traces import wave_trace_id, wave_span_id, rank_span_id\n"
-        "print(wave_trace_id('run-a', 7), wave_span_id('run-a', 7), rank_span_id('run-a', 7, 0, 1, 0))"
+        "print(wave_trace_id('run-a', 7, 1), wave_span_id('run-a', 7, 1),"
+        " rank_span_id('run-a', 7, 1, 1, 0))"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-        cwd=Path(__file__).resolve().parents[2], env={"PYTHONHASHSEED": "123", "PATH": ""},
-    )  # fmt: skip
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=Path(__file__).resolve().parents[2],
+        env={"PYTHONHASHSEED": "123", "PATH": ""},
+    )
     assert proc.returncode == 0, proc.stderr
     assert [int(x) for x in proc.stdout.split()] == here
 
 
-def test_ids_differ_between_waves_runs_and_ranks():
-    assert wave_trace_id("run-a", 1) != wave_trace_id("run-a", 2)
-    assert wave_trace_id("run-a", 1) != wave_trace_id("run-b", 1)
-    assert len({wave_trace_id("run-a", n) for n in range(1, 1001)}) == 1000
-    assert 0 < wave_trace_id("run-a", 1) < 2**128
-    assert 0 < wave_span_id("run-a", 1) < 2**64
+def test_ids_differ_between_waves_runs_replicas_and_ranks():
+    assert wave_trace_id("run-a", 1, 0) != wave_trace_id("run-a", 2, 0)
+    assert wave_trace_id("run-a", 1, 0) != wave_trace_id("run-b", 1, 0)
+    # wave N of two DP engines (replicas) is two traces, with two root spans
+    assert wave_trace_id("run-a", 1, 0) != wave_trace_id("run-a", 1, 1)
+    assert wave_span_id("run-a", 1, 0) != wave_span_id("run-a", 1, 1)
+    traces = {wave_trace_id("run-a", n, dp) for n in range(1, 1001) for dp in range(4)}
+    assert len(traces) == 4000
+    assert 0 < wave_trace_id("run-a", 1, 0) < 2**128
+    assert 0 < wave_span_id("run-a", 1, 0) < 2**64
     spans = {
         rank_span_id("run-a", 1, dp, tp, pp)
         for dp in range(2)
@@ -490,7 +507,16 @@ def test_ids_differ_between_waves_runs_and_ranks():
         for pp in range(2)
     }
     assert len(spans) == 16
-    assert wave_span_id("run-a", 1) not in spans
+    assert not spans & {wave_span_id("run-a", 1, dp) for dp in range(2)}
+
+
+def test_lockstep_links_name_the_other_dp_ranks_waves():
+    links = lockstep_links("run-a", 5, 1, 3)
+    assert links == [
+        (wave_trace_id("run-a", 5, 0), wave_span_id("run-a", 5, 0), 0),
+        (wave_trace_id("run-a", 5, 2), wave_span_id("run-a", 5, 2), 2),
+    ]
+    assert lockstep_links("run-a", 5, 0, 1) == []
 
 
 def test_spans_from_two_sidecars_join_into_one_trace(tmp_path):

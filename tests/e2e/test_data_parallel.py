@@ -1,0 +1,274 @@
+"""End to end, a real `vllm serve --data-parallel-size 2` on CPU (TP=1, one core per engine) with
+a real sidecar: every DP engine is its own replica.
+
+One server serves the module; the tests run in file order: the token counts per DP rank
+(against vLLM's own per-engine counters and the API's usage), `/live` listing both engines'
+workers, the stored wave traces (one per replica and wave, none shared), then a SIGSTOP of
+DP engine 1's worker (named within 5 s while engine 0 keeps serving; `/live` says which
+replica is wedged), SIGCONT and recovery.
+
+On this shared 2-core machine (two workers pinned one per core, other engineers' processes on
+the same cores) a process can really be starved for seconds, and the sidecar then names it:
+such a verdict on dp0 is not a failure here; that dp0 keeps serving is checked by the requests
+it completes while dp1 is frozen.
+
+The tiny model is dense, so vLLM runs the two engines as independent replicas (no DP group,
+no dummy batches); the lockstep case (MoE with EP) is covered by unit tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
+
+import pytest
+
+from tests.support.metrics import samples, value
+from tests.support.ports import free_port
+from tests.support.sidecar import SidecarProcess
+from tests.support.vllm_server import VllmServer, completion_tokens
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+ENGINE = "dp"
+PROMPTS = [f"Replica number {i} answers" for i in range(12)]
+LONG = 1800  # tokens per request in flight during the SIGSTOP (about 1 ms a step when idle)
+HOLD_STOPPED_S = 3.0
+VERDICT_WITHIN_S = 5.0
+
+
+class Deployment:
+    def __init__(self, root: Path, model: Path) -> None:
+        self.root = root
+        self.health_port = free_port()
+        sock = root / "guard.sock"
+        self.sidecar = SidecarProcess.start(
+            root,
+            address=f"unix://{sock}",
+            # as in the TP e2e test: 1.5 s of silence (three missed 0.5 s heartbeats) leaves
+            # margin under the 5 s bound on a loaded 2-core machine
+            extra_args=(
+                *("--health-port", str(self.health_port), "--health-host", "127.0.0.1"),
+                *("--hang-after", "1.5s", "--hang-wait", "2s"),
+            ),
+        )
+        guard = {
+            "sidecar": f"unix://{sock}",
+            "engine": ENGINE,
+            "flush_interval_ms": 20,
+            "heartbeat_interval_s": 0.5,
+            "reconnect_max_backoff_s": 0.5,
+        }
+        try:
+            self.server = VllmServer.start(
+                model,
+                root,
+                tp=1,
+                guard=guard,
+                extra_args=("--data-parallel-size", "2", "--max-model-len", "2048"),
+                env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+            )
+        except BaseException:
+            self.sidecar.stop()
+            raise
+
+    def get(self, path: str) -> tuple[int, dict]:
+        url = f"http://127.0.0.1:{self.health_port}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def guard_metrics(self) -> str:
+        return self.sidecar.metrics_text()
+
+    def stop(self) -> None:
+        self.server.stop()
+        self.sidecar.stop()
+
+
+@pytest.fixture(scope="module")
+def dep(tiny_model, tmp_path_factory):
+    d = Deployment(tmp_path_factory.mktemp("data-parallel"), tiny_model)
+    yield d
+    d.stop()
+
+
+def guard_tokens(text: str, dp: int) -> float:
+    return value(text, "ascend_guard_sampled_tokens_total", engine=ENGINE, dp=str(dp))
+
+
+def vllm_tokens(text: str, dp: int) -> float:
+    return value(text, "vllm:generation_tokens_total", engine=str(dp))
+
+
+def _at(event: dict) -> float:
+    """When the sidecar raised a verdict or recorded a recovery (unix time)."""
+    return event["verdict_unix"] if event["event"] == "hang_verdict" else event["recovered_unix"]
+
+
+def test_each_dp_rank_counts_its_own_engines_tokens(dep: Deployment) -> None:
+    """Per dp label, the sampled tokens grow by what vLLM's `engine="<dp>"` counter grew; the
+    two together are what the API returned."""
+    guard_before, vllm_before = dep.guard_metrics(), dep.server.metrics_text()
+    responses = dep.server.complete_many(PROMPTS, max_tokens=16)
+    api = completion_tokens(responses)
+    assert api == 16 * len(PROMPTS)
+
+    def grown(text: str) -> float:
+        return sum(guard_tokens(text, dp) - guard_tokens(guard_before, dp) for dp in (0, 1))
+
+    dep.sidecar.wait_for(lambda t: grown(t) >= api, timeout=20)
+    time.sleep(0.5)  # anything extra would show up now
+    guard_after, vllm_after = dep.guard_metrics(), dep.server.metrics_text()
+    per_dp = {}
+    for dp in (0, 1):
+        ours = guard_tokens(guard_after, dp) - guard_tokens(guard_before, dp)
+        theirs = vllm_tokens(vllm_after, dp) - vllm_tokens(vllm_before, dp)
+        per_dp[dp] = (ours, theirs)
+        assert ours == theirs, f"dp{dp}: guard {ours}, vLLM engine {dp}: {theirs}"
+    assert sum(ours for ours, _ in per_dp.values()) == api, per_dp
+    assert all(ours > 0 for ours, _ in per_dp.values()), f"both engines served: {per_dp}"
+    for dp in (0, 1):
+        rank = {"engine": ENGINE, "dp": str(dp), "tp": "0", "pp": "0"}
+        assert value(guard_after, "ascend_guard_waves_total", **rank) > 0
+        # a step with nothing scheduled (vLLM steps once more to finish requests) is a dummy
+        # wave of its own replica, and samples nothing
+        assert samples(guard_after, "ascend_guard_dummy_waves_total", **rank)
+        replica = {"engine": ENGINE, "dp": str(dp)}
+        assert value(guard_after, "ascend_guard_ranks_connected", **replica) == 1
+    series = samples(guard_after, "ascend_guard_waves_total", engine=ENGINE)
+    assert sorted(labels["dp"] for labels, _ in series) == ["0", "1"]
+    assert value(guard_after, "ascend_guard_guard_errors_total") == 0
+
+
+def test_live_lists_both_engines_workers(dep: Deployment) -> None:
+    status, body = dep.get(f"/live/{ENGINE}")
+    assert status == 200 and body["live"] is True, body
+    ranks = body["ranks"]
+    assert len(ranks) == 2, ranks
+    assert sorted(r["dp"] for r in ranks) == [0, 1]
+    pids = {r["pid"] for r in ranks}
+    assert len(pids) == 2, f"two worker processes: {ranks}"
+    for pid in pids:
+        assert os.getpgid(pid) == dep.server.proc.pid, "a worker of this server"
+    assert [(r["dp"], r["live"]) for r in body["replicas"]] == [(0, True), (1, True)]
+    assert len({r["run_id"] for r in body["replicas"]}) == 1, "one server, one run"
+    for dp in (0, 1):
+        assert dep.get(f"/live/{ENGINE}/{dp}")[0] == 200
+
+
+def test_no_two_replicas_share_a_stored_wave_trace(dep: Deployment) -> None:
+    text = dep.guard_metrics()
+    waves = {
+        dp: value(text, "ascend_guard_waves_total", engine=ENGINE, dp=str(dp)) for dp in (0, 1)
+    }
+    deadline = time.monotonic() + 15
+    while True:  # spans reach the store in batches (every 0.5 s)
+        conn = sqlite3.connect(f"file:{dep.sidecar.store_path}?mode=ro", uri=True)
+        try:
+            stored = dict(
+                conn.execute(
+                    "SELECT dp, COUNT(*) FROM spans WHERE name = 'wave' AND engine = ? GROUP BY dp",
+                    (ENGINE,),
+                ).fetchall()
+            )
+            mixed = conn.execute(
+                "SELECT trace_id, COUNT(DISTINCT dp) FROM spans WHERE engine = ?"
+                " GROUP BY trace_id HAVING COUNT(DISTINCT dp) > 1",
+                (ENGINE,),
+            ).fetchall()
+            roots = conn.execute(
+                "SELECT COUNT(*), COUNT(DISTINCT trace_id) FROM spans"
+                " WHERE name = 'wave' AND engine = ?",
+                (ENGINE,),
+            ).fetchone()
+        finally:
+            conn.close()
+        if all(stored.get(dp, 0) >= waves[dp] for dp in (0, 1)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert mixed == [], f"traces holding spans of two replicas: {mixed[:5]}"
+    # one wave span per wave of each replica: wave N of dp0 did not overwrite wave N of dp1
+    assert stored == {dp: int(n) for dp, n in waves.items()}, (stored, waves)
+    assert roots[0] == roots[1] == sum(stored.values()), roots
+
+
+def test_sigstop_of_one_dp_engines_worker_is_named_while_the_other_serves(dep: Deployment) -> None:
+    status, body = dep.get(f"/live/{ENGINE}")
+    assert status == 200, body
+    by_dp = {r["dp"]: r for r in body["ranks"]}
+    victim, healthy = by_dp[1]["pid"], by_dp[0]["pid"]
+    run_id = body["replicas"][1]["run_id"]
+    assert os.getpgid(victim) == dep.server.proc.pid
+
+    pool = ThreadPoolExecutor(max_workers=8)
+    long = [pool.submit(dep.server.complete, p, LONG) for p in PROMPTS[:4]]
+    # stop while tokens are flowing: 2 x LONG tokens per engine take seconds to decode even on
+    # an idle machine (the sidecar's view can run seconds behind here, so time it from here)
+    time.sleep(0.2)
+    early = [f.exception() or f.result()["usage"] for f in long if f.done()]
+    assert not early, f"requests ended before the stop: {early}"
+    before = dep.guard_metrics()
+    os.kill(victim, signal.SIGSTOP)
+    stopped_at, stopped_unix = time.monotonic(), time.time()
+    try:
+        verdict_after = None
+        while time.monotonic() - stopped_at < 10:
+            status, body = dep.get(f"/live/{ENGINE}")
+            if status == 503 and any(v["dp"] == 1 for v in body["verdicts"]):
+                verdict_after = time.monotonic() - stopped_at
+                break
+            time.sleep(0.05)
+        assert verdict_after is not None, f"no verdict on dp1 within 10 s: {body}"
+        # engine 0 keeps serving: new requests complete while engine 1 is frozen
+        short = [pool.submit(dep.server.complete, p, 8) for p in PROMPTS[4:8]]
+        wait(short, timeout=max(0.5, HOLD_STOPPED_S - (time.monotonic() - stopped_at)))
+        served = sum(1 for f in short if f.done() and not f.exception())
+        during = dep.guard_metrics()
+        replica_0, replica_1 = dep.get(f"/live/{ENGINE}/0"), dep.get(f"/live/{ENGINE}/1")
+        history_stopped = dep.get("/hangs")[1]["history"]
+        time.sleep(max(0.0, HOLD_STOPPED_S - (time.monotonic() - stopped_at)))
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    print(f"dp1 worker SIGSTOP: verdict after {verdict_after:.2f}s, {served}/4 served meanwhile")
+    assert verdict_after < VERDICT_WITHIN_S, f"verdict after {verdict_after:.2f}s"
+    (verdict,) = [v for v in body["verdicts"] if v["dp"] == 1]
+    assert verdict["kind"] == "no_heartbeat", verdict
+    assert [(r["dp"], r["pid"]) for r in verdict["stopped"]] == [(1, victim)]
+    assert {"run_id": run_id, "dp": 1} in body["wedged"], body
+    assert {r["dp"]: r["live"] for r in body["replicas"]}[1] is False, body
+    assert {r["pid"] for r in body["ranks"]} == {victim, healthy}, "both still listed"
+    assert replica_1[0] == 503 and [v["dp"] for v in replica_1[1]["verdicts"]] == [1], replica_1
+    assert [r["pid"] for r in replica_0[1]["ranks"]] == [healthy], replica_0
+    dp1_events = [e["event"] for e in history_stopped if _at(e) >= stopped_unix and e["dp"] == 1]
+    assert dp1_events == ["hang_verdict"], history_stopped
+    assert served >= 1, "engine 0 served new requests while engine 1 was frozen"
+    assert guard_tokens(during, 0) > guard_tokens(before, 0), "engine 0 kept sampling"
+    assert value(during, "ascend_guard_engine_wedged", engine=ENGINE, dp="1") == 1
+
+    results = [f.result(timeout=180) for f in long + short]
+    pool.shutdown()
+    assert [r["usage"]["completion_tokens"] for r in results] == [LONG] * 4 + [8] * 4, (
+        "serving completes after SIGCONT"
+    )
+    deadline = time.monotonic() + 15
+    while dep.get(f"/live/{ENGINE}")[0] != 200:
+        assert time.monotonic() < deadline, "liveness did not recover"
+        time.sleep(0.1)
+    history = dep.get("/hangs")[1]["history"]
+    events = [e["event"] for e in history if _at(e) >= stopped_unix and e["dp"] == 1]
+    assert events[:2] == ["hang_verdict", "hang_recovered"], json.dumps(history)
+    text = dep.guard_metrics()
+    assert value(text, "ascend_guard_hang_recoveries_total", engine=ENGINE, dp="1") >= 1
+    assert value(text, "ascend_guard_engine_wedged", engine=ENGINE) == 0
+    rank_1 = {"engine": ENGINE, "dp": "1", "tp": "0", "pp": "0"}
+    assert value(text, "ascend_guard_hang_verdicts_total", kind="no_heartbeat", **rank_1) >= 1
