@@ -46,7 +46,7 @@ class IncidentsConfig:
     per_request_cap: int = dataclasses.field(default=3, metadata=_range(1, 100_000))
     # after the cap, report again at occurrence cap * factor**k (k = 1, 2, ...)
     backoff_factor: float = dataclasses.field(default=4.0, metadata=_range(1.0, 1000.0))
-    # where a worker keeps incidents while the sidecar is away; default: $TMPDIR/ascend-guard-spool
+    # where a worker keeps incidents while the sidecar is away; default: $ASCEND_GUARD_STATE_DIR/spool (/var/lib/ascend-guard/spool)
     spool_dir: str = ""
     spool_max_bytes: int = dataclasses.field(default=64 << 20, metadata=_range(4096, 1 << 40))
 

@@ -74,9 +74,18 @@ class IngestService:
         self._on_batch = on_batch
         self.incidents = incidents
         self.cross_rank = cross_rank  # collectives, skew, hang verdicts (telemetry/crossrank.py)
+        # engine membership (telemetry/roster.py): told when an engine's first stream opens
+        # and when its last one ends (clean: the worker closed it)
+        self.on_engine_joined: Callable[[str], None] | None = None
+        self.on_engine_idle: Callable[[str, bool], None] | None = None
         self._lock = threading.Lock()
         self.streams: dict[int, RankView] = {}
         self._next_stream = 0
+
+    def connected(self) -> list[tuple[str, guard_pb2.RankInfo]]:
+        """(engine, rank) of every stream open right now."""
+        with self._lock:
+            return [(v.engine, v.rank) for v in self.streams.values()]
 
     # -- gRPC plumbing ----------------------------------------------------------------------
     def handler(self) -> grpc.GenericRpcHandler:
@@ -111,6 +120,7 @@ class IngestService:
             stream_id = self._next_stream
         view: RankView | None = None
         batches = waves = 0
+        clean = False
         try:
             for batch in requests:
                 if isinstance(batch, _Refused):
@@ -124,9 +134,10 @@ class IngestService:
                 self._ingest(view, batch)
                 batches += 1
                 waves += len(batch.waves)
+            clean = True  # the worker closed its stream (a broken one raises instead)
         finally:
             if view is not None:
-                self._unregister(stream_id, view)
+                self._unregister(stream_id, view, clean)
         return guard_pb2.Ack(batches=batches, waves=waves)
 
     def _refuse(
@@ -143,23 +154,28 @@ class IngestService:
         with self._lock:
             self.streams[stream_id] = view
         self.metrics.ranks_connected.labels(engine).inc()
+        if self.on_engine_joined is not None:
+            self.on_engine_joined(engine)
         log.info(
             "rank_connected", engine=engine, run_id=rank.run_id, dp=rank.dp_rank, tp=rank.tp_rank, pp=rank.pp_rank,
             node=rank.node, pid=rank.pid, runner=rank.runner,
         )  # fmt: skip
         return view
 
-    def _unregister(self, stream_id: int, view: RankView) -> None:
+    def _unregister(self, stream_id: int, view: RankView, clean: bool = True) -> None:
         with self._lock:
             self.streams.pop(stream_id, None)
+            last = not any(v.engine == view.engine for v in self.streams.values())
         self.metrics.ranks_connected.labels(view.engine).dec()
         if self.cross_rank is not None:
             self.cross_rank.rank_gone(view.engine, view.rank)
         rank = view.rank
         log.info(
             "rank_disconnected", engine=view.engine, dp=rank.dp_rank, tp=rank.tp_rank, pp=rank.pp_rank,
-            waves=view.waves, last_wave=view.last_wave,
+            waves=view.waves, last_wave=view.last_wave, clean=clean,
         )  # fmt: skip
+        if last and self.on_engine_idle is not None:
+            self.on_engine_idle(view.engine, clean)
 
     def _ingest(self, view: RankView, batch: guard_pb2.Batch) -> None:
         rank = batch.rank
