@@ -30,6 +30,9 @@ from telemetry.addresses import address_problem, default_sidecar_address
 
 CONFIG_KEY = "runtime_guard"
 CONFIG_FILE_ENV = "ASCEND_GUARD_CONFIG"
+# The engine label when the config sets none: one config file shared by many pods gives each its
+# own label (deploy/ sets it from the pod name), which keeps engine labels unique per sidecar.
+ENGINE_ENV = "ASCEND_GUARD_ENGINE"
 # Set by the first process that validated the config (the API server) for the processes it
 # spawns (engine core, workers): the resolved config as JSON, and the run id they all share.
 RESOLVED_ENV = "ASCEND_GUARD_RESOLVED_CONFIG"
@@ -145,6 +148,8 @@ def resolve_config(
         found = True
     if not found:
         return None
+    if environ.get(ENGINE_ENV) and not merged.get("engine"):
+        merged["engine"] = environ[ENGINE_ENV]
     config = parse_config(merged)
     return config if config.enabled else None
 

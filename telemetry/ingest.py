@@ -78,6 +78,8 @@ class IngestService:
         # and when its last one ends (clean: the worker closed it)
         self.on_engine_joined: Callable[[str], None] | None = None
         self.on_engine_idle: Callable[[str, bool], None] | None = None
+        # refuses a stream whose engine label another live run holds (why, or None)
+        self.check_engine: Callable[[str, guard_pb2.RankInfo], str | None] | None = None
         self._lock = threading.Lock()
         self.streams: dict[int, RankView] = {}
         self._next_stream = 0
@@ -130,6 +132,13 @@ class IngestService:
                 except InvalidBatch as exc:
                     self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(exc))
                 if view is None:
+                    problem = self.check_engine and self.check_engine(
+                        self.engines.label(batch.rank.engine or "default"), batch.rank
+                    )
+                    if problem:
+                        self._refuse(
+                            context, grpc.StatusCode.FAILED_PRECONDITION, "engine_in_use", problem
+                        )
                     view = self._register(stream_id, batch.rank)
                 self._ingest(view, batch)
                 batches += 1

@@ -27,6 +27,8 @@ STATE_DIR_ENV = "ASCEND_GUARD_STATE_DIR"
 SIDECAR_ENV = "ASCEND_GUARD_SIDECAR"
 STORE_ENV = "ASCEND_GUARD_STORE"
 HEALTH_PORT_ENV = "ASCEND_GUARD_HEALTH_PORT"
+# where a pod's probe reaches a sidecar that is not on its loopback (DaemonSet: the node's IP)
+HEALTH_URL_ENV = "ASCEND_GUARD_HEALTH_URL"
 
 DEFAULT_RUNTIME_DIR = "/run/ascend-guard"
 DEFAULT_STATE_DIR = "/var/lib/ascend-guard"
@@ -127,7 +129,10 @@ def cli_store(environ: Mapping[str, str] | None = None) -> str:
 
 
 def cli_health_url(environ: Mapping[str, str] | None = None) -> str:
-    """The local sidecar's liveness/API endpoint, from `sidecar.json` or the default port."""
+    """The local sidecar's liveness/API endpoint: `$ASCEND_GUARD_HEALTH_URL`, else from
+    `sidecar.json`, else the default port on 127.0.0.1."""
+    if _env(environ).get(HEALTH_URL_ENV):
+        return _env(environ)[HEALTH_URL_ENV]
     facts = read_discovery(environ)
     if facts.get("health_url"):
         return str(facts["health_url"])

@@ -10,28 +10,37 @@ livenessProbe (a 2 s hang verdict must not become a restart of a model that load
 from __future__ import annotations
 
 import argparse
+import os
 import urllib.parse
 
 from telemetry import paths
 from telemetry.http_client import Unreachable, get_json
 
+ENGINE_ENV = "ASCEND_GUARD_ENGINE"  # = guard.config.ENGINE_ENV (telemetry imports no guard)
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     ready = sub.add_parser("ready", help="readiness probe: vLLM healthy and no hang verdict")
-    ready.add_argument("--engine", required=True, help="engine label of the guarded server")
+    ready.add_argument(
+        "--engine", default=os.environ.get(ENGINE_ENV) or None,
+        help=f"engine label of the guarded server (env ${ENGINE_ENV})",
+    )  # fmt: skip
     ready.add_argument(
         "--vllm", default=None, metavar="URL",
         help="also require 200 from this URL, e.g. http://127.0.0.1:8000/health",
     )  # fmt: skip
     ready.add_argument(
         "--sidecar", default=None, metavar="URL",
-        help="the sidecar's health endpoint (default: the local sidecar's, from sidecar.json, "
-        f"else http://127.0.0.1:{paths.DEFAULT_HEALTH_PORT})",
+        help=f"the sidecar's health endpoint (default: ${paths.HEALTH_URL_ENV}, else the local "
+        f"sidecar's from sidecar.json, else http://127.0.0.1:{paths.DEFAULT_HEALTH_PORT})",
     )  # fmt: skip
     ready.add_argument("--timeout", type=float, default=2.0, help="seconds per request")
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.engine:
+        print(f"ascend-guard ready: give --engine or set ${ENGINE_ENV}")
+        return 2
     if args.vllm:
         try:
             status, _ = get_json_or_status(args.vllm, args.timeout)

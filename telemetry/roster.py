@@ -66,6 +66,17 @@ class EngineRoster:
         self._lock = threading.Lock()
         self.forgotten = 0
 
+    def check(self, engine: str, rank: guard_pb2.RankInfo) -> str | None:
+        """Engine labels are unique per sidecar: a second server (another run id) may not
+        speak under a label a live server holds, or their series would merge into one."""
+        holders = {r.run_id for e, r in self._streams() if e == engine and r.run_id != rank.run_id}
+        if not holders:
+            return None
+        return (
+            f"engine label {engine!r} is in use by run {sorted(holders)[0]} on this sidecar; give "
+            "each server its own runtime_guard.engine (deploy/ sets ASCEND_GUARD_ENGINE to the pod name)"
+        )
+
     def joined(self, engine: str) -> None:
         """A rank of `engine` connected: an engine left to linger stays."""
         with self._lock:

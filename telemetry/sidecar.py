@@ -148,6 +148,7 @@ class Sidecar:
         )
         self.ingest.on_engine_joined = self.roster.joined
         self.ingest.on_engine_idle = self.roster.idle
+        self.ingest.check_engine = self.roster.check
         self.build_labels = build_info.build_labels("sidecar")
         self.metrics.probes["build_info"].labels("", "", "", "", *self.build_labels.values()).set(1)
         self.liveness: LivenessServer | None = None
