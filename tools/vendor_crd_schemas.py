@@ -18,7 +18,11 @@ from typing import Any
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-KINDS = {"podmonitors": "PodMonitor", "servicemonitors": "ServiceMonitor", "prometheusrules": "PrometheusRule"}
+KINDS = {
+    "podmonitors": "PodMonitor",
+    "servicemonitors": "ServiceMonitor",
+    "prometheusrules": "PrometheusRule",
+}
 
 
 def _ecma_pattern(pattern: str) -> str:
@@ -54,8 +58,14 @@ def schema_of(crd: dict[str, Any]) -> dict[str, Any]:
     schema = _strict(version["schema"]["openAPIV3Schema"])
     schema["properties"]["apiVersion"] = {"const": "monitoring.coreos.com/v1"}
     schema["properties"]["kind"] = {"const": kind}
-    schema["required"] = sorted({*schema.get("required", []), "apiVersion", "kind", "metadata", "spec"})
-    return {"$schema": "http://json-schema.org/draft-07/schema#", "title": f"{kind} (monitoring.coreos.com/v1)", **schema}
+    schema["required"] = sorted(
+        {*schema.get("required", []), "apiVersion", "kind", "metadata", "spec"}
+    )
+    return {
+        "$schema": "http://json-schema.org/draft-07/schema#",
+        "title": f"{kind} (monitoring.coreos.com/v1)",
+        **schema,
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -65,7 +75,10 @@ def main(argv: list[str]) -> int:
         assert crd["spec"]["names"]["kind"] == kind, crd["spec"]["names"]
         out = ROOT / "deploy" / "schemas" / f"{kind.lower()}-monitoring.coreos.com-v1.json"
         out.write_text(json.dumps(schema_of(crd), indent=1, sort_keys=True) + "\n")
-        print(out.relative_to(ROOT), crd["metadata"].get("annotations", {}).get("operator.prometheus.io/version"))
+        print(
+            out.relative_to(ROOT),
+            crd["metadata"].get("annotations", {}).get("operator.prometheus.io/version"),
+        )
     return 0
 
 

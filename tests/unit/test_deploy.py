@@ -57,7 +57,9 @@ def render(overlay: str) -> list[dict]:
 
 
 def one(docs: list[dict], kind: str, name: str | None = None) -> dict:
-    found = [d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)]
+    found = [
+        d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
+    ]
     assert len(found) == 1, f"{len(found)} {kind} {name or ''} in the rendering"
     return found[0]
 
@@ -202,7 +204,9 @@ def test_socket_path_in_sidecar_args_is_the_workers_config(overlay):
         ds_vols = {v["name"]: v for v in ds["volumes"]}
         assert vols[mounts[socket_dir]]["hostPath"]["path"] == ds_vols[side_mounts[socket_dir]]["hostPath"]["path"] == socket_dir  # fmt: skip
     else:  # one emptyDir shared by the two containers
-        assert mounts[socket_dir] == side_mounts[socket_dir] and "emptyDir" in vols[mounts[socket_dir]]
+        assert (
+            mounts[socket_dir] == side_mounts[socket_dir] and "emptyDir" in vols[mounts[socket_dir]]
+        )
     # the socket's group is one the vLLM pod carries
     assert int(flag(args, "--socket-group")) in vllm["securityContext"]["supplementalGroups"]
     assert flag(args, "--store").startswith(paths.DEFAULT_STATE_DIR + "/")
@@ -372,7 +376,9 @@ def test_every_incident_type_alerts_or_is_dashboard_only_with_a_reason():
     for type_ in INCIDENT_TYPES:
         row = next((line for line in catalogue.splitlines() if line.startswith(f"| `{type_}`")), "")
         assert row, f"docs/runbooks/README.md has no row for {type_}"
-        if re.search(rf"\b{type_}\b", exprs) or (type_ == "hang_verdict" and "engine_wedged" in exprs):
+        if re.search(rf"\b{type_}\b", exprs) or (
+            type_ == "hang_verdict" and "engine_wedged" in exprs
+        ):
             assert "Alert" in row, row
         else:
             assert "dashboard only" in row and len(row.split("|")[-2].strip()) > 20, row
