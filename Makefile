@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.ascend-guard-installed
 
-.PHONY: all deps venv prometheus deploy-tools deploy-render demo test test-fast lint format proto bench clean
+.PHONY: all deps venv prometheus deploy-tools deploy-render docs demo test test-fast lint format proto bench clean
 
 all: test
 
@@ -34,6 +34,10 @@ deploy-tools:
 # regenerate deploy/monitoring/ (PrometheusRule, dashboard ConfigMaps) from dashboards/
 deploy-render: $(STAMP)
 	$(PY) tools/render_deploy.py
+
+# regenerate the config, metrics and compatibility tables of docs/ and README from the code
+docs: $(STAMP)
+	$(PY) tools/gen_docs.py
 
 deps: $(STAMP) prometheus deploy-tools
 

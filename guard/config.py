@@ -58,6 +58,7 @@ class IncidentsConfig:
 class GuardConfig:
     """Validated guard settings. Field docs double as the reference in README."""
 
+    # false turns the guard off while keeping the config
     enabled: bool = True
     # gRPC address of the node sidecar: unix:///path/guard.sock or HOST:PORT
     sidecar: str = dataclasses.field(default_factory=default_sidecar_address)
@@ -71,7 +72,9 @@ class GuardConfig:
     batch_max: int = dataclasses.field(default=512, metadata=_range(1, 100_000))
     # how often the streamer thread wakes up to send
     flush_interval_ms: int = dataclasses.field(default=50, metadata=_range(1, 10_000))
+    # heartbeat period, sent even when no wave runs (hang verdicts need it)
     heartbeat_interval_s: float = dataclasses.field(default=1.0, metadata=_range(0.05, 60.0))
+    # cap of the reconnect backoff while the sidecar is away
     reconnect_max_backoff_s: float = dataclasses.field(default=2.0, metadata=_range(0.05, 600.0))
     # at most this many guard-internal errors are logged per minute and rank (all are counted)
     error_log_per_minute: int = dataclasses.field(default=5, metadata=_range(0, 10_000))
