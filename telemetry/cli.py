@@ -27,11 +27,20 @@ from telemetry.table import format_duration_ns, render_table
 from telemetry.validation import SEVERITIES
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to every option that has a default worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, "", False) or action.default is argparse.SUPPRESS:
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
 class _Parser(argparse.ArgumentParser):
     """Every subcommand's --help shows its defaults."""
 
     def __init__(self, *args, **kwargs) -> None:
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
         super().__init__(*args, **kwargs)
 
 

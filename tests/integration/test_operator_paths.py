@@ -248,7 +248,7 @@ def test_busy_default_health_port_stops_start_up(tmp_path):
 
 
 def test_help_shows_every_default():
-    out = cli(dict(os.environ), "sidecar", "--help").stdout
+    out = cli({**os.environ, "COLUMNS": "400"}, "sidecar", "--help").stdout
     flat = " ".join(out.split())
     for default in ("(default: 9464)", "(default: 2s)", "(default: 15m)", "(default: 24h)"):
         assert default in flat, default
