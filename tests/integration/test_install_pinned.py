@@ -144,3 +144,38 @@ def test_resolver_keeps_the_pins(tmp_path):
     }
     for name, version in PINS.items():
         assert chosen.get(name, version) == version, (name, chosen.get(name))
+
+
+def test_constraints_recipe_installs_nothing_but_ascend_guard(tmp_path):
+    """docs/install.md's recipe, run against this environment (the CPU stand-in for a serving
+    image): under the environment's own versions as constraints, pip replaces no installed
+    package (it may only add missing ones, and ascend-guard itself)."""
+    freeze = subprocess.run(
+        [sys.executable, "-m", "pip", "list", "--format=freeze", "--exclude-editable"],
+        capture_output=True, text=True, timeout=120, check=True,
+    ).stdout  # fmt: skip
+    constraints = tmp_path / "image-constraints.txt"
+    constraints.write_text(
+        "".join(line + "\n" for line in freeze.splitlines() if " @ " not in line)
+    )
+    report = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--quiet", "--no-build-isolation",
+         "--report", str(report), "-c", str(constraints), f"{REPO}[cpu]"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    planned = {
+        item["metadata"]["name"].lower(): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
+    assert "ascend-guard" in planned
+    replaced = {}
+    for name, version in planned.items():
+        try:
+            have = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue  # an addition (this venv lacks torchvision & co. on purpose: Makefile)
+        if name != "ascend-guard" and have != version:
+            replaced[name] = (have, version)
+    assert not replaced, f"the recipe would replace installed packages: {replaced}"
