@@ -416,3 +416,14 @@ def test_containerfile_installs_no_torch_or_vllm():
     installs = [line for line in text.splitlines() if "pip install" in line or "pip wheel" in line]
     assert installs and not any(re.search(r"torch|vllm|\[(cpu|ascend)", line) for line in installs)
     assert "USER 9464" in text
+
+
+def test_the_sidecar_imports_neither_torch_nor_vllm():
+    """What the Containerfile's build step asserts, checked here where no image is built."""
+    code = (
+        "import sys, telemetry.sidecar, telemetry.cli, telemetry.doctor_live, telemetry.ready_cli; "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'vllm_ascend')); "
+        "assert not bad, bad"
+    )
+    proc = _run(sys.executable, "-c", code, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
