@@ -46,7 +46,9 @@ class SidecarProcess:
     ) -> SidecarProcess:
         tmp_path = Path(tmp_path)
         address = address or f"unix://{tmp_path / 'guard.sock'}"
-        metrics_port = metrics_port or free_port()
+        taken = {int(a) for a in extra_args if a.isdigit()}  # e.g. the caller's --health-port
+        while not metrics_port or metrics_port in taken:
+            metrics_port = free_port()
         store_path = store_path or tmp_path / "store.db"
         log_path = tmp_path / f"sidecar-{metrics_port}-{int(time.time() * 1000)}.log"
         cmd = [
