@@ -16,7 +16,7 @@ import yaml
 
 from tests.support.collective_feed import send_collective_waves
 from tests.support.dashboard import load_dashboard, metric_names_in, panel_queries, render_expr
-from tests.support.feed import send_incidents_and_probes, send_waves
+from tests.support.feed import make_streamer, send_incidents_and_probes, send_waves
 from tests.support.prometheus import PrometheusServer
 from tests.support.sidecar import SidecarProcess
 
@@ -91,9 +91,14 @@ def sidecar(tmp_path):
     workdir = tmp_path / "sidecar"
     workdir.mkdir()
     proc = SidecarProcess.start(workdir)
+    # one rank stays connected throughout, as a serving engine's do: an engine whose streams
+    # all closed has left, and the sidecar removes its ranks_connected series (issue 14)
+    keeper = make_streamer(proc.address, engine=ENGINE, rank=RANKS[0], pid=4999)
+    keeper.start()
     try:
         yield proc
     finally:
+        keeper.stop()
         proc.stop()
 
 
