@@ -143,7 +143,9 @@ class IngestService:
                 self._ingest(view, batch)
                 batches += 1
                 waves += len(batch.waves)
-            clean = True  # the worker closed its stream (a broken one raises instead)
+            # the worker closed its stream; a dropped connection may also end the loop, but
+            # then the RPC is no longer active
+            clean = context.is_active()
         finally:
             if view is not None:
                 self._unregister(stream_id, view, clean)
