@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.ascend-guard-installed
 
-.PHONY: all deps venv prometheus demo test test-fast lint format proto bench clean
+.PHONY: all deps venv prometheus deploy-tools deploy-render docs demo test test-fast lint format proto bench clean
 
 all: test
 
@@ -27,7 +27,19 @@ $(STAMP): pyproject.toml
 prometheus:
 	bash tools/ensure_prometheus.sh
 
-deps: $(STAMP) prometheus
+# systemd-analyze for the unit in deploy/systemd (kubectl and the validators come from the dev extra)
+deploy-tools:
+	bash tools/ensure_deploy_tools.sh
+
+# regenerate deploy/monitoring/ (PrometheusRule, dashboard ConfigMaps) from dashboards/
+deploy-render: $(STAMP)
+	$(PY) tools/render_deploy.py
+
+# regenerate the config, metrics and compatibility tables of docs/ and README from the code
+docs: $(STAMP)
+	$(PY) tools/gen_docs.py
+
+deps: $(STAMP) prometheus deploy-tools
 
 demo: $(STAMP)
 	$(PY) tools/demo.py $(DEMO_ARGS)
@@ -51,9 +63,15 @@ bench: $(STAMP)
 	$(PY) bench/overhead.py $(BENCH_ARGS)
 	$(PY) bench/toggle.py
 
-# regenerate the gRPC code after editing telemetry/proto/guard.proto
-proto: $(STAMP)
-	cd telemetry/proto && ../../$(PY) -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. guard.proto
+# regenerate the gRPC code after editing telemetry/proto/guard.proto. The generator is pinned
+# old on purpose: grpcio-tools 1.63.2 writes code that needs only grpcio>=1.63.2 and carries no
+# protobuf runtime-version check, so the install floors stay low enough for vLLM images
+# (docs/compatibility.md; tests/unit/test_install.py fails on newer generated code).
+PROTOC_VENV := .cache/protoc-venv
+proto:
+	test -x $(PROTOC_VENV)/bin/python || $(PYTHON) -m venv $(PROTOC_VENV)
+	$(PROTOC_VENV)/bin/python -m pip install --quiet 'grpcio-tools==1.63.2'
+	cd telemetry/proto && ../../$(PROTOC_VENV)/bin/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. guard.proto
 	sed -i 's/^import guard_pb2 as guard__pb2/from telemetry.proto import guard_pb2 as guard__pb2/' telemetry/proto/guard_pb2_grpc.py
 
 clean:

@@ -114,6 +114,19 @@ def binding_of(point: AttachPoint) -> Binding:
     return Binding(NOT_LOADED, f"{point.module} is not imported in this process")
 
 
+def attach_point_readings() -> list[tuple[str, float, dict[str, str]]]:
+    """`attach_points{status}` of this process: points bound, and points skipped (missing in
+    this version, or wrapping failed). Points whose module never loaded here are not counted."""
+    with _lock:
+        outcomes = [b.status for b in BINDINGS.values()]
+    bound = sum(status == BOUND for status in outcomes)
+    skipped = sum(status in (MISSING, FAILED) for status in outcomes)
+    return [
+        ("attach_points", float(bound), {"status": "bound"}),
+        ("attach_points", float(skipped), {"status": "skipped"}),
+    ]
+
+
 def bind_all(points: Iterable[AttachPoint] = ATTACH_POINTS) -> None:
     """Bind every attach point when (or if) its module is imported. Owned methods first, so an
     inherited point of the same module sees its base already bound."""

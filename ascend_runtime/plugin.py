@@ -128,4 +128,8 @@ def activate(config: GuardConfig) -> None:
     from ascend_runtime.collective_binding import install_collective_guard
 
     install_collective_guard(config, processor)
+    from ascend_runtime.bindings import attach_point_readings
+    from guard import identity
+
+    identity.add_source(attach_point_readings)
     _state["bound"] = True

@@ -30,6 +30,9 @@ from telemetry.addresses import address_problem, default_sidecar_address
 
 CONFIG_KEY = "runtime_guard"
 CONFIG_FILE_ENV = "ASCEND_GUARD_CONFIG"
+# The engine label when the config sets none: one config file shared by many pods gives each its
+# own label (deploy/ sets it from the pod name), which keeps engine labels unique per sidecar.
+ENGINE_ENV = "ASCEND_GUARD_ENGINE"
 # Set by the first process that validated the config (the API server) for the processes it
 # spawns (engine core, workers): the resolved config as JSON, and the run id they all share.
 RESOLVED_ENV = "ASCEND_GUARD_RESOLVED_CONFIG"
@@ -46,7 +49,7 @@ class IncidentsConfig:
     per_request_cap: int = dataclasses.field(default=3, metadata=_range(1, 100_000))
     # after the cap, report again at occurrence cap * factor**k (k = 1, 2, ...)
     backoff_factor: float = dataclasses.field(default=4.0, metadata=_range(1.0, 1000.0))
-    # where a worker keeps incidents while the sidecar is away; default: $TMPDIR/ascend-guard-spool
+    # where a worker keeps incidents while the sidecar is away; default: $ASCEND_GUARD_STATE_DIR/spool (/var/lib/ascend-guard/spool)
     spool_dir: str = ""
     spool_max_bytes: int = dataclasses.field(default=64 << 20, metadata=_range(4096, 1 << 40))
 
@@ -55,6 +58,7 @@ class IncidentsConfig:
 class GuardConfig:
     """Validated guard settings. Field docs double as the reference in README."""
 
+    # false turns the guard off while keeping the config
     enabled: bool = True
     # gRPC address of the node sidecar: unix:///path/guard.sock or HOST:PORT
     sidecar: str = dataclasses.field(default_factory=default_sidecar_address)
@@ -68,7 +72,9 @@ class GuardConfig:
     batch_max: int = dataclasses.field(default=512, metadata=_range(1, 100_000))
     # how often the streamer thread wakes up to send
     flush_interval_ms: int = dataclasses.field(default=50, metadata=_range(1, 10_000))
+    # heartbeat period, sent even when no wave runs (hang verdicts need it)
     heartbeat_interval_s: float = dataclasses.field(default=1.0, metadata=_range(0.05, 60.0))
+    # cap of the reconnect backoff while the sidecar is away
     reconnect_max_backoff_s: float = dataclasses.field(default=2.0, metadata=_range(0.05, 600.0))
     # at most this many guard-internal errors are logged per minute and rank (all are counted)
     error_log_per_minute: int = dataclasses.field(default=5, metadata=_range(0, 10_000))
@@ -145,6 +151,8 @@ def resolve_config(
         found = True
     if not found:
         return None
+    if environ.get(ENGINE_ENV) and not merged.get("engine"):
+        merged["engine"] = environ[ENGINE_ENV]
     config = parse_config(merged)
     return config if config.enabled else None
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import structlog
 
+from guard import identity
 from guard.config import RUN_ID_ENV, GuardConfig, config_from_json
 from guard.incidents import IncidentReporter
 from guard.reload import STAMP_ATTR
@@ -350,7 +351,8 @@ class GuardProcessor:
 
     def _probe_snapshot(self) -> list[tuple[str, float, dict[str, str]]]:
         detectors = self.detectors
-        return detectors.probe_values() if detectors is not None else []
+        found = detectors.probe_values() if detectors is not None else []
+        return [*identity.readings(), *found]  # build_info, attach points: every heartbeat
 
     def heartbeat(self) -> HeartbeatState:
         """What this rank is doing right now; called on the streamer thread."""

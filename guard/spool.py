@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import os
-import tempfile
 from pathlib import Path
 
 import structlog
@@ -21,7 +20,9 @@ log = structlog.get_logger("ascend_guard.spool")
 
 
 def default_spool_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), "ascend-guard-spool")
+    from telemetry import paths
+
+    return paths.spool_dir()
 
 
 class IncidentSpool:

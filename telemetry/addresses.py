@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
+
+from telemetry import paths
 
 _HOST_PORT = re.compile(r"^(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(?P<port>\d{1,5})$")
 
 
 def default_sidecar_address() -> str:
     """The unix socket the sidecar listens on, and the guard sends to, unless told otherwise."""
-    return f"unix://{os.path.join(tempfile.gettempdir(), 'ascend-guard.sock')}"
+    return paths.sidecar_address()
 
 
 def unix_socket_path(address: str) -> str | None:

@@ -8,8 +8,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from telemetry import hangs_cli, logs
-from telemetry.addresses import default_sidecar_address
+from telemetry import build_info, hangs_cli, logs, paths, ready_cli
 from telemetry.incidents import IncidentFilter, list_incidents
 from telemetry.query import (
     QueryError,
@@ -23,33 +22,75 @@ from telemetry.query import (
     search,
     span_tree,
 )
-from telemetry.store import connect, default_store_path
+from telemetry.store import connect
 from telemetry.table import format_duration_ns, render_table
 from telemetry.validation import SEVERITIES
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" to every option that has a default worth showing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, "", False) or action.default is argparse.SUPPRESS:
+            return action.help or ""
+        return super()._get_help_string(action) or ""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every subcommand's --help shows its defaults."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        kwargs.setdefault("formatter_class", _DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+
+def _octal_mode(text: str) -> int:
+    try:
+        mode = int(text, 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an octal mode such as 0600") from None
+    if not 0 <= mode <= 0o777:
+        raise argparse.ArgumentTypeError(f"{text!r} is outside 0000-0777")
+    return mode
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="ascend-guard",
-        description="Runtime guard and observability for vLLM: node sidecar and on-call queries.",
+        description="Runtime guard and observability for vLLM: node sidecar and on-call queries. "
+        f"Paths: socket under ${paths.RUNTIME_DIR_ENV} ({paths.DEFAULT_RUNTIME_DIR}), store, spool "
+        f"and dumps under ${paths.STATE_DIR_ENV} ({paths.DEFAULT_STATE_DIR}).",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.add_argument("--version", action="version", version=build_info.version_line())
+    sub = parser.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=_Parser
+    )
 
     side = sub.add_parser(
         "sidecar", help="run the node sidecar (gRPC ingest, /metrics, trace store)"
     )
     side.add_argument(
         "--listen",
-        default=default_sidecar_address(),
-        help="gRPC address: unix:///path.sock or HOST:PORT",
+        default=paths.sidecar_address(),
+        help=f"gRPC address: unix:///path.sock or HOST:PORT (env ${paths.SIDECAR_ENV})",
     )
     side.add_argument(
-        "--metrics-port", type=int, default=9464, help="port of the Prometheus /metrics endpoint"
+        "--socket-mode", type=_octal_mode, default=None,
+        help=f"permissions of the unix socket (default {paths.DEFAULT_SOCKET_MODE:04o}, "
+        f"{paths.GROUP_SOCKET_MODE:04o} with --socket-group)",
+    )  # fmt: skip
+    side.add_argument(
+        "--socket-group", default="", help="group that may connect to the unix socket (name or gid)"
     )
     side.add_argument(
-        "--metrics-host", default="0.0.0.0", help="interface for /metrics (default all)"
-    )
-    side.add_argument("--store", default=default_store_path(), help="SQLite trace store path")
+        "--metrics-port", type=int, default=paths.DEFAULT_METRICS_PORT,
+        help="port of the Prometheus /metrics endpoint",
+    )  # fmt: skip
+    side.add_argument("--metrics-host", default="0.0.0.0", help="interface for /metrics")
+    side.add_argument(
+        "--store", default=paths.default_store(),
+        help=f"SQLite trace store path (env ${paths.STORE_ENV})",
+    )  # fmt: skip
     side.add_argument(
         "--otlp-endpoint", default=None, help="also export spans over OTLP/gRPC to this URL"
     )
@@ -62,29 +103,31 @@ def _parser() -> argparse.ArgumentParser:
     )
     side.add_argument("--log-json", action="store_true", help="log JSON lines instead of key=value")
     side.add_argument(
-        "--health-port", type=int, default=-1,
-        help="port of the liveness endpoint /live/<engine> (default: metrics port + 1 if free; 0: off)",
+        "--health-port", type=int, default=paths.health_port(),
+        help="port of /live, /ready, /hangs, /coverage; a busy port stops start-up; 0: off "
+        f"(env ${paths.HEALTH_PORT_ENV})",
     )  # fmt: skip
     side.add_argument("--health-host", default="0.0.0.0", help="interface for /live")
     side.add_argument(
-        "--hang-after",
-        default="2s",
-        help="a rank silent this long is declared stopped (default 2s)",
+        "--engine-linger", default="15m",
+        help="keep the series of an engine whose streams broke this long (one that closed its "
+        "streams is forgotten at once)",
+    )  # fmt: skip
+    side.add_argument(
+        "--hang-after", default="2s", help="a rank silent this long is declared stopped"
     )
     side.add_argument(
         "--hang-wait", default="3s",
-        help="peers inside one collective this long while a rank is not: verdict (default 3s)",
+        help="peers inside one collective this long while a rank is not: verdict",
     )  # fmt: skip
     side.add_argument(
         "--straggler-threshold", default="50ms",
-        help="wave skew from which the slowest rank is counted as a straggler (default 50ms)",
+        help="wave skew from which the slowest rank is counted as a straggler",
     )  # fmt: skip
 
     query = sub.add_parser("query", help="search stored spans; prints the slowest first")
-    query.add_argument("--store", default=default_store_path())
-    query.add_argument(
-        "--since", default="1h", help="age (15m), unix seconds, ISO time or 'now' (default 1h)"
-    )
+    query.add_argument("--store", default=paths.cli_store(), help=paths.CLI_STORE_HELP)
+    query.add_argument("--since", default="1h", help="age (15m), unix seconds, ISO time or 'now'")
     query.add_argument("--until", default=None, help="same forms as --since (default now)")
     query.add_argument(
         "--min-duration", default=None, help="only spans at least this long, e.g. 5ms"
@@ -96,11 +139,11 @@ def _parser() -> argparse.ArgumentParser:
     query.add_argument("--run", dest="run_id", default=None, help="run id")
     query.add_argument("--engine", default=None, help="engine label")
     query.add_argument("--wave", type=int, default=None, help="one wave number")
-    query.add_argument("--sort", default="duration", help="duration (default), start or wave")
+    query.add_argument("--sort", default="duration", help="duration, start or wave")
     query.add_argument("--limit", type=int, default=20)
 
     incidents = sub.add_parser("incidents", help="list incidents, newest first")
-    incidents.add_argument("--store", default=default_store_path())
+    incidents.add_argument("--store", default=paths.cli_store(), help=paths.CLI_STORE_HELP)
     incidents.add_argument("--since", default="24h", help="age (15m), unix seconds or ISO time")
     incidents.add_argument("--type", default=None, help="incident type, e.g. logits_finite")
     incidents.add_argument("--request", default=None, help="request id (a prefix matches)")
@@ -126,8 +169,9 @@ def _parser() -> argparse.ArgumentParser:
 
     trace = sub.add_parser("trace", help="print one trace as a tree")
     trace.add_argument("trace_id", help="32 hex digits, as `ascend-guard query` prints")
-    trace.add_argument("--store", default=default_store_path())
+    trace.add_argument("--store", default=paths.cli_store(), help=paths.CLI_STORE_HELP)
     hangs_cli.add_parser(sub)
+    ready_cli.add_parser(sub)
     return parser
 
 
@@ -140,6 +184,7 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
         hang_stale_s = parse_duration_ns(args.hang_after, "--hang-after") / 1e9
         hang_wait_s = parse_duration_ns(args.hang_wait, "--hang-wait") / 1e9
         straggler_s = parse_duration_ns(args.straggler_threshold, "--straggler-threshold") / 1e9
+        linger_s = parse_duration_ns(args.engine_linger, "--engine-linger") / 1e9
         for flag, seconds in (("--hang-after", hang_stale_s), ("--hang-wait", hang_wait_s)):
             if seconds <= 0:
                 raise QueryError(f"{flag}: must be above 0, got {seconds:g}s")
@@ -151,7 +196,9 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
         otlp_endpoint=args.otlp_endpoint, retention_s=retention_s, max_spans=args.max_spans,
         max_message_bytes=args.max_message_bytes, health_host=args.health_host,
         health_port=args.health_port, hang_stale_s=hang_stale_s, hang_wait_s=hang_wait_s,
-        straggler_threshold_s=straggler_s,
+        straggler_threshold_s=straggler_s, socket_group=args.socket_group, engine_linger_s=linger_s,
+        socket_mode=args.socket_mode if args.socket_mode is not None else (
+            paths.GROUP_SOCKET_MODE if args.socket_group else paths.DEFAULT_SOCKET_MODE),
     )  # fmt: skip
     try:
         Sidecar(settings).serve_forever()
@@ -314,6 +361,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["doctor"] and "--live" in argv:  # asks the sidecar; imports no vLLM
+        from telemetry import doctor_live
+
+        return doctor_live.main(argv[1:])
     if argv[:1] == ["doctor"]:  # its own parser: options such as --source pass through as-is
         return _cmd_doctor(argparse.Namespace(doctor_args=argv[1:]))
     args = _parser().parse_args(argv)
@@ -325,6 +376,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config": _cmd_config,
         "doctor": _cmd_doctor,
         "hangs": hangs_cli.run,
+        "ready": ready_cli.run,
     }
     try:
         return handlers[args.command](args)

@@ -12,10 +12,11 @@ import json
 import urllib.error
 import urllib.request
 
+from telemetry import paths
 from telemetry.hangs import RECOVERY, VERDICT
 from telemetry.incidents import IncidentFilter, list_incidents
 from telemetry.query import QueryError, parse_time_ns
-from telemetry.store import connect, default_store_path
+from telemetry.store import connect
 from telemetry.table import render_table
 
 HANG_TYPES = (VERDICT, RECOVERY, "hang_suspected")
@@ -23,14 +24,14 @@ HANG_TYPES = (VERDICT, RECOVERY, "hang_suspected")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     hangs = sub.add_parser("hangs", help="hang verdicts, recoveries and watchdog reports")
-    hangs.add_argument("--store", default=default_store_path())
+    hangs.add_argument("--store", default=paths.cli_store(), help=paths.CLI_STORE_HELP)
     hangs.add_argument("--since", default="24h", help="age (15m), unix seconds or ISO time")
     hangs.add_argument("--engine", default=None, help="engine label")
     hangs.add_argument("--run", dest="run_id", default=None, help="run id")
     hangs.add_argument("--limit", type=int, default=50)
     hangs.add_argument(
-        "--live", default=None, metavar="URL",
-        help="ask a running sidecar instead, e.g. http://127.0.0.1:9465 (its --health-port)",
+        "--live", default=None, nargs="?", const=paths.cli_health_url(), metavar="URL",
+        help="ask the running sidecar instead (without URL: the local one, from sidecar.json)",
     )  # fmt: skip
     hangs.add_argument("--json", action="store_true", help="one JSON object per line")
 

@@ -74,9 +74,20 @@ class IngestService:
         self._on_batch = on_batch
         self.incidents = incidents
         self.cross_rank = cross_rank  # collectives, skew, hang verdicts (telemetry/crossrank.py)
+        # engine membership (telemetry/roster.py): told when an engine's first stream opens
+        # and when its last one ends (clean: the worker closed it)
+        self.on_engine_joined: Callable[[str], None] | None = None
+        self.on_engine_idle: Callable[[str, bool], None] | None = None
+        # refuses a stream whose engine label another live run holds (why, or None)
+        self.check_engine: Callable[[str, guard_pb2.RankInfo], str | None] | None = None
         self._lock = threading.Lock()
         self.streams: dict[int, RankView] = {}
         self._next_stream = 0
+
+    def connected(self) -> list[tuple[str, guard_pb2.RankInfo]]:
+        """(engine, rank) of every stream open right now."""
+        with self._lock:
+            return [(v.engine, v.rank) for v in self.streams.values()]
 
     # -- gRPC plumbing ----------------------------------------------------------------------
     def handler(self) -> grpc.GenericRpcHandler:
@@ -111,6 +122,7 @@ class IngestService:
             stream_id = self._next_stream
         view: RankView | None = None
         batches = waves = 0
+        clean = False
         try:
             for batch in requests:
                 if isinstance(batch, _Refused):
@@ -120,13 +132,23 @@ class IngestService:
                 except InvalidBatch as exc:
                     self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(exc))
                 if view is None:
+                    problem = self.check_engine and self.check_engine(
+                        self.engines.label(batch.rank.engine or "default"), batch.rank
+                    )
+                    if problem:
+                        self._refuse(
+                            context, grpc.StatusCode.FAILED_PRECONDITION, "engine_in_use", problem
+                        )
                     view = self._register(stream_id, batch.rank)
                 self._ingest(view, batch)
                 batches += 1
                 waves += len(batch.waves)
+            # the worker closed its stream; a dropped connection may also end the loop, but
+            # then the RPC is no longer active
+            clean = context.is_active()
         finally:
             if view is not None:
-                self._unregister(stream_id, view)
+                self._unregister(stream_id, view, clean)
         return guard_pb2.Ack(batches=batches, waves=waves)
 
     def _refuse(
@@ -143,23 +165,28 @@ class IngestService:
         with self._lock:
             self.streams[stream_id] = view
         self.metrics.ranks_connected.labels(engine, str(rank.dp_rank)).inc()
+        if self.on_engine_joined is not None:
+            self.on_engine_joined(engine)
         log.info(
             "rank_connected", engine=engine, run_id=rank.run_id, dp=rank.dp_rank, tp=rank.tp_rank, pp=rank.pp_rank,
             node=rank.node, pid=rank.pid, runner=rank.runner,
         )  # fmt: skip
         return view
 
-    def _unregister(self, stream_id: int, view: RankView) -> None:
+    def _unregister(self, stream_id: int, view: RankView, clean: bool = True) -> None:
         with self._lock:
             self.streams.pop(stream_id, None)
+            last = not any(v.engine == view.engine for v in self.streams.values())
         self.metrics.ranks_connected.labels(view.engine, str(view.rank.dp_rank)).dec()
         if self.cross_rank is not None:
             self.cross_rank.rank_gone(view.engine, view.rank)
         rank = view.rank
         log.info(
             "rank_disconnected", engine=view.engine, dp=rank.dp_rank, tp=rank.tp_rank, pp=rank.pp_rank,
-            waves=view.waves, last_wave=view.last_wave,
+            waves=view.waves, last_wave=view.last_wave, clean=clean,
         )  # fmt: skip
+        if last and self.on_engine_idle is not None:
+            self.on_engine_idle(view.engine, clean)
 
     def _ingest(self, view: RankView, batch: guard_pb2.Batch) -> None:
         rank = batch.rank

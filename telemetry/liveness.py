@@ -8,6 +8,11 @@ ones (`wedged`: run id and dp). `GET /live/<engine>/<dp>`: the same for one repl
 probe of one DP engine (one `vllm serve` per DP rank). `GET /live` lists engines;
 `GET /hangs` returns the standing verdicts and recent verdicts/recoveries; `GET /skew` the
 latest aligned waves (skew, straggler, per-rank wait).
+
+`GET /ready/<engine>` is for a pod's readiness probe: 503 only while a hang verdict stands (the
+pod leaves the Service, nobody kills it), 200 otherwise — also for an engine that has not
+reported yet, so a model that loads for minutes is never held back by the guard. Extra routes
+(`/coverage` for `ascend-guard doctor --live`) are handed in by the sidecar.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import dataclasses
 import json
 import threading
 import urllib.parse
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -26,7 +32,18 @@ from telemetry.crossrank import CrossRankView
 log = structlog.get_logger("ascend_guard.liveness")
 
 
-def _handler(view: CrossRankView) -> type[BaseHTTPRequestHandler]:
+Route = Callable[[str], tuple[int, dict[str, Any]]]
+
+
+def _ready(detector: Any, engine: str) -> tuple[int, dict[str, Any]]:
+    status = detector.engine_status(engine)
+    if status is None:
+        return 200, {"engine": engine, "ready": True, "reason": "no rank has reported yet"}
+    live, body = status
+    return (200 if live else 503), {**body, "ready": live}
+
+
+def _handler(view: CrossRankView, routes: Mapping[str, Route]) -> type[BaseHTTPRequestHandler]:
     detector = view.hangs
 
     class LivenessHandler(BaseHTTPRequestHandler):
@@ -54,6 +71,10 @@ def _handler(view: CrossRankView) -> type[BaseHTTPRequestHandler]:
                 else:
                     live, body = status
                     self._send(200 if live else 503, body)
+            elif path.startswith("/ready/"):
+                self._send(*_ready(detector, urllib.parse.unquote(path[len("/ready/") :])))
+            elif path in routes:
+                self._send(*routes[path](""))
             elif path == "/hangs":
                 self._send(200, detector.snapshot())
             elif path == "/skew":
@@ -79,8 +100,10 @@ def _handler(view: CrossRankView) -> type[BaseHTTPRequestHandler]:
 
 
 class LivenessServer:
-    def __init__(self, view: CrossRankView, host: str, port: int) -> None:
-        self._server = ThreadingHTTPServer((host, port), _handler(view))
+    def __init__(
+        self, view: CrossRankView, host: str, port: int, routes: Mapping[str, Route] | None = None
+    ) -> None:
+        self._server = ThreadingHTTPServer((host, port), _handler(view, routes or {}))
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(

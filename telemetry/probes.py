@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from telemetry.build_info import LABELS as BUILD_LABELS
+
 
 @dataclasses.dataclass(frozen=True)
 class ProbeMetric:
@@ -54,6 +56,18 @@ PROBE_METRICS: dict[str, ProbeMetric] = _register(
     ProbeMetric(
         "config_generation",
         "Generation of the runtime_guard config in force on a rank (1 = as started).",
+    ),
+    # -- what runs and where it attached (guard/identity.py; the sidecar adds its own
+    # build_info series with empty rank labels and component="sidecar") -----------------------
+    ProbeMetric(
+        "build_info",
+        "ascend-guard build, wire version and package versions of a worker rank or the sidecar (value 1).",
+        BUILD_LABELS,
+    ),
+    ProbeMetric(
+        "attach_points",
+        "Attach points of a rank by outcome: bound, or skipped (class or method missing in this version, or wrapping failed).",
+        ("status",),
     ),
     # -- Ascend runtime probes (ascend_runtime/probes) --------------------------------------
     ProbeMetric("kv_cache_bytes", "Bytes of KV cache bound to the attention layers after init."),

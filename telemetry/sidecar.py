@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import grp
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import grpc
 import structlog
 from prometheus_client import start_http_server
 
+from telemetry import build_info, paths
 from telemetry.addresses import address_problem, unix_socket_path
 from telemetry.crossrank import CrossRankView
 from telemetry.hangs import HangSettings
@@ -21,6 +23,7 @@ from telemetry.incidents import IncidentLedger
 from telemetry.ingest import DEFAULT_MAX_MESSAGE_BYTES, IngestService
 from telemetry.liveness import LivenessServer
 from telemetry.metrics import SidecarMetrics
+from telemetry.roster import DEFAULT_LINGER_S, EngineRoster
 from telemetry.store import SqliteSpanExporter
 from telemetry.traces import WaveTracer, build_provider
 
@@ -34,16 +37,24 @@ GRPC_HARD_CAP_BYTES = 64 * 1024 * 1024
 class SidecarSettings:
     listen: str
     metrics_host: str = "0.0.0.0"
-    metrics_port: int = 9464
+    metrics_port: int = paths.DEFAULT_METRICS_PORT
     store: str = ""
     otlp_endpoint: str | None = None
     retention_s: float = 24 * 3600
     max_spans: int = 5_000_000
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_streams: int = 256
-    # liveness endpoint /live/<engine>: -1 = metrics port + 1 if free, 0 = off
+    # liveness/API endpoint (/live, /ready, /hangs, /coverage); 0 = off. A busy port is an
+    # error, never silently another port: probes and the CLI must find it where it was asked.
     health_host: str = "0.0.0.0"
-    health_port: int = -1
+    health_port: int = paths.DEFAULT_HEALTH_PORT
+    # unix socket permissions: owner only, or owner and --socket-group
+    socket_mode: int = paths.DEFAULT_SOCKET_MODE
+    socket_group: str = ""
+    # series of an engine whose streams broke stay this long (ranks_connected at 0)
+    engine_linger_s: float = DEFAULT_LINGER_S
+    # write sidecar.json (store, endpoints) for the CLI; off for tests that run many sidecars
+    publish: bool = True
     hang_stale_s: float = 2.0
     hang_wait_s: float = 3.0
     straggler_threshold_s: float = 0.05
@@ -69,6 +80,29 @@ def _claim_socket(path: str) -> None:
     raise SidecarStartError(
         f"another process is already listening on {path}; stop it or pick another --listen"
     )
+
+
+def _socket_gid(group: str) -> int:
+    if group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise SidecarStartError(
+            f"--socket-group {group!r}: no such group on this host (create it, or pass a gid)"
+        ) from None
+
+
+def _secure_socket(path: str, mode: int, group: str) -> None:
+    """Give the socket file its group and mode (workers of that group may then connect)."""
+    try:
+        if group:
+            os.chown(path, -1, _socket_gid(group))
+        os.chmod(path, mode)
+    except OSError as exc:
+        raise SidecarStartError(
+            f"cannot set mode {mode:o} / group {group or '-'} on {path}: {exc.strerror}"
+        ) from exc
 
 
 class Sidecar:
@@ -106,6 +140,17 @@ class Sidecar:
             incident_sink=self.incidents.add,
         )
         self.ingest.cross_rank = self.cross_rank
+        self.roster = EngineRoster(
+            self.metrics.registry,
+            self.ingest.connected,
+            linger_s=settings.engine_linger_s,
+            connected_gauge=self.metrics.ranks_connected,
+        )
+        self.ingest.on_engine_joined = self.roster.joined
+        self.ingest.on_engine_idle = self.roster.idle
+        self.ingest.check_engine = self.roster.check
+        self.build_labels = build_info.build_labels("sidecar")
+        self.metrics.probes["build_info"].labels("", "", "", "", *self.build_labels.values()).set(1)
         self.liveness: LivenessServer | None = None
         self._server: grpc.Server | None = None
         self._http = None
@@ -119,6 +164,8 @@ class Sidecar:
         unix_path = unix_socket_path(settings.listen)
         if unix_path:
             _claim_socket(unix_path)
+            if settings.socket_group:
+                _socket_gid(settings.socket_group)  # refuse an unknown group before binding
         server = grpc.server(
             futures.ThreadPoolExecutor(
                 max_workers=settings.max_streams + 8, thread_name_prefix="ingest"
@@ -135,10 +182,16 @@ class Sidecar:
                 ("grpc.so_reuseport", 0),
             ],
         )
+        # no moment in which the socket is open to everyone: bind under a tight umask, then
+        # set the asked mode and group
+        old_umask = os.umask(0o177) if unix_path else None
         try:
             bound = server.add_insecure_port(settings.listen)
         except RuntimeError as exc:
             raise SidecarStartError(f"cannot listen on {settings.listen}: {exc}") from exc
+        finally:
+            if old_umask is not None:
+                os.umask(old_umask)
         if not bound and not unix_path:
             raise SidecarStartError(
                 f"cannot listen on {settings.listen}: address in use or invalid"
@@ -157,9 +210,22 @@ class Sidecar:
         except SidecarStartError:
             server.stop(0)
             raise
-        server.start()
+        old_umask = os.umask(0o177) if unix_path else None
+        try:
+            server.start()
+        finally:
+            if old_umask is not None:
+                os.umask(old_umask)
         self._server = server
+        if unix_path:
+            try:
+                _secure_socket(unix_path, settings.socket_mode, settings.socket_group)
+            except SidecarStartError:
+                self.stop(0)
+                raise
         self.cross_rank.start()
+        if settings.publish:
+            self._publish()
         log.info(
             "sidecar_ready", listen=settings.listen, metrics=f"http://{settings.metrics_host}:{settings.metrics_port}/metrics",
             store=settings.store, otlp=settings.otlp_endpoint or "off",
@@ -172,6 +238,9 @@ class Sidecar:
         if self._server is not None:
             self._server.stop(grace_s).wait(grace_s + 1)
         self.cross_rank.stop()
+        self.roster.stop()
+        if self.settings.publish:
+            paths.remove_discovery(os.getpid())
         if self.liveness is not None:
             self.liveness.stop()
         self.provider.shutdown()  # flushes pending spans into the store
@@ -192,22 +261,42 @@ class Sidecar:
             self.liveness = LivenessServer(
                 self.cross_rank,
                 settings.health_host,
-                settings.metrics_port + 1 if port < 0 else port,
+                port,
+                routes={"/coverage": lambda _rest: (200, self.roster.coverage())},
             )
         except OSError as exc:
-            if port > 0:
-                if self._http is not None:
-                    self._http.shutdown()
-                raise SidecarStartError(
-                    f"cannot serve /live on {settings.health_host}:{port}: {exc.strerror}"
-                ) from exc
-            log.warning("liveness_port_busy", port=settings.metrics_port + 1, error=exc.strerror)
-            return
+            if self._http is not None:
+                self._http.shutdown()
+            raise SidecarStartError(
+                f"cannot serve /live on {settings.health_host}:{port}: {exc.strerror} "
+                "(--health-port: pick a free port, or 0 for none)"
+            ) from exc
         self.liveness.start()
         log.info(
             "liveness_ready",
             url=f"http://{settings.health_host}:{self.liveness.port}/live/<engine>",
         )
+
+    def _publish(self) -> None:
+        """sidecar.json: how the CLI and probes on this host find this sidecar's files."""
+        settings = self.settings
+        local = (
+            settings.health_host
+            if settings.health_host not in ("0.0.0.0", "::", "")
+            else "127.0.0.1"
+        )
+        facts = {
+            "pid": os.getpid(), "listen": settings.listen, "store": os.path.abspath(settings.store),
+            "metrics_url": f"http://127.0.0.1:{settings.metrics_port}/metrics",
+            "health_url": f"http://{local}:{self.liveness.port}" if self.liveness else "",
+            "version": self.build_labels["version"], "wire": self.build_labels["wire"],
+        }  # fmt: skip
+        try:
+            where = paths.write_discovery(facts)
+        except OSError as exc:  # the CLI then needs flags; serving goes on
+            log.warning("discovery_not_written", error=exc.strerror, dir=paths.runtime_dir())
+            return
+        log.info("discovery_written", path=where)
 
     def serve_forever(self) -> None:
         """Run until SIGINT or SIGTERM, then stop cleanly."""

@@ -55,13 +55,9 @@ ATTR_PP = "ascend_guard.pp"
 
 
 def default_store_path() -> str:
-    env = os.environ.get("ASCEND_GUARD_STORE")
-    if env:
-        return env
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(
-        os.path.expanduser("~"), ".local", "state"
-    )
-    return os.path.join(base, "ascend-guard", "store.db")
+    from telemetry import paths
+
+    return paths.default_store()
 
 
 def connect(path: str | os.PathLike, *, readonly: bool = False) -> sqlite3.Connection:

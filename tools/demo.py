@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import statistics
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from telemetry import cli  # noqa: E402
+from telemetry import cli, paths  # noqa: E402
 from telemetry.query import SpanQuery, attributes, rank_label, search  # noqa: E402
 from telemetry.store import connect  # noqa: E402
 from telemetry.table import format_duration_ns, render_table  # noqa: E402
@@ -89,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
 
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
+    # the deployment paths (/run/ascend-guard, /var/lib/ascend-guard) need root; the demo keeps
+    # socket, store, spool and dumps in its work folder, and the guarded workers inherit that
+    os.environ.setdefault(paths.RUNTIME_DIR_ENV, str(work))
+    os.environ.setdefault(paths.STATE_DIR_ENV, str(work / "state"))
     store = work / "store.db"
     for leftover in (store, Path(f"{store}-wal"), Path(f"{store}-shm")):
         leftover.unlink(missing_ok=True)

@@ -96,7 +96,7 @@ class TokenRangeConfig:
 class DumpConfig:
     """Evidence bundles written for detectors whose action is "dump"."""
 
-    # default: $TMPDIR/ascend-guard-dumps
+    # default: $ASCEND_GUARD_STATE_DIR/dumps (/var/lib/ascend-guard/dumps), not the container's $TMPDIR
     directory: str = ""
     max_bytes: int = dataclasses.field(default=64 << 20, metadata=_range(4096, 1 << 40))
     # all bundles together; beyond it new dumps are skipped (and say so)

@@ -11,9 +11,7 @@ and the free space left on the filesystem; a bundle it does not write comes back
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,7 +24,9 @@ log = structlog.get_logger("ascend_guard.evidence")
 
 
 def default_dump_dir() -> str:
-    return os.path.join(tempfile.gettempdir(), "ascend-guard-dumps")
+    from telemetry import paths
+
+    return paths.dump_dir()
 
 
 class EvidenceDumper:

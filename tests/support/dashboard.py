@@ -111,13 +111,18 @@ def render_expr(
     ``engine``; ``$dp`` becomes ``.*`` (the variable's "All"); ``$__rate_interval`` becomes ``rate_interval``; ``$__interval`` becomes
     ``interval`` (``rate_interval`` when not given); ``$__range`` becomes ``range_``;
     ``$__range_s`` / ``$__range_ms`` and ``$__interval_ms`` the matching numbers;
-    ``$datasource`` becomes ``datasource``. ``extra`` adds or overrides variables by name.
+    ``$datasource`` becomes ``datasource``; ``$node``, ``$pod``, ``$rank`` become ``.*`` (All).
+    ``extra`` adds or overrides variables by name.
     Raises ``ValueError`` when a ``$variable`` remains unsubstituted.
     """
     interval = interval or rate_interval
     values: dict[str, str] = {
         "engine": engine,
+        # the per-replica filters at "All" (their allValue)
+        "node": ".*",
         "dp": ".*",
+        "pod": ".*",
+        "rank": ".*",
         "datasource": datasource,
         "__rate_interval": rate_interval,
         "__interval": interval,

