@@ -83,7 +83,9 @@ class PrefillTracker:
             prefill_reqs += 1
             again = min(tokens, recompute)
             recompute_tokens += again
-            prefill_tokens += tokens - again
+            # past `left`: drafts, e.g. the scheduler pads a request with one token left
+            # (all but the last cached) to 1 + num_speculative_tokens; those are decode
+            prefill_tokens += min(tokens, left) - again
             if tokens >= left:
                 finished_prefill.append(req_id)
             else:

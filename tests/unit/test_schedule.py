@@ -185,6 +185,20 @@ def test_request_preempted_in_its_prefill_still_owes_its_unseen_prompt_as_prefil
     assert len(prompts) == 0
 
 
+def test_drafts_padded_onto_a_last_prefill_token_are_decode():
+    """vLLM pads a waiting request with one token left to compute (all the rest cached) to
+    1 + num_speculative_tokens; the padding is drafts (seen at TP=2: 3 tokens too many)."""
+    prompts = PrefillTracker()
+    prompts.summarize(step(new=[new_req("a", 27)], tokens={"a": 27}))
+    prompts.summarize(step(preempted={"a"}))
+    back = prompts.summarize(
+        step(cached_reqs=resumed("a", 36, 35, 9), tokens={"a": 4}, spec={"a": [-1, -1, -1]})
+    )
+    assert back == ScheduleSummary(1, 1, 0, 0, 3, 1)
+    fresh = prompts.summarize(step(new=[new_req("b", 40, computed=39)], tokens={"b": 4}))
+    assert (fresh.prefill_tokens, fresh.decode_tokens, fresh.recompute_tokens) == (1, 3, 0)
+
+
 def test_resumed_without_a_preemption_seen_keeps_an_unfinished_prefill():
     """Older step objects without preempted_req_ids: the tracker still holds the prefill."""
     prompts = PrefillTracker()
