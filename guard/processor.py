@@ -161,7 +161,7 @@ class GuardProcessor:
             if output is None:
                 self._open = opened  # sample_tokens finishes this wave
             else:
-                self._emit(opened, 0, 0, count_sampled_tokens(output), False)
+                self._emit(opened, 0, 0, count_sampled_tokens(output, runner), False)
                 if self.detectors is not None:
                     self.detectors.on_output(wave, runner, output)
                 if observer is not None:
@@ -210,7 +210,7 @@ class GuardProcessor:
 
     def _finish_sampled(self, opened: OpenWave, output: Any, start: int, end: int) -> None:
         offset = start - opened[1]
-        tokens = count_sampled_tokens(output)
+        tokens = count_sampled_tokens(output, self._runner)
         get_output = getattr(output, "get_output", None) if tokens is None else None
         detectors = self.detectors
         if get_output is None or not callable(get_output):
@@ -224,6 +224,8 @@ class GuardProcessor:
         def resolved_get_output(*a: Any, **kw: Any) -> Any:
             result = get_output(*a, **kw)
             try:
+                # no trim of drafts past a stop here: by now the runner's request states
+                # may have moved on (async scheduling), so every returned token counts
                 self._emit(opened, end - start, offset, count_sampled_tokens(result), True)
                 if detectors is not None:
                     detectors.on_output(opened[0], self._runner, result)
@@ -245,7 +247,7 @@ class GuardProcessor:
         if streamer is None:
             return
         wave, start, execute_ns, schedule = opened
-        num_reqs, prefill_reqs, decode_reqs, prefill_tokens, decode_tokens = schedule
+        num_reqs, prefill_reqs, decode_reqs, prefill_tokens, decode_tokens, recompute = schedule
         streamer.offer(
             _new_tuple(
                 WaveTuple,
@@ -263,6 +265,7 @@ class GuardProcessor:
                     tokens or 0,
                     num_reqs == 0,
                     sampled,
+                    recompute,
                 ),
             )  # fmt: skip
         )

@@ -2,6 +2,17 @@
 
 Nothing here imports vLLM: the objects are read duck-typed, so the same code serves the V1 and
 MRV2 runners and survives small version skews (a missing attribute reads as "nothing").
+
+What is counted, and how it relates to vLLM's own counters (docs: README, "Metrics"):
+- prefill tokens: prompt tokens computed for the first time. With prefix caching that is the
+  prompt less its cache hits, vLLM's `vllm:prompt_tokens_by_source{source="local_compute"}`.
+- recompute tokens: what a preempted request computes again when it resumes (its prompt and
+  output so far, less cache hits). vLLM counts these in no exported token counter; it counts
+  the preemptions (`vllm:num_preemptions`).
+- decode tokens: everything else scheduled (one token per decoding request, plus its drafts).
+- sampled tokens: tokens the runner returned that the scheduler keeps. Drafts accepted past a
+  stop (max_tokens, EOS, a stop token, the model length) are trimmed by the scheduler, so they
+  are trimmed here too (`vllm:generation_tokens_total` never sees them).
 """
 
 from __future__ import annotations
@@ -11,55 +22,74 @@ from typing import Any, NamedTuple
 
 class ScheduleSummary(NamedTuple):
     num_reqs: int
-    prefill_reqs: int
+    prefill_reqs: int  # requests computing prompt or recompute tokens this wave
     decode_reqs: int
     prefill_tokens: int
     decode_tokens: int
+    recompute_tokens: int = 0
 
 
-EMPTY_SCHEDULE = ScheduleSummary(0, 0, 0, 0, 0)
+EMPTY_SCHEDULE = ScheduleSummary(0, 0, 0, 0, 0, 0)
 
 
 class PrefillTracker:
-    """Splits each wave into prefill and decode work, at a cost that does not grow with the batch.
+    """Splits each wave into prefill, recompute and decode work, at a cost that does not grow
+    with the batch.
 
     It remembers only the requests whose prompt is not fully computed yet (new requests,
-    chunked-prefill continuations, resumed requests) and how many prompt tokens each still has
-    to compute. Every scheduled request it does not hold is decoding, so a wave costs O(new +
-    still-prefilling requests), not O(running requests).
+    chunked-prefill continuations, resumed requests): how many tokens each still has to
+    compute, and how many of those are recompute (computed before it was preempted). Every
+    scheduled request it does not hold is decoding, so a wave costs O(new + still-prefilling
+    + preempted requests), not O(running requests).
     """
 
-    __slots__ = ("_remaining",)
+    __slots__ = ("_preempted", "_remaining")
 
     def __init__(self) -> None:
-        self._remaining: dict[str, int] = {}
+        # req_id -> [tokens left to compute, of which recompute]
+        self._remaining: dict[str, list[int]] = {}
+        # preempted, not yet resumed: req_id -> prompt tokens it had never computed
+        self._preempted: dict[str, int] = {}
 
     def summarize(self, scheduler_output: Any) -> ScheduleSummary:
         if scheduler_output is None:
             return EMPTY_SCHEDULE
         scheduled: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         remaining = self._remaining
+        preempted = self._preempted
         for req_id in getattr(scheduler_output, "finished_req_ids", None) or ():
             remaining.pop(req_id, None)
+            preempted.pop(req_id, None)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+            entry = remaining.pop(req_id, None)
+            preempted[req_id] = entry[0] - entry[1] if entry else 0
         for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
-            remaining[new.req_id] = _prompt_len(new) - (getattr(new, "num_computed_tokens", 0) or 0)
+            left = _prompt_len(new) - (getattr(new, "num_computed_tokens", 0) or 0)
+            # MRV2 sends a resumed request as a new one, its tokens so far as its prompt
+            fresh = preempted.pop(new.req_id, None)
+            remaining[new.req_id] = [left, 0 if fresh is None else max(0, left - fresh)]
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
         resumed = getattr(cached, "resumed_req_ids", None)
         if resumed:
             self._resume(cached, resumed, scheduled)
 
-        prefill_reqs = prefill_tokens = 0
+        prefill_reqs = prefill_tokens = recompute_tokens = 0
         finished_prefill = []
-        for req_id, left in remaining.items():
+        for req_id, entry in remaining.items():
             tokens = scheduled.get(req_id)
             if not tokens:
                 continue
+            left, recompute = entry
             prefill_reqs += 1
-            prefill_tokens += tokens
+            again = min(tokens, recompute)
+            recompute_tokens += again
+            # past `left`: drafts, e.g. the scheduler pads a request with one token left
+            # (all but the last cached) to 1 + num_speculative_tokens; those are decode
+            prefill_tokens += min(tokens, left) - again
             if tokens >= left:
                 finished_prefill.append(req_id)
             else:
-                remaining[req_id] = left - tokens
+                entry[0], entry[1] = left - tokens, recompute - again
         for req_id in finished_prefill:
             del remaining[req_id]
 
@@ -68,35 +98,50 @@ class PrefillTracker:
         if total is None:
             total = sum(scheduled.values())
         return ScheduleSummary(
-            num_reqs, prefill_reqs, num_reqs - prefill_reqs, prefill_tokens, total - prefill_tokens
+            num_reqs,
+            prefill_reqs,
+            num_reqs - prefill_reqs,
+            prefill_tokens,
+            total - prefill_tokens - recompute_tokens,
+            recompute_tokens,
         )
 
     def _resume(self, cached: Any, resumed: Any, scheduled: dict[str, int]) -> None:
-        """A preempted request that comes back recomputes its prompt and its output so far.
+        """A preempted request that comes back computes its prompt and its output so far again.
 
-        The V1 runner's step objects carry the resumed request's tokens; where they do not
-        (MRV2), a resumed request scheduled for more than one token counts as prefill for
-        this wave only.
+        What it had computed before is recompute; prompt tokens it never reached (preempted in
+        the middle of its prefill) are still prefill. The V1 runner's step objects carry the
+        resumed request's tokens; where they do not, a resumed request scheduled for more than
+        one token counts as recompute for this wave only.
         """
         all_tokens = getattr(cached, "all_token_ids", None) or {}
         req_ids = list(getattr(cached, "req_ids", ()))
         computed = getattr(cached, "num_computed_tokens", None) or ()
         for req_id in resumed:
+            fresh = self._preempted.pop(req_id, None)
+            if fresh is None:  # no preemption seen: an unfinished prefill is still owed
+                entry = self._remaining.get(req_id)
+                fresh = entry[0] - entry[1] if entry else 0
             tokens = all_tokens.get(req_id)
             if tokens is not None and req_id in req_ids:
                 index = req_ids.index(req_id)
                 done = computed[index] if index < len(computed) else 0
-                self._remaining[req_id] = len(tokens) - done
+                left = len(tokens) - done
             elif scheduled.get(req_id, 0) > 1:
-                self._remaining[req_id] = scheduled[req_id]
+                left = scheduled[req_id]
+            else:
+                continue
+            self._remaining[req_id] = [left, max(0, left - fresh)]
 
     def __len__(self) -> int:
-        """Requests whose prefill is still under way."""
+        """Requests whose prefill (or recompute) is still under way."""
         return len(self._remaining)
 
 
 def _prompt_len(new_request: Any) -> int:
-    prompt = getattr(new_request, "prompt_token_ids", None)
+    prompt = getattr(new_request, "prefill_token_ids", None)  # MRV2: prompt + output so far
+    if prompt is None:
+        prompt = getattr(new_request, "prompt_token_ids", None)
     if prompt is not None:
         return len(prompt)
     embeds = getattr(new_request, "prompt_embeds", None)
@@ -104,9 +149,52 @@ def _prompt_len(new_request: Any) -> int:
     return int(shape[0]) if shape else 0
 
 
-def count_sampled_tokens(output: Any) -> int | None:
-    """Tokens a runner output carries, or None when it carries no host-side token lists yet."""
+def count_sampled_tokens(output: Any, runner: Any = None) -> int | None:
+    """Tokens a runner output carries that the scheduler keeps, or None when it carries no
+    host-side token lists yet.
+
+    A request gets more than one token in a wave only when drafts were accepted; those lists
+    are cut where the scheduler stops the request (`_kept`). One token per request needs no
+    look at the request: the scheduler keeps a lone token.
+    """
     ids = getattr(output, "sampled_token_ids", None)
-    if isinstance(ids, list):
-        return sum(map(len, ids))
-    return None
+    if not isinstance(ids, list):
+        return None
+    total = sum(map(len, ids))
+    if runner is None or total <= 1 or max(map(len, ids)) <= 1:
+        return total
+    requests = getattr(runner, "requests", None)
+    req_ids = getattr(output, "req_ids", None)
+    if not isinstance(requests, dict) or not isinstance(req_ids, list):
+        return total
+    max_model_len = getattr(runner, "max_model_len", 0) or 0
+    for index, tokens in enumerate(ids):
+        if len(tokens) > 1 and index < len(req_ids):
+            state = requests.get(req_ids[index])
+            if state is not None:
+                total -= len(tokens) - _kept(tokens, state, max_model_len)
+    return total
+
+
+def _kept(tokens: list[int], state: Any, max_model_len: int) -> int:
+    """How many of `tokens` (just appended to the V1 runner's request state) the scheduler
+    keeps: it appends them one by one and stops at the first EOS, stop token, max_tokens or
+    model length, as `vllm.v1.core.sched.utils.check_stop` does."""
+    params = getattr(state, "sampling_params", None)
+    outputs = getattr(state, "output_token_ids", None)
+    if params is None or not isinstance(outputs, list) or len(outputs) < len(tokens):
+        return len(tokens)
+    before = len(outputs) - len(tokens)
+    prompt = getattr(state, "num_prompt_tokens", 0) or 0
+    eos = getattr(params, "eos_token_id", None)
+    stop_ids = getattr(params, "stop_token_ids", None) or ()
+    max_tokens = getattr(params, "max_tokens", None)
+    for count, token in enumerate(tokens, 1):
+        produced = before + count
+        if token == eos or token in stop_ids:
+            return count
+        if (max_model_len and prompt + produced >= max_model_len) or (
+            max_tokens is not None and produced >= max_tokens
+        ):
+            return count
+    return len(tokens)

@@ -50,6 +50,7 @@ class WaveTuple(NamedTuple):
     sampled_tokens: int
     dummy: bool
     sampled: bool
+    recompute_tokens: int = 0
 
 
 class HeartbeatState(NamedTuple):
@@ -303,7 +304,7 @@ class Streamer:
                 wave=r[0], start_unix_nano=r[1], execute_ns=r[2], sample_ns=r[3],
                 sample_offset_ns=r[4], num_reqs=r[5], prefill_reqs=r[6], decode_reqs=r[7],
                 prefill_tokens=r[8], decode_tokens=r[9], sampled_tokens=r[10], dummy=r[11],
-                sampled=r[12],
+                sampled=r[12], recompute_tokens=r[13],
             )  # fmt: skip
         if with_heartbeat and self._probe_source is not None:
             try:

@@ -49,13 +49,20 @@ class SidecarMetrics:
         )
         self.sampled_tokens = Counter(
             "ascend_guard_sampled_tokens",
-            "Tokens a rank's runner returned from sampling.",
+            "Tokens a rank's runner sampled that the scheduler keeps (drafts accepted past a "
+            "stop are left out): vllm:generation_tokens_total on each sampling rank, except "
+            "tokens of aborted requests (client gone, stop string) sampled after vLLM's front "
+            "end stopped counting them, which are counted here and not there.",
             RANK_LABELS,
             registry=r,
         )
         self.scheduled_tokens = Counter(
             "ascend_guard_scheduled_tokens",
-            "Tokens scheduled on a rank, by prefill or decode.",
+            "Tokens scheduled on a rank. kind=prefill: prompt tokens computed for the first "
+            "time, i.e. vllm:prompt_tokens_total less prefix-cache hits "
+            '(vllm:prompt_tokens_by_source{source="local_compute"}); kind=recompute: what '
+            "preempted requests compute again on resuming (vLLM exports only their count, "
+            "vllm:num_preemptions_total); kind=decode: the rest, drafts included.",
             (*RANK_LABELS, "kind"),
             registry=r,
         )
@@ -177,7 +184,7 @@ class SidecarMetrics:
         execute = self.step_duration.labels(*labels, "execute_model")
         sample = self.step_duration.labels(*labels, "sample_tokens")
         step = self.step_duration.labels(*labels, "step")
-        sampled = prefill = decode = dummies = 0
+        sampled = prefill = decode = recompute = dummies = 0
         last = 0
         for wave in waves:
             execute.observe(wave.execute_ns / 1e9)
@@ -187,6 +194,7 @@ class SidecarMetrics:
             sampled += wave.sampled_tokens
             prefill += wave.prefill_tokens
             decode += wave.decode_tokens
+            recompute += wave.recompute_tokens
             dummies += wave.dummy
             last = max(last, wave.wave)
         self.waves.labels(*labels).inc(len(waves))
@@ -194,4 +202,5 @@ class SidecarMetrics:
         self.sampled_tokens.labels(*labels).inc(sampled)
         self.scheduled_tokens.labels(*labels, "prefill").inc(prefill)
         self.scheduled_tokens.labels(*labels, "decode").inc(decode)
+        self.scheduled_tokens.labels(*labels, "recompute").inc(recompute)
         self.last_wave.labels(*labels).set(last)

@@ -172,6 +172,7 @@ class WaveTracer:
             "ascend_guard.num_reqs": wave.num_reqs,
             "ascend_guard.prefill_tokens": wave.prefill_tokens,
             "ascend_guard.decode_tokens": wave.decode_tokens,
+            "ascend_guard.recompute_tokens": wave.recompute_tokens,
             "ascend_guard.sampled_tokens": wave.sampled_tokens,
             "ascend_guard.dummy": wave.dummy,
         }

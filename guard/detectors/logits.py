@@ -57,18 +57,23 @@ STATS_ROWS = 8
 
 
 def health_stats(logits: torch.Tensor, rows: int = STATS_ROWS) -> torch.Tensor:
-    """[max |logit|, mean entropy in nats] over the finite rows among the first `rows`.
+    """[max |logit|, mean entropy in nats] over the healthy rows among the first `rows`.
 
     A sample of rows keeps the cost flat in the batch size; the statistics are for drift.
+    -Inf is a masked token, not a fault: structured outputs (grammar bitmask), min_tokens,
+    logit bias and allowed-token lists set it, so the stats skip masked entries rather than
+    whole rows. A row with NaN or +Inf, or with nothing left unmasked, is left out (the
+    finite-logits gate reports those). With no healthy row the result is NaN: no reading.
     """
     values = logits[:rows].float()
-    finite = torch.isfinite(values).all(dim=-1)
-    values = values[finite]
+    masked = values == float("-inf")
+    healthy = ~(torch.isnan(values) | (values == float("inf"))).any(dim=-1) & ~masked.all(dim=-1)
+    values, masked = values[healthy], masked[healthy]
     if values.numel() == 0:
         return torch.tensor([float("nan"), float("nan")], device=logits.device)
-    max_abs = values.abs().amax()
+    max_abs = values.masked_fill(masked, 0.0).abs().amax()
     logp = torch.log_softmax(values, dim=-1)
-    entropy = -(logp.exp() * logp).sum(dim=-1).mean()
+    entropy = -(logp.exp() * logp).masked_fill(masked, 0.0).sum(dim=-1).mean()
     return torch.stack([max_abs, entropy])
 
 

@@ -12,6 +12,7 @@ logits checks run on every rank, since a NaN may appear on one rank only.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from guard.detectors import logits as logit_checks
@@ -181,8 +182,10 @@ class DetectorSuite:
             self._resolve(check)
 
     def _resolve(self, check: logit_checks.PendingCheck) -> None:
-        if check.stats is not None:
-            max_abs, entropy = (float(v) for v in check.stats.tolist())
+        stats = check.stats.tolist() if check.stats is not None else ()
+        # NaN: no healthy row was sampled, so there is no reading (and the sidecar refuses NaN)
+        if stats and all(math.isfinite(v) for v in stats):
+            max_abs, entropy = (float(v) for v in stats)
             self._probe("logits_max_abs", max_abs, {})
             self._probe("logits_entropy_nats", entropy, {})
             limit = self.config.logits_stats.max_abs_limit

@@ -34,7 +34,7 @@ class RankInfo(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., engine: _Optional[str] = ..., dp_rank: _Optional[int] = ..., tp_rank: _Optional[int] = ..., pp_rank: _Optional[int] = ..., dp_size: _Optional[int] = ..., tp_size: _Optional[int] = ..., pp_size: _Optional[int] = ..., node: _Optional[str] = ..., pid: _Optional[int] = ..., runner: _Optional[str] = ..., dp_lockstep: bool = ...) -> None: ...
 
 class WaveRecord(_message.Message):
-    __slots__ = ("wave", "start_unix_nano", "execute_ns", "sample_ns", "sample_offset_ns", "num_reqs", "prefill_reqs", "decode_reqs", "prefill_tokens", "decode_tokens", "sampled_tokens", "dummy", "sampled")
+    __slots__ = ("wave", "start_unix_nano", "execute_ns", "sample_ns", "sample_offset_ns", "num_reqs", "prefill_reqs", "decode_reqs", "prefill_tokens", "decode_tokens", "sampled_tokens", "dummy", "sampled", "recompute_tokens")
     WAVE_FIELD_NUMBER: _ClassVar[int]
     START_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
     EXECUTE_NS_FIELD_NUMBER: _ClassVar[int]
@@ -48,6 +48,7 @@ class WaveRecord(_message.Message):
     SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DUMMY_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     wave: int
     start_unix_nano: int
     execute_ns: int
@@ -61,7 +62,8 @@ class WaveRecord(_message.Message):
     sampled_tokens: int
     dummy: bool
     sampled: bool
-    def __init__(self, wave: _Optional[int] = ..., start_unix_nano: _Optional[int] = ..., execute_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., sample_offset_ns: _Optional[int] = ..., num_reqs: _Optional[int] = ..., prefill_reqs: _Optional[int] = ..., decode_reqs: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., dummy: bool = ..., sampled: bool = ...) -> None: ...
+    recompute_tokens: int
+    def __init__(self, wave: _Optional[int] = ..., start_unix_nano: _Optional[int] = ..., execute_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., sample_offset_ns: _Optional[int] = ..., num_reqs: _Optional[int] = ..., prefill_reqs: _Optional[int] = ..., decode_reqs: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., dummy: bool = ..., sampled: bool = ..., recompute_tokens: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("time_unix_nano", "last_wave", "phase", "phase_age_ns", "collective_op", "collective_group", "collective_seq", "collective_age_ns", "collective_backend", "collective_graph", "collective_graph_holds")

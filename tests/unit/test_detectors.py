@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import types
 from pathlib import Path
 
@@ -193,3 +194,31 @@ def test_detectors_config_round_trips_and_rejects_bad_bands():
     assert config.detectors.spec_acceptance.min_rate == 0.2
     with pytest.raises(ValueError, match=r"spec_acceptance\.min_rate: 0\.9 is above max_rate 0\.2"):
         parse_config({"detectors": {"spec_acceptance": {"min_rate": 0.9, "max_rate": 0.2}}})
+
+
+def test_health_stats_skip_masked_tokens_not_whole_rows():
+    """A grammar bitmask or min_tokens sets -Inf on masked tokens: the stats read the rest.
+
+    Before this, every row of a structured-output batch was left out, the stats came back NaN
+    and the sidecar refused the whole batch (with its wave records) over the NaN probe.
+    """
+    logits = torch.randn(3, 20) * 4
+    logits[0, 5:] = float("-inf")  # grammar: 5 tokens allowed
+    logits[1, 0] = float("-inf")  # min_tokens: EOS masked
+    logits[2, :] = float("-inf")  # nothing allowed: left out
+    max_abs, entropy = checks.health_stats(logits).tolist()
+    rows = [logits[0, :5], logits[1, 1:]]
+    assert max_abs == pytest.approx(max(float(r.abs().max()) for r in rows))
+    expected = [float(-(torch.softmax(r, -1) * torch.log_softmax(r, -1)).sum()) for r in rows]
+    assert entropy == pytest.approx(sum(expected) / 2, rel=1e-5)
+    all_masked = torch.full((2, 20), float("-inf"))
+    assert all(math.isnan(v) for v in checks.health_stats(all_masked).tolist())
+
+
+def test_no_probe_is_sent_when_no_row_was_healthy(tmp_path):
+    suite, sent, probes = make_suite(tmp_path)
+    runner = Runner(["a"])
+    suite.on_logits(16, runner, torch.full((1, 50), float("nan")), None)
+    suite.on_output(16, runner, types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[7]]))
+    assert [i.type for i in sent] == ["logits_finite"]  # the gate still reports the NaN
+    assert probes == []

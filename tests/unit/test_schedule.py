@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 
 from guard.schedule import EMPTY_SCHEDULE, PrefillTracker, ScheduleSummary, count_sampled_tokens
@@ -36,13 +38,14 @@ def step(
     tokens: dict[str, int] | None = None,
     spec: dict[str, list[int]] | None = None,
     finished: set[str] | None = None,
+    preempted: set[str] | None = None,
 ) -> SchedulerOutput:
     tokens = tokens or {}
     return SchedulerOutput(
         scheduled_new_reqs=list(new), scheduled_cached_reqs=cached_reqs or CachedRequestData.make_empty(),
         num_scheduled_tokens=tokens, total_num_scheduled_tokens=sum(tokens.values()),
         scheduled_spec_decode_tokens=spec or {}, scheduled_encoder_inputs={},
-        finished_req_ids=finished or set(), free_encoder_mm_hashes=[],
+        finished_req_ids=finished or set(), free_encoder_mm_hashes=[], preempted_req_ids=preempted,
     )  # fmt: skip
 
 
@@ -146,19 +149,72 @@ def test_request_finished_during_prefill_is_forgotten():
     assert len(prompts) == 0
 
 
-def test_resumed_request_recomputes_prompt_and_output_as_prefill():
+def resumed(req_id: str, all_tokens: int, computed: int, outputs: int) -> CachedRequestData:
+    return CachedRequestData(
+        req_ids=[req_id], resumed_req_ids={req_id}, new_token_ids=[[]],
+        all_token_ids={req_id: list(range(all_tokens))}, new_block_ids=[None],
+        num_computed_tokens=[computed], num_output_tokens=[outputs],
+    )  # fmt: skip
+
+
+def test_resumed_request_recomputes_prompt_and_output_as_recompute_not_prefill():
+    """A request preempted while decoding computes prompt + output again: recompute, not prompt."""
+    prompts = PrefillTracker()
+    first = prompts.summarize(step(new=[new_req("a", 6)], tokens={"a": 6}))
+    assert (first.prefill_tokens, first.recompute_tokens) == (6, 0)
+    prompts.summarize(step(preempted={"a"}))  # preempted after 4 outputs
+    again = prompts.summarize(step(cached_reqs=resumed("a", 10, 0, 4), tokens={"a": 8}))
+    assert again == ScheduleSummary(1, 1, 0, 0, 0, 8)
+    rest = prompts.summarize(step(cached_reqs=cached(("a", 8, 4)), tokens={"a": 2}))
+    assert (rest.prefill_reqs, rest.prefill_tokens, rest.recompute_tokens) == (1, 0, 2)
+    decode = prompts.summarize(step(cached_reqs=cached(("a", 10, 5)), tokens={"a": 1}))
+    assert decode == ScheduleSummary(1, 0, 1, 0, 1, 0)
+    assert len(prompts) == 0
+
+
+def test_request_preempted_in_its_prefill_still_owes_its_unseen_prompt_as_prefill():
+    """Prompt of 100: 40 computed, preempted, resumed with 16 cache hits. vLLM counts the prompt
+    once (100 computed locally); the guard too: 40 + 60 prefill, 24 recompute (40 - 16)."""
+    prompts = PrefillTracker()
+    prompts.summarize(step(new=[new_req("a", 100)], tokens={"a": 40}))
+    prompts.summarize(step(preempted={"a"}))
+    back = prompts.summarize(step(cached_reqs=resumed("a", 100, 16, 0), tokens={"a": 30}))
+    assert (back.prefill_tokens, back.recompute_tokens, back.decode_tokens) == (6, 24, 0)
+    done = prompts.summarize(step(cached_reqs=cached(("a", 46, 0)), tokens={"a": 54}))
+    assert (done.prefill_tokens, done.recompute_tokens) == (54, 0)
+    assert len(prompts) == 0
+
+
+def test_drafts_padded_onto_a_last_prefill_token_are_decode():
+    """vLLM pads a waiting request with one token left to compute (all the rest cached) to
+    1 + num_speculative_tokens; the padding is drafts (seen at TP=2: 3 tokens too many)."""
+    prompts = PrefillTracker()
+    prompts.summarize(step(new=[new_req("a", 27)], tokens={"a": 27}))
+    prompts.summarize(step(preempted={"a"}))
+    back = prompts.summarize(
+        step(cached_reqs=resumed("a", 36, 35, 9), tokens={"a": 4}, spec={"a": [-1, -1, -1]})
+    )
+    assert back == ScheduleSummary(1, 1, 0, 0, 3, 1)
+    fresh = prompts.summarize(step(new=[new_req("b", 40, computed=39)], tokens={"b": 4}))
+    assert (fresh.prefill_tokens, fresh.decode_tokens, fresh.recompute_tokens) == (1, 3, 0)
+
+
+def test_resumed_without_a_preemption_seen_keeps_an_unfinished_prefill():
+    """Older step objects without preempted_req_ids: the tracker still holds the prefill."""
+    prompts = PrefillTracker()
+    prompts.summarize(step(new=[new_req("a", 20)], tokens={"a": 8}))
+    back = prompts.summarize(step(cached_reqs=resumed("a", 20, 0, 0), tokens={"a": 20}))
+    assert (back.prefill_tokens, back.recompute_tokens) == (12, 8)
+
+
+def test_mrv2_resumed_request_arrives_as_new_with_all_its_tokens():
     prompts = PrefillTracker()
     prompts.summarize(step(new=[new_req("a", 6)], tokens={"a": 6}))
-    resumed = CachedRequestData(
-        req_ids=["a"], resumed_req_ids={"a"}, new_token_ids=[[]], all_token_ids={"a": list(range(10))},
-        new_block_ids=[None], num_computed_tokens=[0], num_output_tokens=[4],
-    )  # fmt: skip
-    first = prompts.summarize(step(cached_reqs=resumed, tokens={"a": 8}))
-    assert (first.prefill_reqs, first.prefill_tokens, first.decode_tokens) == (1, 8, 0)
-    rest = prompts.summarize(step(cached_reqs=cached(("a", 8, 4)), tokens={"a": 2}))
-    assert (rest.prefill_reqs, rest.prefill_tokens) == (1, 2)
-    decode = prompts.summarize(step(cached_reqs=cached(("a", 10, 5)), tokens={"a": 1}))
-    assert (decode.prefill_reqs, decode.decode_reqs, decode.decode_tokens) == (0, 1, 1)
+    prompts.summarize(step(preempted={"a"}))
+    again = new_req("a", 6)
+    again.prefill_token_ids = list(range(9))  # prompt + 3 outputs
+    summary = prompts.summarize(step(new=[again], tokens={"a": 9}))
+    assert (summary.prefill_tokens, summary.recompute_tokens) == (0, 9)
 
 
 def test_cost_does_not_depend_on_running_decode_requests():
@@ -176,5 +232,57 @@ def test_cost_does_not_depend_on_running_decode_requests():
     summary = prompts.summarize(
         step(cached_reqs=cached(*[(f"r{i}", 10, 1) for i in range(512)]), tokens=tokens)
     )
-    assert summary == ScheduleSummary(512, 0, 512, 0, 512)
+    assert summary == ScheduleSummary(512, 0, 512, 0, 512, 0)
     assert CountingDict.lookups == 0
+
+
+def test_drafts_accepted_past_a_stop_are_not_counted():
+    """The scheduler appends accepted drafts one by one and trims at the first stop (issue 15:
+    753 counted against vLLM's 733 with n-gram drafts). Real V1 request states and params."""
+    SamplingParams = pytest.importorskip("vllm.sampling_params").SamplingParams
+    CachedRequestState = pytest.importorskip("vllm.v1.worker.gpu_input_batch").CachedRequestState
+
+    def state(req_id, params, outputs):
+        return CachedRequestState(
+            req_id=req_id, prompt_token_ids=[5] * 10, mm_features=[], sampling_params=params,
+            generator=None, block_ids=([0],), num_computed_tokens=0, output_token_ids=outputs,
+        )  # fmt: skip
+
+    with_eos = SamplingParams(max_tokens=100, stop_token_ids=[42])
+    with_eos.update_from_generation_config({}, eos_token_id=1)
+    ignore_eos = SamplingParams(max_tokens=100, ignore_eos=True)
+    ignore_eos.update_from_generation_config({}, eos_token_id=1)
+    runner = types.SimpleNamespace(
+        max_model_len=30,
+        requests={
+            # max_tokens 6: 4 before, 4 returned -> 2 kept
+            "len": state("len", SamplingParams(max_tokens=6), [7] * 8),
+            "eos": state("eos", with_eos, [7, 7, 1, 7]),  # EOS second of 3 -> 2 kept
+            "stop": state("stop", with_eos, [42, 7]),  # a stop token first -> 1 kept
+            "ignored": state("ignored", ignore_eos, [1, 1, 1]),  # EOS ignored -> all 3
+            "model_len": state(
+                "model_len", SamplingParams(max_tokens=100), [7] * 22
+            ),  # 19 before + 1 reaches 30
+            "plain": state("plain", with_eos, [7, 8]),
+        },
+    )
+    output = ModelRunnerOutput(
+        req_ids=["len", "eos", "stop", "ignored", "model_len", "plain", "prefilling"],
+        req_id_to_index={},
+        sampled_token_ids=[[7] * 4, [7, 1, 7], [42, 7], [1, 1, 1], [7, 7, 7], [7, 8], []],
+    )
+    assert count_sampled_tokens(output) == 4 + 3 + 2 + 3 + 3 + 2
+    # len: 2, eos: 2, stop: 1, ignored: 3, model_len: 1, plain: 2
+    assert count_sampled_tokens(output, runner) == 2 + 2 + 1 + 3 + 1 + 2
+
+
+def test_one_token_per_request_never_looks_at_request_states():
+    class Refusing:
+        max_model_len = 8
+
+        @property
+        def requests(self):
+            raise AssertionError("single-token waves must not read request states")
+
+    output = ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={}, sampled_token_ids=[[1], [2]])
+    assert count_sampled_tokens(output, Refusing()) == 2
