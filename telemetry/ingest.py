@@ -20,6 +20,7 @@ from telemetry.incidents import IncidentLedger
 from telemetry.labels import EngineLabels
 from telemetry.metrics import SidecarMetrics
 from telemetry.proto import guard_pb2
+from telemetry.ratelimit import RateLimitedLog
 from telemetry.traces import WaveTracer
 from telemetry.validation import InvalidBatch, validate_batch
 
@@ -75,6 +76,9 @@ class IngestService:
         self.incidents = incidents
         self.cross_rank = cross_rank  # collectives, skew, hang verdicts (telemetry/crossrank.py)
         self._lock = threading.Lock()
+        self._refusal_log = RateLimitedLog(log.warning)
+        # a client that opens streams in a loop must not flood the log either
+        self._stream_log = RateLimitedLog(log.info, burst=100)
         self.streams: dict[int, RankView] = {}
         self._next_stream = 0
 
@@ -132,8 +136,10 @@ class IngestService:
     def _refuse(
         self, context: grpc.ServicerContext, code: grpc.StatusCode, reason: str, message: str
     ) -> None:
-        self.metrics.rejected.labels(reason).inc()
-        log.warning("ingest_refused", reason=reason, detail=message, peer=context.peer())
+        self.metrics.rejected.labels(reason).inc()  # every refusal counted; a few logged
+        self._refusal_log(
+            "ingest_refused", reason, reason=reason, detail=message[:500], peer=context.peer()
+        )
         context.abort(code, message)
 
     def _register(self, stream_id: int, rank: guard_pb2.RankInfo) -> RankView:
@@ -143,8 +149,8 @@ class IngestService:
         with self._lock:
             self.streams[stream_id] = view
         self.metrics.ranks_connected.labels(engine, str(rank.dp_rank)).inc()
-        log.info(
-            "rank_connected", engine=engine, run_id=rank.run_id, dp=rank.dp_rank, tp=rank.tp_rank, pp=rank.pp_rank,
+        self._stream_log(
+            "rank_connected", "connected", engine=engine, run_id=rank.run_id, dp=rank.dp_rank, tp=rank.tp_rank, pp=rank.pp_rank,
             node=rank.node, pid=rank.pid, runner=rank.runner,
         )  # fmt: skip
         return view
@@ -156,8 +162,8 @@ class IngestService:
         if self.cross_rank is not None:
             self.cross_rank.rank_gone(view.engine, view.rank)
         rank = view.rank
-        log.info(
-            "rank_disconnected", engine=view.engine, dp=rank.dp_rank, tp=rank.tp_rank, pp=rank.pp_rank,
+        self._stream_log(
+            "rank_disconnected", "disconnected", engine=view.engine, dp=rank.dp_rank, tp=rank.tp_rank, pp=rank.pp_rank,
             waves=view.waves, last_wave=view.last_wave,
         )  # fmt: skip
 

@@ -16,21 +16,29 @@ import dataclasses
 import json
 import threading
 import urllib.parse
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import structlog
 
 from telemetry.crossrank import CrossRankView
+from telemetry.transport import ServerSecurity, http_refusal, secure_http_server, send_unauthorized
 
 log = structlog.get_logger("ascend_guard.liveness")
 
 
-def _handler(view: CrossRankView) -> type[BaseHTTPRequestHandler]:
+def _handler(
+    view: CrossRankView, token: str | None, on_refused: Callable[[], None]
+) -> type[BaseHTTPRequestHandler]:
     detector = view.hangs
 
     class LivenessHandler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if http_refusal(self.headers, token):
+                on_refused()
+                send_unauthorized(self)
+                return
             path = urllib.parse.urlparse(self.path).path.rstrip("/")
             if path == "/live":
                 self._send(200, {"engines": detector.engines()})
@@ -79,9 +87,20 @@ def _handler(view: CrossRankView) -> type[BaseHTTPRequestHandler]:
 
 
 class LivenessServer:
-    def __init__(self, view: CrossRankView, host: str, port: int) -> None:
-        self._server = ThreadingHTTPServer((host, port), _handler(view))
+    def __init__(
+        self,
+        view: CrossRankView,
+        host: str,
+        port: int,
+        *,
+        security: ServerSecurity | None = None,
+        token: str | None = None,
+        on_refused: Callable[[], None] = lambda: None,
+    ) -> None:
+        self._server = ThreadingHTTPServer((host, port), _handler(view, token, on_refused))
         self._server.daemon_threads = True
+        if security is not None:
+            secure_http_server(self._server, security)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="liveness-http", daemon=True
