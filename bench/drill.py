@@ -7,6 +7,9 @@ every 20 ms until it answers 503, SIGCONT, wait for the completion and for `/liv
 200 again. Reports median and max of stop -> 503 as seen by the probe, and of the sidecar's own
 `detect_s` (verdict time minus estimated onset), plus whether the verdict named the right pid.
 
+Ends with one line against the goal (issue 17): stop -> 503 median <= 2 s, max <= 3 s, every
+verdict naming the stopped pid alone.
+
     python bench/drill.py [--drills 6] [--heartbeat 1.0] [--hang-after 2s]
 """
 
@@ -126,7 +129,21 @@ def main(argv: list[str] | None = None) -> int:
     if detect:
         print(f"sidecar detect_s (verdict - onset estimate): median "
               f"{statistics.median(detect):.2f}s, max {max(detect):.2f}s")  # fmt: skip
-    return 0 if len(probe) == len(results) and all(r["named_right"] for r in results) else 1
+    named = sum(r["named_right"] for r in results)
+    ok = (
+        len(probe) == len(results)
+        and named == len(results)
+        and statistics.median(probe) <= 2.0
+        and max(probe) <= 3.0
+    )
+    print(
+        f"drill: SIGSTOP -> /live 503 median "
+        f"{statistics.median(probe) if probe else float('nan'):.2f} s, max "
+        f"{max(probe) if probe else float('nan'):.2f} s over {len(probe)}/{len(results)} drills, "
+        f"{named} named the stopped pid alone (goal: median <= 2 s, max <= 3 s): "
+        f"{'met' if ok else 'NOT met'}"
+    )
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

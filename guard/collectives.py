@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import structlog
 
 if TYPE_CHECKING:  # the messages are built by the caller: counting needs no protobuf
+    from guard.liveness_record import LivenessRecord
     from telemetry.proto import guard_pb2
 
 log = structlog.get_logger("ascend_guard.collectives")
@@ -182,6 +183,7 @@ class CollectiveTracker:
         self.errors = 0
         self.injected_delay_ns = 0  # the fault injector adds here; read at wave roll-over
         self.before_call: Callable[[str, str], None] | None = None  # fault injector hook
+        self.record: LivenessRecord | None = None  # shared-memory liveness (issue 17)
         self._depth = 0
         self.capturing: CapturedGraph | None = None  # a device graph being captured
         self.in_replay: InReplay | None = None
@@ -279,6 +281,9 @@ class CollectiveTracker:
             return fn(group, *args, **kwargs)
         start = time.perf_counter_ns()
         self.current = (op, meta.label, meta.backend, seq, start)
+        record = self.record
+        if record is not None:
+            record.enter(op, meta.label, seq, start)
         self._depth = 1
         try:
             result = fn(group, *args, **kwargs)
@@ -286,6 +291,8 @@ class CollectiveTracker:
             end = time.perf_counter_ns()
             self._depth = 0
             self.current = None
+            if record is not None:
+                record.leave()
         if self.wave:  # outside any wave (model load, warm-up): sequence numbers only
             try:
                 self._record(op, meta, seq, start, end - start, payload(args, kwargs, result))

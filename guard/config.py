@@ -55,6 +55,33 @@ class IncidentsConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TransportConfig:
+    """How the worker reaches a sidecar that asks for TLS and/or a token (telemetry/transport.py).
+    Empty: a plain channel."""
+
+    # file holding the bearer token the sidecar's --token-file holds
+    token_file: str = ""
+    # PEM CA bundle to verify the sidecar's certificate: TLS on
+    tls_ca_file: str = ""
+    # this worker's certificate and key, for a sidecar that requires client certificates (mTLS)
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    # the name the sidecar's certificate is checked for, when not the host of `sidecar`
+    tls_server_name: str = ""
+
+    def client_security(self):  # -> telemetry.transport.ClientSecurity | None
+        from telemetry.transport import ClientSecurity
+
+        return ClientSecurity.from_files(
+            ca_file=self.tls_ca_file,
+            cert_file=self.tls_cert_file,
+            key_file=self.tls_key_file,
+            server_name=self.tls_server_name,
+            token_file=self.token_file,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class GuardConfig:
     """Validated guard settings. Field docs double as the reference in README."""
 
@@ -74,11 +101,17 @@ class GuardConfig:
     flush_interval_ms: int = dataclasses.field(default=50, metadata=_range(1, 10_000))
     # heartbeat period, sent even when no wave runs (hang verdicts need it)
     heartbeat_interval_s: float = dataclasses.field(default=1.0, metadata=_range(0.05, 60.0))
+    # the engine thread's phase and collective in a shared-memory file the sidecar on this node
+    # reads, so a wait that holds the GIL is not taken for a frozen rank (guard/liveness_record)
+    liveness_record: bool = True
+    # where those files live (the sidecar's --liveness-dir); default /dev/shm/ascend-guard
+    liveness_dir: str = ""
     # cap of the reconnect backoff while the sidecar is away
     reconnect_max_backoff_s: float = dataclasses.field(default=2.0, metadata=_range(0.05, 600.0))
     # at most this many guard-internal errors are logged per minute and rank (all are counted)
     error_log_per_minute: int = dataclasses.field(default=5, metadata=_range(0, 10_000))
     incidents: IncidentsConfig = dataclasses.field(default_factory=IncidentsConfig)
+    transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
     detectors: DetectorsConfig = dataclasses.field(default_factory=DetectorsConfig)
     collectives: CollectivesConfig = dataclasses.field(default_factory=CollectivesConfig)
     fault_injection: FaultInjectionConfig = dataclasses.field(default_factory=FaultInjectionConfig)
@@ -102,6 +135,10 @@ def parse_config(raw: Mapping[str, Any]) -> GuardConfig:
             raise GuardConfigError(
                 f"runtime_guard.{key}: {value!r} must be 1-64 characters of letters, digits, _ . : -"
             )
+    try:
+        config.transport.client_security()
+    except ValueError as exc:  # TransportConfigError: a file missing, empty or mismatched
+        raise GuardConfigError(f"runtime_guard.transport: {exc}") from exc
     if config.batch_max > config.buffer_size:
         raise GuardConfigError(
             f"runtime_guard.batch_max: {config.batch_max!r} exceeds buffer_size {config.buffer_size!r}"

@@ -21,6 +21,7 @@ import structlog
 from guard import identity
 from guard.config import RUN_ID_ENV, GuardConfig, config_from_json
 from guard.incidents import IncidentReporter
+from guard.liveness_record import LivenessRecord
 from guard.reload import STAMP_ATTR
 from guard.schedule import EMPTY_SCHEDULE, PrefillTracker, ScheduleSummary, count_sampled_tokens
 from guard.spool import IncidentSpool
@@ -121,6 +122,8 @@ class GuardProcessor:
         )
         # issue 4: collectives, watchdog, fire drill (guard/collective_guard.py); None = off
         self.observer: WaveObserver | None = None
+        # issue 17: phase and collective in shared memory, for the sidecar (None = off)
+        self.live_record: LivenessRecord | None = None
 
     # -- decorator entry points ---------------------------------------------------------------
     def run_step(self, fn: Callable[..., Any], runner: Any, args: tuple, kwargs: dict) -> Any:
@@ -137,6 +140,9 @@ class GuardProcessor:
             observer.begin_wave(wave)
         start = time.perf_counter_ns()
         self._phase = (_EXECUTE, start)
+        record = self.live_record
+        if record is not None:
+            record.phase(_EXECUTE, start, wave)
         self._depth = 1
         try:
             output = fn(runner, *args, **kwargs)
@@ -144,6 +150,8 @@ class GuardProcessor:
             self._depth = 0
             end = time.perf_counter_ns()
             self._phase = (_IDLE, end)
+            if record is not None:
+                record.phase(_IDLE, end, wave)
         try:
             if kwargs and kwargs.get("dummy_run"):
                 schedule = EMPTY_SCHEDULE
@@ -176,6 +184,9 @@ class GuardProcessor:
             return fn(runner, *args, **kwargs)
         start = time.perf_counter_ns()
         self._phase = (_SAMPLE, start)
+        record = self.live_record
+        if record is not None:
+            record.phase(_SAMPLE, start, self.wave)
         self._depth = 1
         try:
             output = fn(runner, *args, **kwargs)
@@ -183,6 +194,8 @@ class GuardProcessor:
             self._depth = 0
             end = time.perf_counter_ns()
             self._phase = (_IDLE, end)
+            if record is not None:
+                record.phase(_IDLE, end, self.wave)
         observer = self.observer
         if observer is not None:
             observer.end_wave(self.wave)
@@ -367,6 +380,11 @@ class GuardProcessor:
     def _start_streamer(self, runner: Any) -> None:
         config = self.config
         rank = self._describe_rank(runner)
+        try:
+            security = config.transport.client_security()
+        except ValueError as exc:  # checked at start-up; a file may have gone since
+            log.error("sidecar_transport_unusable", error=str(exc))
+            security = None
         streamer = self._streamer_factory(
             config.sidecar,
             rank,
@@ -383,8 +401,10 @@ class GuardProcessor:
             spool=IncidentSpool(
                 config.incidents.spool_dir, rank.run_id, rank.pid, config.incidents.spool_max_bytes
             ),
+            **({"security": security} if security is not None else {}),
         )
         self._rank = rank
+        self._start_live_record(rank)
         self._build_detectors(rank)
         if hasattr(streamer, "offer_probe"):
             streamer.offer_probe("config_generation", float(self.config_generation), {})
@@ -407,7 +427,20 @@ class GuardProcessor:
             runner=rank.runner,
         )
 
+    def _start_live_record(self, rank: guard_pb2.RankInfo) -> None:
+        if not self.config.liveness_record:
+            return
+        record = LivenessRecord.create(
+            self.config.liveness_dir, rank.run_id, rank.dp_rank, rank.pp_rank, rank.tp_rank
+        )
+        tracker = getattr(self.observer, "tracker", None)
+        if tracker is not None:
+            tracker.record = record
+        self.live_record = record
+
     def close(self) -> None:
+        if self.live_record is not None:
+            self.live_record.close()
         if self.detectors is not None:
             try:
                 self.detectors.close()

@@ -25,6 +25,7 @@ import structlog
 
 from guard.spool import IncidentSpool
 from telemetry.proto import guard_pb2, guard_pb2_grpc
+from telemetry.transport import ClientSecurity
 
 log = structlog.get_logger("ascend_guard.streamer")
 
@@ -78,6 +79,7 @@ class Streamer:
         spool: IncidentSpool | None = None,
         probe_source: Callable[[], list[tuple[str, float, dict[str, str]]]] | None = None,
         batch_filler: Callable[[guard_pb2.Batch, bool], None] | None = None,
+        security: ClientSecurity | None = None,
     ) -> None:
         self._address = address
         self._rank = rank
@@ -101,6 +103,7 @@ class Streamer:
         self.incidents_sent = 0
         self.incidents_spooled = 0
         self._batch_filler = batch_filler  # adds collective fields (issue 4), never raises
+        self._security = security  # TLS and/or bearer token (telemetry/transport.py)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._seq = 0
@@ -181,7 +184,12 @@ class Streamer:
     def _run(self) -> None:
         backoff = 0.05
         while not self._stop.is_set():
-            channel = grpc.insecure_channel(self._address)
+            security = self._security
+            channel = (
+                grpc.insecure_channel(self._address)
+                if security is None
+                else security.channel(self._address)
+            )
             try:
                 grpc.channel_ready_future(channel).result(timeout=max(backoff, 0.5))
             except grpc.FutureTimeoutError:
@@ -198,7 +206,10 @@ class Streamer:
             self._unconfirmed.clear()
             in_flight = _InFlight()
             try:
-                stub.Stream(self._batches(in_flight))
+                stub.Stream(
+                    self._batches(in_flight),
+                    metadata=security.metadata() if security is not None else None,
+                )
                 backoff = 0.05
             except grpc.RpcError as exc:
                 # The last batch handed to gRPC when the stream broke may or may not have

@@ -121,6 +121,35 @@ def _parser() -> argparse.ArgumentParser:
         help="peers inside one collective this long while a rank is not: verdict",
     )  # fmt: skip
     side.add_argument(
+        "--hang-frozen-after",
+        default="1s",
+        help="a rank on this node whose process is stopped (state T) and silent this long is "
+        "declared frozen (default 1s)",
+    )
+    side.add_argument(
+        "--liveness-dir",
+        default="",
+        help="where the workers on this node keep their liveness records (default "
+        "/dev/shm/ascend-guard; the guard's liveness_dir)",
+    )
+    side.add_argument("--tls-cert", default="", help="PEM certificate: TLS on gRPC and HTTP")
+    side.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
+    side.add_argument(
+        "--tls-client-ca",
+        default="",
+        help="PEM CA bundle: clients must present a certificate it signed (mTLS)",
+    )
+    side.add_argument(
+        "--token-file",
+        default="",
+        help="file holding a bearer token every gRPC call and HTTP request must carry",
+    )
+    side.add_argument(
+        "--metrics-open",
+        action="store_true",
+        help="serve /metrics without the token (for a Prometheus that cannot send one)",
+    )
+    side.add_argument(
         "--straggler-threshold", default="50ms",
         help="wave skew from which the slowest rank is counted as a straggler",
     )  # fmt: skip
@@ -177,15 +206,21 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_sidecar(args: argparse.Namespace) -> int:
     from telemetry.sidecar import Sidecar, SidecarSettings, SidecarStartError
+    from telemetry.transport import ServerSecurity
 
     logs.configure(json_output=args.log_json)
     try:
         retention_s = parse_duration_ns(args.retention, "--retention") / 1e9
         hang_stale_s = parse_duration_ns(args.hang_after, "--hang-after") / 1e9
         hang_wait_s = parse_duration_ns(args.hang_wait, "--hang-wait") / 1e9
+        frozen_s = parse_duration_ns(args.hang_frozen_after, "--hang-frozen-after") / 1e9
         straggler_s = parse_duration_ns(args.straggler_threshold, "--straggler-threshold") / 1e9
         linger_s = parse_duration_ns(args.engine_linger, "--engine-linger") / 1e9
-        for flag, seconds in (("--hang-after", hang_stale_s), ("--hang-wait", hang_wait_s)):
+        for flag, seconds in (
+            ("--hang-after", hang_stale_s),
+            ("--hang-wait", hang_wait_s),
+            ("--hang-frozen-after", frozen_s),
+        ):
             if seconds <= 0:
                 raise QueryError(f"{flag}: must be above 0, got {seconds:g}s")
     except QueryError as exc:
@@ -199,6 +234,11 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
         straggler_threshold_s=straggler_s, socket_group=args.socket_group, engine_linger_s=linger_s,
         socket_mode=args.socket_mode if args.socket_mode is not None else (
             paths.GROUP_SOCKET_MODE if args.socket_group else paths.DEFAULT_SOCKET_MODE),
+        hang_frozen_s=frozen_s, liveness_dir=args.liveness_dir,
+        security=ServerSecurity(
+            tls_cert=args.tls_cert, tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+            token_file=args.token_file, metrics_open=args.metrics_open,
+        ),
     )  # fmt: skip
     try:
         Sidecar(settings).serve_forever()

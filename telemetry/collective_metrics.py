@@ -6,11 +6,9 @@ the wire, so they are bounded: unknown names beyond `MAX_LABEL_VALUES` share one
 
 from __future__ import annotations
 
-import re
-import threading
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from telemetry.labels import MAX_LABEL_VALUES, OVERFLOW, BoundedValues  # noqa: F401
 from telemetry.metrics import RANK_LABELS
 from telemetry.replica import REPLICA_LABELS
 
@@ -22,29 +20,6 @@ SKEW_BUCKETS = (
     0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
 )  # fmt: skip
 STALL_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
-MAX_LABEL_VALUES = 64
-OVERFLOW = "_other"
-_SAFE = re.compile(r"^[A-Za-z0-9_.:-]{1,48}$")
-
-
-class BoundedValues:
-    """At most `limit` distinct values of one label; later ones become `_other`."""
-
-    def __init__(self, limit: int = MAX_LABEL_VALUES) -> None:
-        self._limit = limit
-        self._seen: set[str] = set()
-        self._lock = threading.Lock()
-
-    def __call__(self, raw: str) -> str:
-        if raw in self._seen:
-            return raw
-        if not _SAFE.match(raw):
-            return OVERFLOW
-        with self._lock:
-            if len(self._seen) >= self._limit:
-                return OVERFLOW
-            self._seen.add(raw)
-        return raw
 
 
 class CollectiveMetrics:

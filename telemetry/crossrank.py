@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
+from guard.liveness_record import RecordReader
 from telemetry.collective_metrics import CollectiveMetrics
 from telemetry.hangs import HangDetector, HangSettings, IncidentSink
 from telemetry.proto import guard_pb2
@@ -19,10 +20,13 @@ class CrossRankView:
         hang_settings: HangSettings | None = None,
         straggler_threshold_s: float = 0.05,
         incident_sink: IncidentSink | None = None,
+        records: RecordReader | None = None,
     ) -> None:
         self.metrics = CollectiveMetrics(registry)
         self.sync = RankSync(self.metrics, straggler_threshold_s=straggler_threshold_s)
-        self.hangs = HangDetector(self.metrics, hang_settings, incident_sink=incident_sink)
+        self.hangs = HangDetector(
+            self.metrics, hang_settings, incident_sink=incident_sink, records=records
+        )
 
     def observe(self, engine: str, batch: guard_pb2.Batch) -> None:
         self.hangs.observe(engine, batch)

@@ -5,8 +5,13 @@ thread is doing (phase, or the collective it is inside, with group and sequence 
 checker thread looks at each engine replica (run, engine, dp) several times a second:
 
 - **no_heartbeat**: a rank has sent nothing for longer than `stale_s` (or twice its own
-  heartbeat interval, if longer). A process frozen whole (SIGSTOP, a stuck driver call
-  holding the GIL, a paused VM) looks like this; its peers' heartbeats say where they wait.
+  heartbeat interval, if longer). A process frozen whole (SIGSTOP, a paused VM) looks like
+  this; its peers' heartbeats say where they wait. On the sidecar's own node a rank's
+  shared-memory liveness record and `/proc/<pid>/stat` say more (guard/liveness_record.py):
+  a process seen in state T (stopped) for `frozen_s` (counted from the silence that started
+  the looks) is frozen, judged without waiting for `stale_s`; a silent process that runs and is inside a collective (its streamer thread
+  starved by a wait that holds the GIL), or whose record still moves, is alive, and is
+  judged by the wait-based rules below, never named as stopped for its silence.
 - **not_arrived**: the ranks still speak, but some have waited in collective (group G, seq N)
   for longer than `wait_s` while others are not in it: those never arrived (stuck in compute,
   in a different collective, or behind an earlier one).
@@ -30,6 +35,7 @@ from typing import Any
 
 import structlog
 
+from guard.liveness_record import RecordReader, RecordView
 from telemetry.collective_metrics import CollectiveMetrics
 from telemetry.proto import guard_pb2
 from telemetry.replica import RankKey, Replica, rank_key, replica_of
@@ -50,6 +56,10 @@ class HangSettings:
     wait_s: float = 3.0
     check_interval_s: float = 0.1
     arm_wave: int = 2  # wait-based rules only once every rank has begun this wave
+    # a local rank whose process is stopped (state T) and silent this long: frozen whole
+    frozen_s: float = 1.0
+    # a local rank silent this long gets its liveness record and process state read
+    look_after_s: float = 0.25
 
 
 @dataclasses.dataclass
@@ -67,20 +77,29 @@ class RankState:
     op: str = ""
     group: str = ""
     seq: int = 0
-    op_age_s: float = 0.0  # as of heartbeat_at
     graph: str = ""  # the captured graph being replayed around that collective, if any
     graph_holds: str = ""  # ... and the collectives it holds
+    op_age_s: float = 0.0  # as of op_at
+    op_at: float = 0.0  # when op/op_age_s were read (a heartbeat, or the liveness record)
+    proc_state: str = ""  # /proc state letter at the latest look while silent ("" = no look)
+    stopped_since: float = 0.0  # first of the looks in a row that saw it stopped (state T)
+    record_seen: float = 0.0  # latest look at the record that showed the rank alive
+    record_moves: tuple[int, int] | None = None
 
     def waiting_s(self, now: float) -> float:
         """How long the rank has been inside its current collective, as of `now`."""
-        return self.op_age_s + (now - self.heartbeat_at) if self.op else 0.0
+        return self.op_age_s + (now - self.op_at) if self.op else 0.0
+
+    def heard_at(self) -> float:
+        """The latest sign of life: a batch on the stream, or a look at its record."""
+        return max(self.last_seen, self.record_seen)
 
     def describe(self, now: float) -> dict[str, Any]:
         info: dict[str, Any] = {
             "dp": self.rank.dp_rank, "tp": self.rank.tp_rank, "pp": self.rank.pp_rank,
             "pid": self.rank.pid, "node": self.rank.node, "last_wave": self.last_wave,
             "silent_s": round(now - self.last_seen, 3), "phase": self.phase,
-            "lag_s": round(self.lag_s, 3),
+            "lag_s": round(self.lag_s, 3), "state": self.proc_state,
         }  # fmt: skip
         if self.op:
             info.update(op=self.op, group=self.group, seq=self.seq,
@@ -140,8 +159,10 @@ class HangDetector:
         *,
         incident_sink: IncidentSink | None = None,
         clock: Callable[[], float] = time.monotonic,
+        records: RecordReader | None = None,
     ) -> None:
         self.metrics = metrics
+        self._records = records  # liveness records of ranks on this node (None: stream only)
         self.settings = settings or HangSettings()
         self._sink = incident_sink
         self._clock = clock
@@ -167,7 +188,7 @@ class HangDetector:
                 state.rank.CopyFrom(rank)
                 ranks[rank_key(rank)] = state
                 self._create_series(engine, rank)
-            if now - state.last_seen > self._silence_limit(state) or not state.speaking_since:
+            if now - state.heard_at() > self._silence_limit(state) or not state.speaking_since:
                 state.speaking_since = now  # back from a silence: give it time to catch up
             state.last_seen = now
             for cw in batch.collective_waves:
@@ -193,6 +214,7 @@ class HangDetector:
                 state.op_age_s = hb.collective_age_ns / 1e9
                 state.graph = hb.collective_graph
                 state.graph_holds = hb.collective_graph_holds
+                state.op_at = now
                 if state.op and state.seq > state.seq_done.get(state.group, 0):
                     state.seq_done[state.group] = state.seq
 
@@ -216,6 +238,8 @@ class HangDetector:
             state = ranks.get(rank_key(rank))
             if state is not None and state.rank.pid == rank.pid:
                 del ranks[rank_key(rank)]
+                if self._records is not None:
+                    self._records.forget(rank.run_id, rank.dp_rank, rank.pp_rank, rank.tp_rank)
             if not ranks:
                 self._ranks.pop(key, None)
 
@@ -249,6 +273,8 @@ class HangDetector:
         now = self._clock()
         events: list[dict[str, Any]] = []
         with self._lock:
+            if self._records is not None:
+                self._look_locally(now)
             keys = set(self._ranks) | set(self.verdicts)
             for key in keys:
                 found = self._judge(key, self._ranks.get(key, {}), now)
@@ -266,13 +292,69 @@ class HangDetector:
             del self.history[:-256]
         return events
 
+    def _look_locally(self, now: float) -> None:
+        """Read the liveness records and process states of every replica with a rank silent
+        for look_after_s (or seen stopped): all its ranks, so that a verdict says where the
+        peers are now, not where their latest heartbeat found them."""
+        records = self._records
+        for states in self._ranks.values():
+            if not any(
+                now - state.last_seen >= self.settings.look_after_s or state.stopped_since
+                for state in states.values()
+            ):
+                continue  # every rank speaks
+            for state in states.values():
+                rank = state.rank
+                try:
+                    view = records.read(
+                        rank.run_id, rank.dp_rank, rank.pp_rank, rank.tp_rank, rank.pid
+                    )
+                except Exception:  # noqa: BLE001 - a bad record must not stop the judging
+                    log.exception("liveness_record_read_failed", pid=rank.pid)
+                    view = None
+                self._apply_record(state, view, now)
+
+    @staticmethod
+    def _apply_record(state: RankState, view: RecordView | None, now: float) -> None:
+        if view is None:
+            state.proc_state, state.stopped_since = "", 0.0
+            return
+        state.proc_state = view.state
+        if view.stopped:
+            state.stopped_since = state.stopped_since or now
+            return  # frozen whole: nothing in its record is news
+        state.stopped_since = 0.0
+        moved = view.moves != state.record_moves
+        state.record_moves = view.moves
+        if moved or view.in_call:  # else it runs, but neither moves nor waits: stuck
+            state.record_seen = now
+        # what it does now: the record is fresher than any heartbeat
+        state.last_wave = max(state.last_wave, view.wave)
+        state.phase, state.phase_age_s = view.phase, view.phase_age_s
+        state.op = view.op
+        if view.group:
+            state.group, state.seq = view.group, view.seq
+            if view.seq > state.seq_done.get(view.group, 0):
+                state.seq_done[view.group] = view.seq
+        state.op_age_s, state.op_at = view.call_age_s, now
+
+    def _frozen(self, state: RankState, now: float) -> bool:
+        """Stopped whole (SIGSTOP, a debugger) for about frozen_s: looks begin after look_after_s
+        of silence and have seen state T ever since. Timed by the process state, not by the
+        stream: batches a lagging sidecar reads only now were sent before the stop, and must
+        neither hurry the verdict nor end it."""
+        s = self.settings
+        return bool(state.stopped_since) and now - state.stopped_since >= max(
+            0.0, s.frozen_s - s.look_after_s
+        )
+
     def _judge(self, key: Replica, ranks: dict[RankKey, RankState], now: float):
         if not ranks:
             return None
         s = self.settings
         silent = [
             r for r in ranks.values()
-            if now - r.last_seen > self._silence_limit(r)
+            if self._frozen(r, now) or now - r.heard_at() > self._silence_limit(r)
         ]  # fmt: skip
         alive = [r for r in ranks.values() if r not in silent]
         armed = len(ranks) > 1 and min(r.last_wave for r in ranks.values()) >= s.arm_wave
@@ -300,7 +382,10 @@ class HangDetector:
         if behind:
             # peers wait for it and it has been quiet past stale_s: frozen, even if the lag
             # allowance has not run out yet (the peers' wait is the corroboration)
-            quiet = any(now - r.last_seen > self._silence_limit(r, lag=False) for r in behind)
+            quiet = any(
+                self._frozen(r, now) or now - r.heard_at() > self._silence_limit(r, lag=False)
+                for r in behind
+            )
             return self._verdict(key, "no_heartbeat" if quiet else "not_arrived", behind, at, now)
         if len(at) == len(ranks):
             return self._verdict(key, "collective_stuck", at, at, now)

@@ -19,6 +19,8 @@ from collections.abc import Callable
 
 import structlog
 
+from telemetry.hangs import RECOVERY, VERDICT
+from telemetry.labels import BoundedValues
 from telemetry.proto import guard_pb2
 from telemetry.store import connect
 
@@ -61,6 +63,9 @@ def open_incident_table(path: str | os.PathLike) -> sqlite3.Connection:
     return conn
 
 
+SIDECAR_TYPES = (VERDICT, RECOVERY)  # incidents the sidecar raises itself
+
+
 class IncidentLedger:
     """The sidecar's one entry for incidents from workers and from its own analyses."""
 
@@ -75,6 +80,10 @@ class IncidentLedger:
         self._conn = open_incident_table(store_path)
         self._lock = threading.Lock()
         self._counter = counter  # Counter with labels engine, dp, tp, pp, type, severity
+        # the type label comes from the wire: bounded (the sidecar's own types always fit)
+        self._type_label = BoundedValues()
+        for own in SIDECAR_TYPES:
+            self._type_label(own)
         self._spanner = spanner
         self.retention_s = retention_s
         self._last_prune = 0.0
@@ -112,7 +121,9 @@ class IncidentLedger:
                 if rank is not None
                 else ("", "", "")
             )
-            self._counter.labels(engine, *dims, incident.type, incident.severity).inc()
+            self._counter.labels(
+                engine, *dims, self._type_label(incident.type), incident.severity
+            ).inc()
         log.info(
             "incident", id=incident.id, type=incident.type, severity=incident.severity, engine=engine,
             wave=incident.wave, request_id=incident.request_id, summary=incident.summary,

@@ -20,6 +20,7 @@ from telemetry.incidents import IncidentLedger
 from telemetry.labels import EngineLabels
 from telemetry.metrics import SidecarMetrics
 from telemetry.proto import guard_pb2
+from telemetry.ratelimit import RateLimitedLog
 from telemetry.traces import WaveTracer
 from telemetry.validation import InvalidBatch, validate_batch
 
@@ -81,6 +82,9 @@ class IngestService:
         # refuses a stream whose engine label another live run holds (why, or None)
         self.check_engine: Callable[[str, guard_pb2.RankInfo], str | None] | None = None
         self._lock = threading.Lock()
+        self._refusal_log = RateLimitedLog(log.warning)
+        # a client that opens streams in a loop must not flood the log either
+        self._stream_log = RateLimitedLog(log.info, burst=100)
         self.streams: dict[int, RankView] = {}
         self._next_stream = 0
 
@@ -154,8 +158,10 @@ class IngestService:
     def _refuse(
         self, context: grpc.ServicerContext, code: grpc.StatusCode, reason: str, message: str
     ) -> None:
-        self.metrics.rejected.labels(reason).inc()
-        log.warning("ingest_refused", reason=reason, detail=message, peer=context.peer())
+        self.metrics.rejected.labels(reason).inc()  # every refusal counted; a few logged
+        self._refusal_log(
+            "ingest_refused", reason, reason=reason, detail=message[:500], peer=context.peer()
+        )
         context.abort(code, message)
 
     def _register(self, stream_id: int, rank: guard_pb2.RankInfo) -> RankView:
@@ -167,8 +173,8 @@ class IngestService:
         self.metrics.ranks_connected.labels(engine, str(rank.dp_rank)).inc()
         if self.on_engine_joined is not None:
             self.on_engine_joined(engine)
-        log.info(
-            "rank_connected", engine=engine, run_id=rank.run_id, dp=rank.dp_rank, tp=rank.tp_rank, pp=rank.pp_rank,
+        self._stream_log(
+            "rank_connected", "connected", engine=engine, run_id=rank.run_id, dp=rank.dp_rank, tp=rank.tp_rank, pp=rank.pp_rank,
             node=rank.node, pid=rank.pid, runner=rank.runner,
         )  # fmt: skip
         return view
@@ -181,8 +187,8 @@ class IngestService:
         if self.cross_rank is not None:
             self.cross_rank.rank_gone(view.engine, view.rank)
         rank = view.rank
-        log.info(
-            "rank_disconnected", engine=view.engine, dp=rank.dp_rank, tp=rank.tp_rank, pp=rank.pp_rank,
+        self._stream_log(
+            "rank_disconnected", "disconnected", engine=view.engine, dp=rank.dp_rank, tp=rank.tp_rank, pp=rank.pp_rank,
             waves=view.waves, last_wave=view.last_wave, clean=clean,
         )  # fmt: skip
         if last and self.on_engine_idle is not None:

@@ -34,3 +34,28 @@ class EngineLabels:
             value = clean if len(self._seen) < self._max else OVERFLOW_ENGINE
             self._seen[raw] = value
             return value
+
+
+MAX_LABEL_VALUES = 64
+OVERFLOW = "_other"
+_SAFE_VALUE = re.compile(r"^[A-Za-z0-9_.:-]{1,48}$")
+
+
+class BoundedValues:
+    """At most `limit` distinct values of one label; later ones become `_other`."""
+
+    def __init__(self, limit: int = MAX_LABEL_VALUES) -> None:
+        self._limit = limit
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __call__(self, raw: str) -> str:
+        if raw in self._seen:
+            return raw
+        if not _SAFE_VALUE.match(raw):
+            return OVERFLOW
+        with self._lock:
+            if len(self._seen) >= self._limit:
+                return OVERFLOW
+            self._seen.add(raw)
+        return raw

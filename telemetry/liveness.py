@@ -28,6 +28,7 @@ from typing import Any
 import structlog
 
 from telemetry.crossrank import CrossRankView
+from telemetry.transport import ServerSecurity, http_refusal, secure_http_server, send_unauthorized
 
 log = structlog.get_logger("ascend_guard.liveness")
 
@@ -43,11 +44,20 @@ def _ready(detector: Any, engine: str) -> tuple[int, dict[str, Any]]:
     return (200 if live else 503), {**body, "ready": live}
 
 
-def _handler(view: CrossRankView, routes: Mapping[str, Route]) -> type[BaseHTTPRequestHandler]:
+def _handler(
+    view: CrossRankView,
+    routes: Mapping[str, Route],
+    token: str | None,
+    on_refused: Callable[[], None],
+) -> type[BaseHTTPRequestHandler]:
     detector = view.hangs
 
     class LivenessHandler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if http_refusal(self.headers, token):
+                on_refused()
+                send_unauthorized(self)
+                return
             path = urllib.parse.urlparse(self.path).path.rstrip("/")
             if path == "/live":
                 self._send(200, {"engines": detector.engines()})
@@ -101,10 +111,22 @@ def _handler(view: CrossRankView, routes: Mapping[str, Route]) -> type[BaseHTTPR
 
 class LivenessServer:
     def __init__(
-        self, view: CrossRankView, host: str, port: int, routes: Mapping[str, Route] | None = None
+        self,
+        view: CrossRankView,
+        host: str,
+        port: int,
+        routes: Mapping[str, Route] | None = None,
+        *,
+        security: ServerSecurity | None = None,
+        token: str | None = None,
+        on_refused: Callable[[], None] = lambda: None,
     ) -> None:
-        self._server = ThreadingHTTPServer((host, port), _handler(view, routes or {}))
+        self._server = ThreadingHTTPServer(
+            (host, port), _handler(view, routes or {}, token, on_refused)
+        )
         self._server.daemon_threads = True
+        if security is not None:
+            secure_http_server(self._server, security)
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(
             target=self._server.serve_forever, name="liveness-http", daemon=True

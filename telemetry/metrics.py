@@ -11,6 +11,7 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
+from telemetry.labels import BoundedValues
 from telemetry.probes import PROBE_METRICS
 from telemetry.proto import guard_pb2
 from telemetry.replica import REPLICA_LABELS
@@ -130,6 +131,13 @@ class SidecarMetrics:
         self._probe_seen: dict[tuple, float] = {}
         self._cumulative: dict[tuple, tuple[int, int]] = {}
         self._hits_seen: dict[tuple, int] = {}
+        # label values from the wire (detector names, probe label values): bounded
+        self._hit_type = BoundedValues()
+        self._probe_label = {
+            (name, label): BoundedValues()
+            for name, probe in PROBE_METRICS.items()
+            for label in probe.labels
+        }
         self._lock = threading.Lock()
 
     def observe_batch(self, labels: RankLabels, batch: guard_pb2.Batch, source: tuple) -> None:
@@ -152,7 +160,8 @@ class SidecarMetrics:
         # make the series exist (at 0) as soon as a rank speaks, so dashboards and alerts see it
         self.dropped.labels(*labels)
         self.guard_errors.labels(*labels)
-        for type_, total in batch.detector_hits_total.items():
+        for raw_type, total in batch.detector_hits_total.items():
+            type_ = self._hit_type(raw_type)
             key = (*source, type_)
             with self._lock:
                 seen = self._hits_seen.get(key, 0)
@@ -167,7 +176,7 @@ class SidecarMetrics:
         spec = PROBE_METRICS.get(probe.name)
         if spec is None or set(probe.labels) != set(spec.labels):
             return False
-        extra = [probe.labels[name] for name in spec.labels]
+        extra = [self._probe_label[probe.name, k](probe.labels[k]) for k in spec.labels]
         series = self.probes[probe.name].labels(*labels, *extra)
         if spec.kind != "counter":
             series.set(probe.value)

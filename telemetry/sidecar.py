@@ -13,8 +13,9 @@ from pathlib import Path
 
 import grpc
 import structlog
-from prometheus_client import start_http_server
+from prometheus_client import Counter, start_http_server
 
+from guard.liveness_record import RecordReader
 from telemetry import build_info, paths
 from telemetry.addresses import address_problem, unix_socket_path
 from telemetry.crossrank import CrossRankView
@@ -26,6 +27,15 @@ from telemetry.metrics import SidecarMetrics
 from telemetry.roster import DEFAULT_LINGER_S, EngineRoster
 from telemetry.store import SqliteSpanExporter
 from telemetry.traces import WaveTracer, build_provider
+from telemetry.transport import (
+    ServerSecurity,
+    TokenInterceptor,
+    TransportConfigError,
+    exposure_problem,
+    grpc_server_credentials,
+    start_metrics_server,
+    tcp_host,
+)
 
 log = structlog.get_logger("ascend_guard.sidecar")
 
@@ -57,6 +67,11 @@ class SidecarSettings:
     publish: bool = True
     hang_stale_s: float = 2.0
     hang_wait_s: float = 3.0
+    hang_frozen_s: float = 1.0
+    # liveness records of ranks on this node (guard/liveness_record.py); "" = its default
+    liveness_dir: str = ""
+    # TLS / mTLS / bearer token of the gRPC and HTTP listeners (telemetry/transport.py)
+    security: ServerSecurity = dataclasses.field(default_factory=ServerSecurity)
     straggler_threshold_s: float = 0.05
 
 
@@ -135,9 +150,14 @@ class Sidecar:
         )
         self.cross_rank = CrossRankView(
             self.metrics.registry,
-            hang_settings=HangSettings(stale_s=settings.hang_stale_s, wait_s=settings.hang_wait_s),
+            hang_settings=HangSettings(
+                stale_s=settings.hang_stale_s,
+                wait_s=settings.hang_wait_s,
+                frozen_s=settings.hang_frozen_s,
+            ),
             straggler_threshold_s=settings.straggler_threshold_s,
             incident_sink=self.incidents.add,
+            records=RecordReader(settings.liveness_dir),
         )
         self.ingest.cross_rank = self.cross_rank
         self.roster = EngineRoster(
@@ -151,9 +171,16 @@ class Sidecar:
         self.ingest.check_engine = self.roster.check
         self.build_labels = build_info.build_labels("sidecar")
         self.metrics.probes["build_info"].labels("", "", "", "", *self.build_labels.values()).set(1)
+        self.auth_refused = Counter(
+            "ascend_guard_auth_refused",
+            "Calls and requests refused for a missing or wrong bearer token, per listener",
+            ["listener"],
+            registry=self.metrics.registry,
+        )
         self.liveness: LivenessServer | None = None
         self._server: grpc.Server | None = None
         self._http = None
+        self._token: str | None = None
         self._stopped = threading.Event()
 
     def start(self) -> None:
@@ -161,16 +188,30 @@ class Sidecar:
         problem = address_problem(settings.listen)
         if problem:
             raise SidecarStartError(f"--listen {settings.listen!r} is not an address; {problem}")
+        security = settings.security
+        problem = security.problem() or exposure_problem(
+            "gRPC ingest", tcp_host(settings.listen) or "127.0.0.1", security
+        )
+        if problem:
+            raise SidecarStartError(problem)
+        try:
+            token = security.token()
+            credentials = grpc_server_credentials(security) if security.tls else None
+        except TransportConfigError as exc:
+            raise SidecarStartError(str(exc)) from exc
+        self._token = token
         unix_path = unix_socket_path(settings.listen)
         if unix_path:
             _claim_socket(unix_path)
             if settings.socket_group:
                 _socket_gid(settings.socket_group)  # refuse an unknown group before binding
+        refused = self.auth_refused.labels("grpc")
         server = grpc.server(
             futures.ThreadPoolExecutor(
                 max_workers=settings.max_streams + 8, thread_name_prefix="ingest"
             ),
             handlers=[self.ingest.handler()],
+            interceptors=[TokenInterceptor(token, refused.inc)] if token else None,
             maximum_concurrent_rpcs=settings.max_streams,
             options=[
                 # gRPC's own cap sits well above ours so that oversize is answered (and counted)
@@ -186,7 +227,10 @@ class Sidecar:
         # set the asked mode and group
         old_umask = os.umask(0o177) if unix_path else None
         try:
-            bound = server.add_insecure_port(settings.listen)
+            if credentials is not None:
+                bound = server.add_secure_port(settings.listen, credentials)
+            else:
+                bound = server.add_insecure_port(settings.listen)
         except RuntimeError as exc:
             raise SidecarStartError(f"cannot listen on {settings.listen}: {exc}") from exc
         finally:
@@ -197,9 +241,21 @@ class Sidecar:
                 f"cannot listen on {settings.listen}: address in use or invalid"
             )
         try:
-            self._http, _ = start_http_server(
-                settings.metrics_port, settings.metrics_host, registry=self.metrics.registry
-            )
+            if security.tls or (token and not security.metrics_open):
+                self._http = start_metrics_server(
+                    self.metrics.registry,
+                    settings.metrics_host,
+                    settings.metrics_port,
+                    security,
+                    self.auth_refused.labels("metrics").inc,
+                )
+            else:
+                self._http, _ = start_http_server(
+                    settings.metrics_port, settings.metrics_host, registry=self.metrics.registry
+                )
+        except TransportConfigError as exc:
+            server.stop(0)
+            raise SidecarStartError(str(exc)) from exc
         except OSError as exc:
             server.stop(0)
             raise SidecarStartError(
@@ -263,6 +319,9 @@ class Sidecar:
                 settings.health_host,
                 port,
                 routes={"/coverage": lambda _rest: (200, self.roster.coverage())},
+                security=settings.security,
+                token=self._token,
+                on_refused=self.auth_refused.labels("http").inc,
             )
         except OSError as exc:
             if self._http is not None:

@@ -12,6 +12,9 @@ MAX_INCIDENTS_PER_BATCH = 10_000
 MAX_SUMMARY = 1024
 MAX_EVIDENCE = 64 * 1024
 MAX_INCIDENT_ID = 256
+# unsigned wire integers that reach SQLite or span attributes (signed 64-bit) must fit in them
+MAX_INT64 = 2**63 - 1
+MAX_START_NS = MAX_INT64 - 4 * MAX_DURATION_NS  # start + its durations stays a 64-bit time
 SEVERITIES = ("info", "warning", "error", "critical")
 SUPPORTED_INCIDENT_SCHEMAS = (1,)
 
@@ -45,13 +48,15 @@ def validate_batch(batch: guard_pb2.Batch) -> None:
     for index, wave in enumerate(batch.waves):
         if wave.wave == 0:
             raise InvalidBatch(f"waves[{index}].wave: must be 1 or more")
+        if wave.wave > MAX_INT64:
+            raise InvalidBatch(f"waves[{index}].wave: {wave.wave} exceeds {MAX_INT64}")
         for name in ("execute_ns", "sample_ns", "sample_offset_ns"):
             value = getattr(wave, name)
             if not 0 <= value <= MAX_DURATION_NS:
                 raise InvalidBatch(
                     f"waves[{index}].{name}: {value} is outside [0, {MAX_DURATION_NS}]"
                 )
-        if wave.start_unix_nano <= 0:
+        if not 0 < wave.start_unix_nano <= MAX_START_NS:
             raise InvalidBatch(
                 f"waves[{index}].start_unix_nano: {wave.start_unix_nano} is not a time"
             )
@@ -63,6 +68,20 @@ def validate_batch(batch: guard_pb2.Batch) -> None:
         )
     for index, incident in enumerate(batch.incidents):
         _validate_incident(f"incidents[{index}]", incident)
+    for index, cw in enumerate(batch.collective_waves):
+        where = f"collective_waves[{index}]"
+        _check_int64(where, cw, ("wave",))
+        _check_duration(where, cw, ("wait_ns", "injected_delay_ns"))
+        for j, stat in enumerate(cw.stats):
+            _check_duration(f"{where}.stats[{j}]", stat, ("host_ns", "max_host_ns", "device_ns"))
+        for j, call in enumerate(cw.slow_calls):
+            _check_int64(f"{where}.slow_calls[{j}]", call, ("seq", "bytes"))
+            _check_duration(f"{where}.slow_calls[{j}]", call, ("host_ns",))
+    for name in batch.detector_hits_total:
+        if not name or len(name) > MAX_TEXT:
+            raise InvalidBatch(
+                f"detector_hits_total: key {name[:40]!r} must be 1-{MAX_TEXT} characters"
+            )
     for index, probe in enumerate(batch.probes):
         if not probe.name or len(probe.name) > MAX_TEXT:
             raise InvalidBatch(
@@ -72,7 +91,22 @@ def validate_batch(batch: guard_pb2.Batch) -> None:
             raise InvalidBatch(f"probes[{index}].value: NaN")
 
 
+def _check_duration(where: str, message, fields: tuple[str, ...]) -> None:
+    for name in fields:
+        value = getattr(message, name)
+        if not 0 <= value <= MAX_DURATION_NS:
+            raise InvalidBatch(f"{where}.{name}: {value} is outside [0, {MAX_DURATION_NS}]")
+
+
+def _check_int64(where: str, message, fields: tuple[str, ...]) -> None:
+    for name in fields:
+        value = getattr(message, name)
+        if value > MAX_INT64:
+            raise InvalidBatch(f"{where}.{name}: {value} exceeds {MAX_INT64}")
+
+
 def _validate_incident(where: str, incident: guard_pb2.Incident) -> None:
+    _check_int64(where, incident, ("wave", "occurrence", "suppressed"))
     if incident.schema_version not in SUPPORTED_INCIDENT_SCHEMAS:
         raise InvalidBatch(
             f"{where}.schema_version: {incident.schema_version} is not supported "

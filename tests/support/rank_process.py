@@ -1,16 +1,29 @@
 """A stand-in worker rank as its own process: the real streamer client, heartbeats saying
-what a real rank would say. Lets tests freeze one rank with SIGSTOP without starting vLLM.
+what a real rank would say, and (with --record-dir) the real shared-memory liveness record. Lets
+tests freeze one rank with SIGSTOP without starting vLLM.
 
     python -m tests.support.rank_process ADDRESS --engine E --tp 1 --tp-size 2 [--in-collective]
+        [--record-dir DIR] [--hold-gil-after S]
+
+`--hold-gil-after S`: S seconds after the stream is up, the main thread calls libc `sleep()`
+through `ctypes.PyDLL`, which (unlike `ctypes.CDLL`) does not release the GIL around the call
+(Python docs, ctypes.PyDLL). Every thread of the process then stops running Python, the
+streamer thread too, while the process itself runs (state S, not T): the stand-in for a peer
+that waits inside a collective holding the GIL, as vLLM's CPU shared-memory all-reduce spins
+inside a custom op. It is reliable where a busy loop in Python is not (the interpreter hands
+the GIL over every 5 ms) and where a regex blow-up is not (its duration depends on the CPU).
+SIGTERM ends the sleep (EINTR), so the process still stops cleanly.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import signal
 import threading
 import time
 
+from guard.liveness_record import LivenessRecord
 from guard.streamer import HeartbeatState, Streamer
 from telemetry.proto import guard_pb2
 
@@ -27,6 +40,10 @@ def main() -> None:
     parser.add_argument("--tp-size", type=int, default=2)
     parser.add_argument("--in-collective", action="store_true",
                         help="heartbeats say: inside all_reduce on tp, seq 31, since start")  # fmt: skip
+    parser.add_argument("--record-dir", default=None, help="write a liveness record here")
+    parser.add_argument(
+        "--hold-gil-after", type=float, default=None, help="then hold the GIL in a C sleep"
+    )
     args = parser.parse_args()
     started = time.perf_counter_ns()
     rank = guard_pb2.RankInfo(
@@ -46,12 +63,28 @@ def main() -> None:
         heartbeat_interval_s=0.2, max_backoff_s=0.2,
         heartbeat_source=lambda: HeartbeatState(WAVE, "execute_model", 0), batch_filler=fill,
     )  # fmt: skip
+    record = None
+    if args.record_dir is not None:
+        record = LivenessRecord.create(args.record_dir, args.run_id, 0, 0, args.tp)
+        assert record is not None, "the liveness record could not be made"
+        record.phase("execute_model", started, WAVE)
+        if args.in_collective:
+            record.enter("all_reduce", "tp", SEQ, started)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     streamer.start()
     print("started", flush=True)
+    if args.hold_gil_after is not None:
+        while not streamer.connected and not done.is_set():
+            time.sleep(0.01)
+        done.wait(args.hold_gil_after)
+        if not done.is_set():
+            print("holding the GIL", flush=True)
+            ctypes.PyDLL(None).sleep(3600)  # returns early on SIGTERM (EINTR)
     done.wait()
     streamer.stop()
+    if record is not None:
+        record.close()
 
 
 if __name__ == "__main__":
