@@ -60,13 +60,13 @@ class CollectiveCounts:
         self._seq: dict[tuple, int] = {}  # (*rank labels, group) -> last seq
 
     def add(self, labels: tuple[str, str, str, str], waves) -> None:
-        value = self._value
+        # summed under the raw wire values first; bounded label values once per key per batch
         ops: dict[tuple, list] = {}
         slow: dict[tuple, int] = {}
-        seqs: dict[tuple, int] = {}
+        seqs: dict[str, int] = {}
         for cw in waves:
             for stat in cw.stats:
-                key = (value(stat.op), value(stat.group), value(stat.backend))
+                key = (stat.op, stat.group, stat.backend)
                 sums = ops.get(key)
                 if sums is None:
                     ops[key] = [stat.calls, stat.bytes, stat.host_ns, stat.max_host_ns]
@@ -75,14 +75,16 @@ class CollectiveCounts:
                     sums[1] += stat.bytes
                     sums[2] += stat.host_ns
                     sums[3] = stat.max_host_ns  # the latest wave's
-                if stat.last_seq > seqs.get(key[1], 0):
-                    seqs[key[1]] = stat.last_seq
+                group = key[1]
+                if stat.last_seq > seqs.get(group, 0):
+                    seqs[group] = stat.last_seq
             for call in cw.slow_calls:
-                key = (value(call.op), value(call.group), value(call.backend))
+                key = (call.op, call.group, call.backend)
                 slow[key] = slow.get(key, 0) + 1
+        value = self._value
         with self._lock:
-            for key, (calls, nbytes, host_ns, max_ns) in ops.items():
-                full = (*labels, *key)
+            for (op, group, backend), (calls, nbytes, host_ns, max_ns) in ops.items():
+                full = (*labels, value(op), value(group), value(backend))
                 sums = self._ops.get(full)
                 if sums is None:
                     self._ops[full] = [calls, nbytes, host_ns, max_ns]
@@ -91,12 +93,12 @@ class CollectiveCounts:
                     sums[1] += nbytes
                     sums[2] += host_ns
                     sums[3] = max_ns
-            for key, count in slow.items():
-                full = (*labels, *key)
+            for (op, group, backend), count in slow.items():
+                full = (*labels, value(op), value(group), value(backend))
                 self._slow[full] = self._slow.get(full, 0) + count
                 self._ops.setdefault(full, [0, 0, 0, 0])
             for group, seq in seqs.items():
-                self._seq[(*labels, group)] = seq
+                self._seq[(*labels, value(group))] = seq
 
     def collect(self):
         with self._lock:

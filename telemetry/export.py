@@ -65,7 +65,9 @@ def _any_value(value) -> common_pb2.AnyValue:
     if isinstance(value, bool):
         return common_pb2.AnyValue(bool_value=value)
     if isinstance(value, int):
-        return common_pb2.AnyValue(int_value=value)
+        if -(2**63) <= value < 2**63:
+            return common_pb2.AnyValue(int_value=value)
+        return common_pb2.AnyValue(string_value=str(value))  # OTLP integers are int64
     if isinstance(value, float):
         return common_pb2.AnyValue(double_value=value)
     if isinstance(value, (list, tuple)):

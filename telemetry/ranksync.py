@@ -68,6 +68,7 @@ class RankSync:
         # replica -> wave -> tp -> record
         self._pending: dict[StageKey, collections.OrderedDict[int, dict[int, _RankWave]]] = {}
         self.recent: collections.deque[WaveSkew] = collections.deque(maxlen=keep_recent)
+        self._skew_children: dict[tuple, tuple] = {}
 
     def observe(self, engine: str, batch: guard_pb2.Batch) -> list[WaveSkew]:
         """Count one batch's collective records; return the waves it completed."""
@@ -142,9 +143,16 @@ class RankSync:
 
     def _export(self, skew: WaveSkew) -> None:
         m = self.metrics
-        replica = (skew.engine, str(skew.dp), str(skew.pp))
-        m.skew.labels(*replica).observe(skew.skew_s)
-        m.arrival_skew.labels(*replica).observe(skew.arrival_skew_s)
+        replica = (skew.engine, skew.dp, skew.pp)
+        children = self._skew_children.get(replica)
+        if children is None:  # one `.labels()` per replica, not two per wave
+            labels = (skew.engine, str(skew.dp), str(skew.pp))
+            children = self._skew_children[replica] = (
+                m.skew.labels(*labels),
+                m.arrival_skew.labels(*labels),
+            )
+        children[0].observe(skew.skew_s)
+        children[1].observe(skew.arrival_skew_s)
         if skew.straggler_tp is not None:
             rank = (skew.engine, str(skew.dp), str(skew.straggler_tp), str(skew.pp))
             m.straggler_waves.labels(*rank).inc()

@@ -21,7 +21,9 @@ Tables (integer keys throughout; strings live once, in the dimension tables):
 
 `columns` holds the batch's `WaveColumns` (or its `CollectiveWave`s) in the proto's own packed
 encoding, zlib-compressed: the proto stays the one schema of a wave, a block costs one row
-insert however many waves it holds, and a wave takes about 10-15 bytes on disk (bench/README.md).
+insert however many waves it holds, and a wave with 2 collective stats takes about 50 bytes on
+disk (bench/README.md). Blocks live in rowid tables on 4 KiB pages: a WITHOUT ROWID table (or
+larger pages) left most of each page empty with rows of a few KiB (146 B per wave at 16 KiB).
 The block's typed columns (time range, wave range, slowest step) are what queries filter on
 before a block is decoded. Inserts are `INSERT OR IGNORE` on the block key, so a batch sent
 again is stored once.
@@ -53,12 +55,13 @@ from telemetry.traces import wave_trace_key
 log = structlog.get_logger("ascend_guard.store")
 
 DEFAULT_RETENTION_S = 24 * 3600.0
-# 3,200 waves/s (16 ranks x 200 steps/s) x 86,400 s x ~14 B per wave with 2 collective stats
-# (measured by bench/sidecar_ingest.py) is about 3.9 GB a day: 8 GiB leaves room for bursts,
-# incidents and the WAL.
-DEFAULT_MAX_BYTES = 8 * 1024**3
+# 3,200 waves/s (16 ranks x 200 steps/s) x 86,400 s x ~50 B per wave with 2 collective stats
+# (measured by bench/sidecar_ingest.py: ~17 B of wave columns, ~29 B of collectives, the rest
+# SQLite's pages and keys) is about 13.8 GB (12.9 GiB) a day: 16 GiB holds the default 24 h
+# with room for bursts, incidents and the WAL.
+DEFAULT_MAX_BYTES = 16 * 1024**3
 BUCKET_NS = 60 * 10**9
-PAGE_SIZE = 16384
+PAGE_SIZE = 4096
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -91,8 +94,8 @@ CREATE TABLE IF NOT EXISTS wave_blocks (
     waves       INTEGER NOT NULL,
     max_step_ns INTEGER NOT NULL,
     columns     BLOB NOT NULL,
-    PRIMARY KEY (rank, first_wave)
-) WITHOUT ROWID;
+    UNIQUE (rank, first_wave)
+);
 CREATE INDEX IF NOT EXISTS wave_blocks_start ON wave_blocks (start_ns);
 CREATE TABLE IF NOT EXISTS collective_blocks (
     rank        INTEGER NOT NULL,
@@ -101,8 +104,8 @@ CREATE TABLE IF NOT EXISTS collective_blocks (
     start_ns    INTEGER NOT NULL,
     waves       INTEGER NOT NULL,
     columns     BLOB NOT NULL,
-    PRIMARY KEY (rank, first_wave)
-) WITHOUT ROWID;
+    UNIQUE (rank, first_wave)
+);
 CREATE INDEX IF NOT EXISTS collective_blocks_start ON collective_blocks (start_ns);
 CREATE TABLE IF NOT EXISTS slow_calls (
     rank        INTEGER NOT NULL,

@@ -163,34 +163,25 @@ def _validate_heartbeat(hb: guard_pb2.Heartbeat) -> None:
 
 
 def _validate_collective_wave(where: str, cw: guard_pb2.CollectiveWave) -> None:
+    # Integers here are stored as sent (the store keeps the proto's uint64, metrics are
+    # floats, spans clamp to OTLP's int64); only the wave number keys a row.
     if not 1 <= cw.wave <= INT64_MAX:
         raise InvalidBatch(f"{where}.wave: {cw.wave} is outside [1, {INT64_MAX}]")
+    if cw.ByteSize() <= MAX_TEXT:
+        return  # no string inside can be longer than the whole record: the common case
     if len(cw.stats) > MAX_STATS_PER_WAVE:
         raise InvalidBatch(f"{where}.stats: {len(cw.stats)} entries, at most {MAX_STATS_PER_WAVE}")
-    for index, stat in enumerate(cw.stats):
-        for name in ("op", "group", "backend", "dtype"):
-            value = getattr(stat, name)
-            if len(value) > MAX_TEXT:
-                raise InvalidBatch(
-                    f"{where}.stats[{index}].{name}: {len(value)} characters, at most {MAX_TEXT}"
-                )
-        for name in ("calls", "bytes", "first_seq", "last_seq"):
-            value = getattr(stat, name)
-            if value > INT64_MAX:
-                raise InvalidBatch(f"{where}.stats[{index}].{name}: {value} exceeds {INT64_MAX}")
-    for index, call in enumerate(cw.slow_calls):
-        for name in ("op", "group", "backend", "dtype"):
-            value = getattr(call, name)
-            if len(value) > MAX_TEXT:
-                raise InvalidBatch(
-                    f"{where}.slow_calls[{index}].{name}: {len(value)} characters, "
-                    f"at most {MAX_TEXT}"
-                )
-        if call.seq > INT64_MAX or call.bytes > INT64_MAX:
-            raise InvalidBatch(
-                f"{where}.slow_calls[{index}]: seq {call.seq} / bytes {call.bytes} "
-                f"exceed {INT64_MAX}"
-            )
+    for kind, entries in (("stats", cw.stats), ("slow_calls", cw.slow_calls)):
+        for index, entry in enumerate(entries):
+            if entry.ByteSize() <= MAX_TEXT:
+                continue
+            for name in ("op", "group", "backend", "dtype"):
+                value = getattr(entry, name)
+                if len(value) > MAX_TEXT:
+                    raise InvalidBatch(
+                        f"{where}.{kind}[{index}].{name}: {len(value)} characters "
+                        f"({_short(value)}), at most {MAX_TEXT}"
+                    )
 
 
 def _validate_incident(where: str, incident: guard_pb2.Incident) -> None:
