@@ -57,11 +57,29 @@ def peak_rss_mib(pid: int) -> float:
 
 def _flood(address: str, tp: int, args, records: int, rate: float, engine: str) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.support.flood", address, "--tp", str(tp), "--tp-size",
-         str(args.clients), "--records", str(records), "--rate", str(rate), "--engine", engine,
-         "--run-id", f"run-{engine}"],
-        cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "tests.support.flood",
+            address,
+            "--tp",
+            str(tp),
+            "--tp-size",
+            str(args.clients),
+            "--records",
+            str(records),
+            "--rate",
+            str(rate),
+            "--engine",
+            engine,
+            "--run-id",
+            f"run-{engine}",
+        ],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _start_floods(address: str, args, records: int, rate: float, engine: str):
@@ -143,11 +161,19 @@ def run_ingest(transport: str, args, work: Path) -> dict:
     finally:
         sidecar.stop()
     return {
-        "transport": transport, "sent": sent, "stored": stored, "dropped": counted,
-        "lost": sent - stored - counted, "cpu_s": cpu, "wall_s": wall, "rss_mib": rss,
-        "per_cpu_s": stored / cpu if cpu else 0.0, "bytes_per_record": used / max(stored, 1),
-        "errors": errors, "drops": drops(text),
-    }  # fmt: skip
+        "transport": transport,
+        "sent": sent,
+        "stored": stored,
+        "dropped": counted,
+        "lost": sent - stored - counted,
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "rss_mib": rss,
+        "per_cpu_s": stored / cpu if cpu else 0.0,
+        "bytes_per_record": used / max(stored, 1),
+        "errors": errors,
+        "drops": drops(text),
+    }
 
 
 RECEIVER = """
@@ -187,9 +213,11 @@ def run_sdk(args) -> dict:
 
     port = free_port()
     receiver = subprocess.Popen(
-        [sys.executable, "-c", RECEIVER, f"127.0.0.1:{port}"], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [sys.executable, "-c", RECEIVER, f"127.0.0.1:{port}"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert receiver.stdout.readline().strip() == "ready"
     flood_args = argparse.Namespace(run_id="run-sdk", engine="sdk", tp=0, tp_size=args.clients)
     streamer = make_streamer(f"127.0.0.1:{port}", flood_args)
@@ -201,8 +229,10 @@ def run_sdk(args) -> dict:
     # a queue large enough to drop nothing: the CPU measured is that of every span exported
     processor = BatchSpanProcessor(
         OTLPSpanExporter(endpoint=f"http://127.0.0.1:{port}", insecure=True),
-        max_queue_size=2**21, max_export_batch_size=2048, schedule_delay_millis=500,
-    )  # fmt: skip
+        max_queue_size=2**21,
+        max_export_batch_size=2048,
+        schedule_delay_millis=500,
+    )
     provider.add_span_processor(processor)
     tracer = provider.get_tracer("bench")
     cpu0 = time.process_time()
@@ -213,12 +243,18 @@ def run_sdk(args) -> dict:
         for i in range(len(cols.wave)):
             built = wave_spans(rank, cols, i) + collective_spans(rank, by_wave[cols.wave[i]])
             for s in built:
-                parent = SpanContext(s.trace_id, s.parent_id or 1, is_remote=True,
-                                     trace_flags=TraceFlags(TraceFlags.SAMPLED))  # fmt: skip
+                parent = SpanContext(
+                    s.trace_id,
+                    s.parent_id or 1,
+                    is_remote=True,
+                    trace_flags=TraceFlags(TraceFlags.SAMPLED),
+                )
                 span = tracer.start_span(
-                    s.name, context=trace.set_span_in_context(NonRecordingSpan(parent)),
-                    start_time=s.start_ns, attributes=s.attributes,
-                )  # fmt: skip
+                    s.name,
+                    context=trace.set_span_in_context(NonRecordingSpan(parent)),
+                    start_time=s.start_ns,
+                    attributes=s.attributes,
+                )
                 span.end(s.end_ns)
                 made += 1
     provider.force_flush(120_000)
@@ -229,13 +265,20 @@ def run_sdk(args) -> dict:
     received = int(receiver.stdout.readline())
     receiver.wait(10)
     records = sum(len(b.wave_columns.wave) for b in data)
-    return {"records": records, "spans": made, "received": received, "cpu_s": cpu,
-            "per_cpu_s": records / cpu}  # fmt: skip
+    return {
+        "records": records,
+        "spans": made,
+        "received": received,
+        "cpu_s": cpu,
+        "per_cpu_s": records / cpu,
+    }
 
 
-def _live(port: int, engine: str) -> int:
+def _live(port: int, engine: str, body: dict | None = None) -> int:
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/live/{engine}", timeout=2) as resp:
+            if body is not None:
+                body.update(json.loads(resp.read()))
             return resp.status
     except urllib.error.HTTPError as exc:
         return exc.code
@@ -250,17 +293,36 @@ def run_verdict(args, work: Path) -> dict:
     health = free_port()
     (work / "verdict").mkdir(parents=True, exist_ok=True)
     sidecar = SidecarProcess.start(
-        work / "verdict", address=address,
+        work / "verdict",
+        address=address,
         # no wait-based verdict during the run: the stopped rank must be found silent
-        extra_args=("--health-port", str(health), "--health-host", "127.0.0.1",
-                    "--hang-wait", "60s"),
-    )  # fmt: skip
+        extra_args=(
+            "--health-port",
+            str(health),
+            "--health-host",
+            "127.0.0.1",
+            "--hang-wait",
+            "60s",
+        ),
+    )
     ranks = [
         subprocess.Popen(
-            [sys.executable, "-m", "tests.support.rank_process", address, "--engine", "hang",
-             "--tp", str(tp), *(["--in-collective"] if tp == 0 else [])],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "tests.support.rank_process",
+                address,
+                "--engine",
+                "hang",
+                "--tp",
+                str(tp),
+                *(["--in-collective"] if tp == 0 else []),
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for tp in (0, 1)
     ]
     floods = []
@@ -274,7 +336,14 @@ def run_verdict(args, work: Path) -> dict:
         cpu0 = cpu_seconds(sidecar.proc.pid)
         text0 = sidecar.metrics_text()
         _go(floods)
-        time.sleep(args.verdict_warmup_s)
+        # heartbeat lag under load: how old each heartbeat was when ingest read it
+        lags = []
+        warm_until = time.monotonic() + args.verdict_warmup_s
+        while time.monotonic() < warm_until:
+            body: dict = {}
+            _live(health, "hang", body)
+            lags += [r.get("lag_s", 0.0) for r in body.get("ranks", [])]
+            time.sleep(0.1)
         os.kill(ranks[1].pid, signal.SIGSTOP)
         stopped = time.monotonic()
         verdict_s = None
@@ -284,7 +353,9 @@ def run_verdict(args, work: Path) -> dict:
                 break
             time.sleep(0.02)
         text1 = sidecar.metrics_text()
-        ingested = value(text1, "ascend_guard_waves_total") - value(text0, "ascend_guard_waves_total")
+        ingested = value(text1, "ascend_guard_waves_total") - value(
+            text0, "ascend_guard_waves_total"
+        )
         took = time.monotonic() - stopped + args.verdict_warmup_s
         results = _finish(floods)
         rss = peak_rss_mib(sidecar.proc.pid)
@@ -299,8 +370,15 @@ def run_verdict(args, work: Path) -> dict:
             if proc.poll() is None:
                 proc.kill()
         sidecar.stop()
-    return {"verdict_s": verdict_s, "rate": ingested / took, "rss_mib": rss, "cpu_s": cpu,
-            "sent": sum(r["records"] for r in results)}  # fmt: skip
+    return {
+        "verdict_s": verdict_s,
+        "rate": ingested / took,
+        "rss_mib": rss,
+        "cpu_s": cpu,
+        "sent": sum(r["records"] for r in results),
+        "max_lag_s": max(lags, default=0.0),
+        "lag_samples": len(lags),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -312,29 +390,61 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verdict-warmup-s", type=float, default=3.0)
     args = parser.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="sidecar-ingest-"))
-    print(f"sidecar ingest bench, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, "
-          f"{args.clients} clients x {args.records} records", flush=True)  # fmt: skip
+    print(
+        f"sidecar ingest bench, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, "
+        f"{args.clients} clients x {args.records} records",
+        flush=True,
+    )
     runs = [run_ingest(t, args, work) for t in ("unix", "tcp")]
     sdk = run_sdk(args)
     verdict = run_verdict(args, work)
     rows = [
-        (r["transport"], r["sent"], r["stored"], int(r["dropped"]), r["lost"], f"{r['cpu_s']:.2f}",
-         f"{r['wall_s']:.2f}", f"{r['per_cpu_s']:,.0f}", f"{r['bytes_per_record']:.1f}",
-         f"{r['rss_mib']:.0f}")
+        (
+            r["transport"],
+            r["sent"],
+            r["stored"],
+            int(r["dropped"]),
+            r["lost"],
+            f"{r['cpu_s']:.2f}",
+            f"{r['wall_s']:.2f}",
+            f"{r['per_cpu_s']:,.0f}",
+            f"{r['bytes_per_record']:.1f}",
+            f"{r['rss_mib']:.0f}",
+        )
         for r in runs
-    ]  # fmt: skip
-    print(render_table(
-        ("transport", "sent", "stored", "dropped", "lost", "sidecar CPU s", "wall s",
-         "records/CPU-s", "store B/rec", "peak RSS MiB"), rows, right=tuple(range(1, 10)),
-    ))  # fmt: skip
+    ]
+    print(
+        render_table(
+            (
+                "transport",
+                "sent",
+                "stored",
+                "dropped",
+                "lost",
+                "sidecar CPU s",
+                "wall s",
+                "records/CPU-s",
+                "store B/rec",
+                "peak RSS MiB",
+            ),
+            rows,
+            right=tuple(range(1, 10)),
+        )
+    )
     for r in runs:
         if r["drops"] or r["errors"]:
             print(f"{r['transport']}: drops {r['drops']} errors {r['errors']}")
-    print(f"SDK path: {sdk['records']} records -> {sdk['spans']} spans ({sdk['received']} received) "
-          f"in {sdk['cpu_s']:.2f} CPU s: {sdk['per_cpu_s']:,.0f} records/CPU-s")  # fmt: skip
+    print(
+        f"SDK path: {sdk['records']} records -> {sdk['spans']} spans ({sdk['received']} received) "
+        f"in {sdk['cpu_s']:.2f} CPU s: {sdk['per_cpu_s']:,.0f} records/CPU-s"
+    )
     v = verdict["verdict_s"]
-    print(f"verdict under load: {'none' if v is None else f'{v:.2f} s'} after SIGSTOP while "
-          f"ingesting {verdict['rate']:,.0f} records/s (sidecar CPU {verdict['cpu_s']:.1f} s)")  # fmt: skip
+    print(
+        f"verdict under load: {'none' if v is None else f'{v:.2f} s'} after SIGSTOP while "
+        f"ingesting {verdict['rate']:,.0f} records/s (sidecar CPU {verdict['cpu_s']:.1f} s); "
+        f"heartbeat lag at ingest under that load: max {verdict['max_lag_s'] * 1000:.0f} ms "
+        f"over {verdict['lag_samples']} samples"
+    )
     per_cpu = min(r["per_cpu_s"] for r in runs)
     lost = sum(r["lost"] for r in runs)
     rss = max([r["rss_mib"] for r in runs] + [verdict["rss_mib"]])

@@ -90,8 +90,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-_SIZE = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10,
-         "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+_SIZE = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_size(text: str, what: str) -> int:
@@ -119,9 +129,11 @@ def _add_sidecar_flags(side: argparse.ArgumentParser) -> None:
         help="gRPC address: unix:///path.sock or HOST:PORT",
     )
     side.add_argument(
-        "--metrics-port", type=int, default=d("metrics_port"),
+        "--metrics-port",
+        type=int,
+        default=d("metrics_port"),
         help="port of the Prometheus /metrics endpoint",
-    )  # fmt: skip
+    )
     side.add_argument(
         "--metrics-host", default=d("metrics_host"), help="interface for /metrics (default all)"
     )
@@ -130,53 +142,66 @@ def _add_sidecar_flags(side: argparse.ArgumentParser) -> None:
         "--otlp-endpoint", default=None, help="also export spans over OTLP/gRPC to this URL"
     )
     side.add_argument(
-        "--otlp-slow-wave", default=_seconds_text(d("otlp_slow_wave_s")),
+        "--otlp-slow-wave",
+        default=_seconds_text(d("otlp_slow_wave_s")),
         help="OTLP export keeps every wave with a step at least this long "
         f"(default {_seconds_text(d('otlp_slow_wave_s'))})",
-    )  # fmt: skip
+    )
     side.add_argument(
-        "--otlp-keep-one-in", type=int, default=d("otlp_keep_one_in"),
+        "--otlp-keep-one-in",
+        type=int,
+        default=d("otlp_keep_one_in"),
         help="... and 1 in N of the other waves (1: every wave; "
         f"default {d('otlp_keep_one_in')}); waves with an incident or verdict are always kept",
-    )  # fmt: skip
+    )
     side.add_argument(
-        "--retention", default=_seconds_text(d("retention_s")),
+        "--retention",
+        default=_seconds_text(d("retention_s")),
         help="keep records this long (e.g. 6h, 7d)",
-    )  # fmt: skip
+    )
     side.add_argument(
-        "--max-store-bytes", default=f"{d('max_store_bytes') // 2**30}GiB",
+        "--max-store-bytes",
+        default=f"{d('max_store_bytes') // 2**30}GiB",
         help="the store's size cap; the oldest minutes go first "
         f"(default {d('max_store_bytes') // 2**30}GiB)",
-    )  # fmt: skip
+    )
     side.add_argument(
-        "--queue-bytes", default=f"{d('queue_bytes') // 2**20}MiB",
+        "--queue-bytes",
+        default=f"{d('queue_bytes') // 2**20}MiB",
         help="validated batches waiting for the writer, at most (beyond: dropped, counted)",
-    )  # fmt: skip
+    )
     side.add_argument(
-        "--max-message-bytes", type=int, default=d("max_message_bytes"),
+        "--max-message-bytes",
+        type=int,
+        default=d("max_message_bytes"),
         help="largest accepted batch",
-    )  # fmt: skip
+    )
     side.add_argument("--log-json", action="store_true", help="log JSON lines instead of key=value")
     side.add_argument(
-        "--health-port", type=int, default=d("health_port"),
+        "--health-port",
+        type=int,
+        default=d("health_port"),
         help="port of the liveness endpoint /live/<engine> (default: metrics port + 1 if free; 0: off)",
-    )  # fmt: skip
+    )
     side.add_argument("--health-host", default=d("health_host"), help="interface for /live")
     hang_after = _seconds_text(d("hang_stale_s"))
     side.add_argument(
-        "--hang-after", default=hang_after,
+        "--hang-after",
+        default=hang_after,
         help=f"a rank silent this long is declared stopped (default {hang_after})",
-    )  # fmt: skip
+    )
     hang_wait = _seconds_text(d("hang_wait_s"))
     side.add_argument(
-        "--hang-wait", default=hang_wait,
+        "--hang-wait",
+        default=hang_wait,
         help=f"peers inside one collective this long while a rank is not: verdict (default {hang_wait})",
-    )  # fmt: skip
+    )
     straggler = f"{d('straggler_threshold_s') * 1000:g}ms"
     side.add_argument(
-        "--straggler-threshold", default=straggler,
+        "--straggler-threshold",
+        default=straggler,
         help=f"wave skew from which the slowest rank is counted as a straggler (default {straggler})",
-    )  # fmt: skip
+    )
 
 
 def _cmd_sidecar(args: argparse.Namespace) -> int:

@@ -210,9 +210,16 @@ class OtlpExporter:
         kept = sampled_out = 0
         for item in due:
             source = item.source
-            rank = RankRow(0, source.rank.run_id, source.engine, source.rank.dp_rank,
-                           source.rank.tp_rank, source.rank.pp_rank, source.rank.node,
-                           source.rank.pid)  # fmt: skip
+            rank = RankRow(
+                0,
+                source.rank.run_id,
+                source.engine,
+                source.rank.dp_rank,
+                source.rank.tp_rank,
+                source.rank.pp_rank,
+                source.rank.node,
+                source.rank.pid,
+            )
             run_id, cols = rank.run_id, item.batch.wave_columns
             keep_waves = set()
             for i, wave in enumerate(cols.wave):

@@ -58,10 +58,27 @@ CREATE VIEW IF NOT EXISTS hang_verdicts AS
     FROM incidents WHERE type = 'hang_verdict';
 """
 COLUMNS = (
-    "id", "schema", "type", "severity", "run_id", "engine", "dp", "tp", "pp", "node", "pid",
-    "wave", "request_id", "time_ns", "summary", "evidence", "actions", "occurrence",
-    "suppressed", "trace_id",
-)  # fmt: skip
+    "id",
+    "schema",
+    "type",
+    "severity",
+    "run_id",
+    "engine",
+    "dp",
+    "tp",
+    "pp",
+    "node",
+    "pid",
+    "wave",
+    "request_id",
+    "time_ns",
+    "summary",
+    "evidence",
+    "actions",
+    "occurrence",
+    "suppressed",
+    "trace_id",
+)
 IncidentListener = Callable[[dict], None]
 
 

@@ -173,9 +173,13 @@ def search(conn: sqlite3.Connection, query: SpanQuery) -> list[Span]:
     best: list[tuple] = []  # min-heap of (key, tiebreak, rank id, name, index, cols)
     counter = 0
     for rank_id, cols in store.wave_blocks(
-        conn, list(ranks), since_ns=query.since_ns, until_ns=query.until_ns,
-        min_step_ns=query.min_duration_ns, wave=query.wave,
-    ):  # fmt: skip
+        conn,
+        list(ranks),
+        since_ns=query.since_ns,
+        until_ns=query.until_ns,
+        min_step_ns=query.min_duration_ns,
+        wave=query.wave,
+    ):
         for key, name, index in _candidates(ranks[rank_id], cols, names, query):
             counter += 1
             entry = (key, -counter, rank_id, name, index, cols)
@@ -226,9 +230,14 @@ def span_tree(spans: list) -> list[tuple[int, Span]]:
         children.setdefault(parent if parent in by_id else None, []).append(span)
     for items in children.values():
         items.sort(
-            key=lambda s: (_get(s, "start_ns"), _get(s, "dp") or 0, _get(s, "tp") or 0,
-                           _get(s, "pp") or 0, _get(s, "name"))
-        )  # fmt: skip
+            key=lambda s: (
+                _get(s, "start_ns"),
+                _get(s, "dp") or 0,
+                _get(s, "tp") or 0,
+                _get(s, "pp") or 0,
+                _get(s, "name"),
+            )
+        )
     out: list[tuple[int, Span]] = []
 
     def walk(parent, depth: int) -> None:

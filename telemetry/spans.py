@@ -91,25 +91,74 @@ def wave_spans(
 
     if is_root_rank(rank) and want("wave"):
         attrs = {**common, **{schema.attr(f): _value(cols, f, i) for f in schema.WAVE_SPAN_FIELDS}}
-        out.append(Span(trace_id, root_id, None, "wave", start, end, run_id, rank.engine, wave,
-                        attributes=attrs))  # fmt: skip
+        out.append(
+            Span(
+                trace_id,
+                root_id,
+                None,
+                "wave",
+                start,
+                end,
+                run_id,
+                rank.engine,
+                wave,
+                attributes=attrs,
+            )
+        )
     rank_id = rank_span_id(run_id, wave, rank.dp, rank.tp, rank.pp)
     where = (rank.dp, rank.tp, rank.pp)
     if want("rank"):
         attrs = {**common, **coords, schema.ATTR_NODE: rank.node, schema.ATTR_PID: rank.pid}
         attrs.update({schema.attr(f): _value(cols, f, i) for f in schema.RANK_SPAN_FIELDS})
-        out.append(Span(trace_id, rank_id, root_id, "rank", start, end, run_id, rank.engine, wave,
-                        *where, attributes=attrs))  # fmt: skip
+        out.append(
+            Span(
+                trace_id,
+                rank_id,
+                root_id,
+                "rank",
+                start,
+                end,
+                run_id,
+                rank.engine,
+                wave,
+                *where,
+                attributes=attrs,
+            )
+        )
     phase_attrs = {**common, **coords}
     if want("execute_model"):
-        out.append(Span(trace_id, phase_span_id(run_id, wave, *where, "execute_model"), rank_id,
-                        "execute_model", start, start + cols.execute_ns[i], run_id, rank.engine,
-                        wave, *where, attributes=dict(phase_attrs)))  # fmt: skip
+        out.append(
+            Span(
+                trace_id,
+                phase_span_id(run_id, wave, *where, "execute_model"),
+                rank_id,
+                "execute_model",
+                start,
+                start + cols.execute_ns[i],
+                run_id,
+                rank.engine,
+                wave,
+                *where,
+                attributes=dict(phase_attrs),
+            )
+        )
     if cols.sampled[i] and want("sample_tokens"):
         sample_start = start + cols.sample_offset_ns[i]
-        out.append(Span(trace_id, phase_span_id(run_id, wave, *where, "sample_tokens"), rank_id,
-                        "sample_tokens", sample_start, sample_start + cols.sample_ns[i], run_id,
-                        rank.engine, wave, *where, attributes=dict(phase_attrs)))  # fmt: skip
+        out.append(
+            Span(
+                trace_id,
+                phase_span_id(run_id, wave, *where, "sample_tokens"),
+                rank_id,
+                "sample_tokens",
+                sample_start,
+                sample_start + cols.sample_ns[i],
+                run_id,
+                rank.engine,
+                wave,
+                *where,
+                attributes=dict(phase_attrs),
+            )
+        )
     return out
 
 
@@ -129,14 +178,33 @@ def collective_spans(rank: RankRow, cw: guard_pb2.CollectiveWave) -> list[Span]:
     for stat in cw.stats:
         start = cw.first_arrival_unix_nano
         attrs = {
-            schema.ATTR_RUN: run_id, schema.ATTR_ENGINE: rank.engine, schema.ATTR_WAVE: wave,
-            schema.ATTR_DP: rank.dp, schema.ATTR_TP: rank.tp, schema.ATTR_PP: rank.pp,
-            **{schema.attr(f"collective.{f}"): getattr(stat, f) for f in schema.COLLECTIVE_STAT_FIELDS},
-        }  # fmt: skip
+            schema.ATTR_RUN: run_id,
+            schema.ATTR_ENGINE: rank.engine,
+            schema.ATTR_WAVE: wave,
+            schema.ATTR_DP: rank.dp,
+            schema.ATTR_TP: rank.tp,
+            schema.ATTR_PP: rank.pp,
+            **{
+                schema.attr(f"collective.{f}"): getattr(stat, f)
+                for f in schema.COLLECTIVE_STAT_FIELDS
+            },
+        }
         span_id = phase_span_id(run_id, wave, *where, f"collective/{stat.op}/{stat.group}")
-        out.append(Span(trace_id, span_id, parent, f"collective:{stat.op}", start,
-                        start + stat.host_ns, run_id, rank.engine, wave, *where,
-                        attributes=attrs))  # fmt: skip
+        out.append(
+            Span(
+                trace_id,
+                span_id,
+                parent,
+                f"collective:{stat.op}",
+                start,
+                start + stat.host_ns,
+                run_id,
+                rank.engine,
+                wave,
+                *where,
+                attributes=attrs,
+            )
+        )
     return out
 
 
@@ -153,9 +221,11 @@ def incident_span(row) -> Span:
         else wave_span_id(run_id, wave)
     )
     attrs: dict[str, Any] = {
-        schema.ATTR_RUN: run_id, schema.ATTR_ENGINE: row["engine"], schema.ATTR_WAVE: wave,
+        schema.ATTR_RUN: run_id,
+        schema.ATTR_ENGINE: row["engine"],
+        schema.ATTR_WAVE: wave,
         schema.attr("incident_type"): row["type"],
-    }  # fmt: skip
+    }
     if has_rank:
         attrs.update(
             {schema.ATTR_DP: row["dp"], schema.ATTR_TP: row["tp"], schema.ATTR_PP: row["pp"]}
@@ -172,6 +242,17 @@ def incident_span(row) -> Span:
     }
     at = row["time_ns"]
     dims = (row["dp"], row["tp"], row["pp"]) if has_rank else (None, None, None)
-    return Span(trace_id, incident_span_id(row["id"]), parent, f"incident:{row['type']}", at, at,
-                run_id, row["engine"] or "", wave, *dims, attributes=attrs,
-                events=[{"name": "incident", "time_ns": at, "attributes": event}])  # fmt: skip
+    return Span(
+        trace_id,
+        incident_span_id(row["id"]),
+        parent,
+        f"incident:{row['type']}",
+        at,
+        at,
+        run_id,
+        row["engine"] or "",
+        wave,
+        *dims,
+        attributes=attrs,
+        events=[{"name": "incident", "time_ns": at, "attributes": event}],
+    )

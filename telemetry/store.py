@@ -180,8 +180,16 @@ class RankRow:
 
     @classmethod
     def from_row(cls, row: sqlite3.Row) -> RankRow:
-        return cls(row["id"], row["run_id"], row["engine"], row["dp"], row["tp"], row["pp"],
-                   row["node"], row["pid"])  # fmt: skip
+        return cls(
+            row["id"],
+            row["run_id"],
+            row["engine"],
+            row["dp"],
+            row["tp"],
+            row["pp"],
+            row["node"],
+            row["pid"],
+        )
 
 
 def encode_waves(cols: guard_pb2.WaveColumns) -> bytes:
@@ -215,8 +223,16 @@ def wave_block_row(rank_id: int, cols: guard_pb2.WaveColumns) -> tuple:
     ]
     steps = [end - s for end, s in zip(ends, starts, strict=True)]
     waves = cols.wave
-    return (rank_id, min(waves), max(waves), min(starts), max(ends), len(waves), max(steps),
-            encode_waves(cols))  # fmt: skip
+    return (
+        rank_id,
+        min(waves),
+        max(waves),
+        min(starts),
+        max(ends),
+        len(waves),
+        max(steps),
+        encode_waves(cols),
+    )
 
 
 class Store:
@@ -268,10 +284,21 @@ class Store:
             "runner, trace_key) VALUES (?,?,?,?,?,?,?,?,?,?,?,?) "
             "ON CONFLICT (run, engine, dp, tp, pp) DO UPDATE SET node = excluded.node, "
             "pid = excluded.pid, runner = excluded.runner",
-            (run, engine, rank.dp_rank, rank.tp_rank, rank.pp_rank, rank.dp_size, rank.tp_size,
-             rank.pp_size, rank.node, rank.pid, rank.runner,
-             _signed(wave_trace_key(rank.run_id))),
-        )  # fmt: skip
+            (
+                run,
+                engine,
+                rank.dp_rank,
+                rank.tp_rank,
+                rank.pp_rank,
+                rank.dp_size,
+                rank.tp_size,
+                rank.pp_size,
+                rank.node,
+                rank.pid,
+                rank.runner,
+                _signed(wave_trace_key(rank.run_id)),
+            ),
+        )
         (rank_key,) = conn.execute(
             "SELECT id FROM ranks WHERE run = ? AND engine = ? AND dp = ? AND tp = ? AND pp = ?",
             (run, engine, rank.dp_rank, rank.tp_rank, rank.pp_rank),
@@ -295,9 +322,19 @@ class Store:
                     for cw in batch.collective_waves:
                         for call in cw.slow_calls:
                             slow_rows.append(
-                                (rank_id, call.group, call.seq, cw.wave, call.op, call.backend,
-                                 call.dtype, call.bytes, call.start_unix_nano, call.host_ns)
-                            )  # fmt: skip
+                                (
+                                    rank_id,
+                                    call.group,
+                                    call.seq,
+                                    cw.wave,
+                                    call.op,
+                                    call.backend,
+                                    call.dtype,
+                                    call.bytes,
+                                    call.start_unix_nano,
+                                    call.host_ns,
+                                )
+                            )
             if not (wave_rows or coll_rows or slow_rows):
                 self._conn.commit()
                 return
@@ -324,8 +361,7 @@ class Store:
         numbers = [cw.wave for cw in waves]
         arrivals = [cw.first_arrival_unix_nano for cw in waves if cw.first_arrival_unix_nano]
         start = min(arrivals) if arrivals else time.time_ns()
-        return (rank_id, min(numbers), max(numbers), start, len(numbers),
-                encode_collectives(waves))  # fmt: skip
+        return (rank_id, min(numbers), max(numbers), start, len(numbers), encode_collectives(waves))
 
     # -- retention --------------------------------------------------------------------------
     def used_bytes(self) -> int:

@@ -45,7 +45,7 @@ def flood(sidecar: SidecarProcess, engine: str) -> int:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-        )  # fmt: skip
+        )
         for tp in range(CLIENTS)
     ]
     for proc in procs:

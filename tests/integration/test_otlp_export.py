@@ -80,10 +80,13 @@ def test_wave_spans_reach_an_otlp_receiver(receiver, tmp_path: Path) -> None:
         assert all(s.parent_span_id == root.span_id for s in ranks)
     # the same spans, with the same ids, as the store builds for `ascend-guard trace`
     trace = format_trace_id(wave_trace_id("run-otlp", 3))
-    stored = {(s.name, s.span_id.to_bytes(8, "big"), s.start_ns, s.end_ns)
-              for s in trace_spans(sidecar.store_path, trace)}  # fmt: skip
-    exported = {(s.name, s.span_id, s.start_time_unix_nano, s.end_time_unix_nano)
-                for s in by_trace[trace]}  # fmt: skip
+    stored = {
+        (s.name, s.span_id.to_bytes(8, "big"), s.start_ns, s.end_ns)
+        for s in trace_spans(sidecar.store_path, trace)
+    }
+    exported = {
+        (s.name, s.span_id, s.start_time_unix_nano, s.end_time_unix_nano) for s in by_trace[trace]
+    }
     assert stored == exported
 
 
@@ -92,9 +95,15 @@ def test_tail_sampling_keeps_slow_waves_incident_waves_and_one_in_n(receiver, tm
     keep_one_in = 7
     sidecar = SidecarProcess.start(
         tmp_path,
-        extra_args=("--otlp-endpoint", f"http://127.0.0.1:{port}", "--otlp-keep-one-in",
-                    str(keep_one_in), "--otlp-slow-wave", "40ms"),
-    )  # fmt: skip
+        extra_args=(
+            "--otlp-endpoint",
+            f"http://127.0.0.1:{port}",
+            "--otlp-keep-one-in",
+            str(keep_one_in),
+            "--otlp-slow-wave",
+            "40ms",
+        ),
+    )
     slow = {5, 17}
     streamer = make_streamer(sidecar.address, run_id="run-tail")
     reporter = attach_reporter(streamer, "run-tail", wave=23)

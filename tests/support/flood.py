@@ -32,33 +32,64 @@ BATCH = 256
 def _filler(tp: int):
     def fill(batch: guard_pb2.Batch, with_heartbeat: bool) -> None:
         cols = batch.wave_columns
-        for wave, start, execute in zip(cols.wave, cols.start_unix_nano, cols.execute_ns,
-                                        strict=True):  # fmt: skip
+        for wave, start, execute in zip(
+            cols.wave, cols.start_unix_nano, cols.execute_ns, strict=True
+        ):
             wait = 40_000 + (wave * 7919 + tp) % 60_000
             cw = batch.collective_waves.add(
                 wave=wave, first_arrival_unix_nano=start + execute // 3, wait_ns=wait
             )
-            cw.stats.add(op="all_reduce", group="tp", backend="hccl", dtype="bfloat16", calls=2,
-                         bytes=2 * 8192, host_ns=wait - 10_000, max_host_ns=wait // 2,
-                         first_seq=3 * wave - 2, last_seq=3 * wave - 1)  # fmt: skip
-            cw.stats.add(op="all_gather", group="tp", backend="hccl", dtype="bfloat16", calls=1,
-                         bytes=4 * 32000, host_ns=10_000, max_host_ns=10_000, first_seq=3 * wave,
-                         last_seq=3 * wave)  # fmt: skip
+            cw.stats.add(
+                op="all_reduce",
+                group="tp",
+                backend="hccl",
+                dtype="bfloat16",
+                calls=2,
+                bytes=2 * 8192,
+                host_ns=wait - 10_000,
+                max_host_ns=wait // 2,
+                first_seq=3 * wave - 2,
+                last_seq=3 * wave - 1,
+            )
+            cw.stats.add(
+                op="all_gather",
+                group="tp",
+                backend="hccl",
+                dtype="bfloat16",
+                calls=1,
+                bytes=4 * 32000,
+                host_ns=10_000,
+                max_host_ns=10_000,
+                first_seq=3 * wave,
+                last_seq=3 * wave,
+            )
 
     return fill
 
 
 def make_streamer(address: str, args: argparse.Namespace) -> Streamer:
     rank = guard_pb2.RankInfo(
-        run_id=args.run_id, engine=args.engine, tp_rank=args.tp, tp_size=args.tp_size,
-        dp_size=1, pp_size=1, node="flood-node", pid=os.getpid(), runner="tests.Flood",
-    )  # fmt: skip
+        run_id=args.run_id,
+        engine=args.engine,
+        tp_rank=args.tp,
+        tp_size=args.tp_size,
+        dp_size=1,
+        pp_size=1,
+        node="flood-node",
+        pid=os.getpid(),
+        runner="tests.Flood",
+    )
     return Streamer(
-        address, rank, buffer_size=BATCH, batch_max=BATCH, flush_interval_s=0.01,
-        heartbeat_interval_s=1.0, max_backoff_s=0.2,
+        address,
+        rank,
+        buffer_size=BATCH,
+        batch_max=BATCH,
+        flush_interval_s=0.01,
+        heartbeat_interval_s=1.0,
+        max_backoff_s=0.2,
         heartbeat_source=lambda: HeartbeatState(0, "execute_model", 0),
         batch_filler=_filler(args.tp),
-    )  # fmt: skip
+    )
 
 
 def batches(streamer: Streamer, records: int, rate: float, seed: int):
@@ -92,7 +123,7 @@ def batches(streamer: Streamer, records: int, rate: float, seed: int):
                     reqs,
                     False,
                     True,
-                )  # fmt: skip
+                )
             )
         now = time.monotonic()
         beat = now - last_beat >= 1.0
@@ -141,8 +172,18 @@ def main() -> None:
         error = f"{exc.code()}: {exc.details()}"
     # every batch but a short last one holds BATCH records
     sent = min(args.records, counted["batches"] * BATCH)
-    print(json.dumps({"records": sent, "batches": counted["batches"], "acked": acked,
-                      "seconds": time.monotonic() - began, "error": error}), flush=True)  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "records": sent,
+                "batches": counted["batches"],
+                "acked": acked,
+                "seconds": time.monotonic() - began,
+                "error": error,
+            }
+        ),
+        flush=True,
+    )
     channel.close()
 
 

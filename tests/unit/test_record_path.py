@@ -43,8 +43,16 @@ class _Context:
 
 
 def rank(tp: int = 0, **overrides) -> guard_pb2.RankInfo:
-    fields = dict(run_id="run-rp", engine="rp", tp_rank=tp, tp_size=2, dp_size=1, pp_size=1,
-                  node="n", pid=100 + tp)  # fmt: skip
+    fields = dict(
+        run_id="run-rp",
+        engine="rp",
+        tp_rank=tp,
+        tp_size=2,
+        dp_size=1,
+        pp_size=1,
+        node="n",
+        pid=100 + tp,
+    )
     fields.update(overrides)
     return guard_pb2.RankInfo(**fields)
 
@@ -52,9 +60,15 @@ def rank(tp: int = 0, **overrides) -> guard_pb2.RankInfo:
 def streamer_batches(tp: int, waves: range, per_batch: int = 64) -> list[guard_pb2.Batch]:
     """Batches as the worker's streamer makes them (wire v2: rank in the first only)."""
     s = Streamer(
-        "unix:///nowhere", rank(tp), buffer_size=1024, batch_max=per_batch, flush_interval_s=1,
-        heartbeat_interval_s=1, max_backoff_s=1, heartbeat_source=lambda: HeartbeatState(0, "", 0),
-    )  # fmt: skip
+        "unix:///nowhere",
+        rank(tp),
+        buffer_size=1024,
+        batch_max=per_batch,
+        flush_interval_s=1,
+        heartbeat_interval_s=1,
+        max_backoff_s=1,
+        heartbeat_source=lambda: HeartbeatState(0, "", 0),
+    )
     records = [wave_tuple(n) for n in waves]
     return [
         s._make_batch(records[i : i + per_batch], i == 0) for i in range(0, len(records), per_batch)
@@ -140,17 +154,26 @@ def test_a_wave_number_past_int64_is_refused_naming_it_and_spoils_nothing_else(t
 @pytest.mark.parametrize(
     ("spoil", "fragment"),
     [
-        (lambda b: setattr(b.heartbeat, "phase", "x" * 10_000), "heartbeat.phase: 10000 characters"),
+        (
+            lambda b: setattr(b.heartbeat, "phase", "x" * 10_000),
+            "heartbeat.phase: 10000 characters",
+        ),
         (lambda b: setattr(b.rank, "node", "n" * 500), "rank.node: 500 characters"),
-        (lambda b: b.collective_waves.add(wave=1).stats.add(op="o" * 5000),
-         "collective_waves[0].stats[0].op: 5000 characters"),
-        (lambda b: b.probes.add(name="kv_cache_bytes", labels={"k": "v" * 300}),
-         "probes[0].labels['k']"),
-        (lambda b: b.wave_columns.execute_ns.__setitem__(0, -5),
-         "wave_columns.execute_ns[0]: -5 is outside"),
+        (
+            lambda b: b.collective_waves.add(wave=1).stats.add(op="o" * 5000),
+            "collective_waves[0].stats[0].op: 5000 characters",
+        ),
+        (
+            lambda b: b.probes.add(name="kv_cache_bytes", labels={"k": "v" * 300}),
+            "probes[0].labels['k']",
+        ),
+        (
+            lambda b: b.wave_columns.execute_ns.__setitem__(0, -5),
+            "wave_columns.execute_ns[0]: -5 is outside",
+        ),
         (lambda b: b.wave_columns.sampled.append(True), "wave_columns.sampled: 65 values"),
     ],
-)  # fmt: skip
+)
 def test_unstorable_values_are_refused_at_validation(tmp_path, spoil, fragment):
     path = Path_(tmp_path)
     batches = streamer_batches(0, range(1, 65))
