@@ -46,6 +46,7 @@ import zlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import structlog
 
 from telemetry.pipeline import STAGE_STORE, Item
@@ -212,25 +213,27 @@ def decode_collectives(blob: bytes):
 
 def wave_block_row(rank_id: int, cols: guard_pb2.WaveColumns) -> tuple:
     """The `wave_blocks` row of one batch's waves (columns must be validated and non-empty)."""
-    starts = cols.start_unix_nano
-    execute = cols.execute_ns
+    n = len(cols.wave)
+    starts = np.fromiter(cols.start_unix_nano, np.int64, n)
+    execute_end = starts + np.fromiter(cols.execute_ns, np.int64, n)
     # a rank span ends at the later of execute_model's and sample_tokens' end
-    ends = [
-        max(s + e, s + o + sn) if sampled else s + e
-        for s, e, o, sn, sampled in zip(
-            starts, execute, cols.sample_offset_ns, cols.sample_ns, cols.sampled, strict=True
-        )
-    ]
-    steps = [end - s for end, s in zip(ends, starts, strict=True)]
+    sample_end = (
+        starts
+        + np.fromiter(cols.sample_offset_ns, np.int64, n)
+        + np.fromiter(cols.sample_ns, np.int64, n)
+    )
+    ends = np.where(
+        np.fromiter(cols.sampled, bool, n), np.maximum(execute_end, sample_end), execute_end
+    )
     waves = cols.wave
     return (
         rank_id,
         min(waves),
         max(waves),
-        min(starts),
-        max(ends),
-        len(waves),
-        max(steps),
+        int(starts.min()),
+        int(ends.max()),
+        n,
+        int((ends - starts).max()),
         encode_waves(cols),
     )
 

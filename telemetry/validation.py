@@ -62,7 +62,8 @@ def validate_batch(batch: guard_pb2.Batch, *, rank_known: bool = False, v1: bool
             f"at most {MAX_COLLECTIVE_WAVES_PER_BATCH}"
         )
     for index, cw in enumerate(batch.collective_waves):
-        _validate_collective_wave(f"collective_waves[{index}]", cw)
+        if cw.ByteSize() > MAX_TEXT or not 1 <= cw.wave <= INT64_MAX:  # else nothing to check
+            _validate_collective_wave(f"collective_waves[{index}]", cw)
     if len(batch.incidents) > MAX_INCIDENTS_PER_BATCH:
         raise InvalidBatch(
             f"batch.incidents: {len(batch.incidents)} incidents, at most {MAX_INCIDENTS_PER_BATCH}"
