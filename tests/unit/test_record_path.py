@@ -305,3 +305,50 @@ def test_wave_columns_mirror_the_wave_record():
     assert WaveTuple._fields == WAVE_COLUMNS == schema.WAVE_FIELDS
     assert set(schema.WAVE_RANGES) == set(record)
     assert schema.WAVE_RANGES["wave"] == (1, 2**63 - 1)
+
+
+# -- the OTLP exporter's own accounting -------------------------------------------------------
+
+
+def _items(tp: int, waves: range) -> list[Item]:
+    from telemetry.ingest import RankView
+
+    view = RankView(rank(tp), "rp")
+    out = []
+    for batch in streamer_batches(tp, waves):
+        batch.rank.CopyFrom(view.rank)
+        out.append(Item(view.source, batch, batch.ByteSize(), len(batch.wave_columns.wave)))
+    return out
+
+
+def test_otlp_export_counts_a_full_queue_and_a_failed_receiver():
+    from telemetry.export import ExportSettings, OtlpExporter
+    from tests.support.ports import free_port
+
+    registry = CollectorRegistry()
+    drops = Drops(registry)
+    items = _items(0, range(1, 257))  # 4 batches of 64
+    settings = ExportSettings(
+        f"http://127.0.0.1:{free_port()}",  # nobody listens
+        keep_one_in=1,
+        max_queue_bytes=sum(item.nbytes for item in items[:3]),
+        timeout_s=0.5,
+    )
+    exporter = OtlpExporter(settings, drops, registry, "node")
+    exporter.write(items)
+    assert drops.totals[("otlp_export", "queue_full")] == 64  # the 4th batch did not fit
+    assert exporter.export_due(float("inf")) == 0
+    assert drops.totals[("otlp_export", "export_failed")] == 192  # the 3 queued, all lost
+    assert (
+        registry.get_sample_value("ascend_guard_otlp_records_total", {"decision": "exported"})
+        == 192
+    )
+    exporter.close()
+
+
+def test_tail_sampling_is_the_same_for_every_rank_and_about_one_in_n():
+    from telemetry.export import sampled
+
+    kept = [w for w in range(1, 100_001) if sampled(w, 100)]
+    assert 800 <= len(kept) <= 1200
+    assert all(sampled(w, 1) for w in range(1, 100))
