@@ -113,7 +113,10 @@ class IncidentLedger:
     ) -> bool:
         """Record an incident once; False when this id was seen before."""
         run_id = rank.run_id if rank is not None else ""
-        trace_id = format_trace_id(wave_trace_id(run_id, incident.wave)) if incident.wave else ""
+        dp = rank.dp_rank if rank is not None else 0
+        trace_id = (
+            format_trace_id(wave_trace_id(run_id, incident.wave, dp)) if incident.wave else ""
+        )
         row = (
             incident.id, incident.schema_version, incident.type, incident.severity,
             rank.run_id if rank is not None else "", engine,

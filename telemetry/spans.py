@@ -61,8 +61,8 @@ class Span:
 
 
 def is_root_rank(rank: RankRow) -> bool:
-    """The rank whose row also yields the wave root span."""
-    return rank.dp == 0 and rank.tp == 0 and rank.pp == 0
+    """The rank whose row also yields its replica's wave root span."""
+    return rank.tp == 0 and rank.pp == 0
 
 
 def rank_end_ns(cols: guard_pb2.WaveColumns, i: int) -> int:
@@ -80,11 +80,11 @@ def wave_spans(
     run_id, wave = rank.run_id, cols.wave[i]
     start = cols.start_unix_nano[i]
     end = rank_end_ns(cols, i)
-    trace_id = wave_trace_id(run_id, wave)
+    trace_id = wave_trace_id(run_id, wave, rank.dp)
     common = {schema.ATTR_RUN: run_id, schema.ATTR_ENGINE: rank.engine, schema.ATTR_WAVE: wave}
     coords = {schema.ATTR_DP: rank.dp, schema.ATTR_TP: rank.tp, schema.ATTR_PP: rank.pp}
     out: list[Span] = []
-    root_id = wave_span_id(run_id, wave)
+    root_id = wave_span_id(run_id, wave, rank.dp)
 
     def want(name: str) -> bool:
         return names is None or name in names
@@ -171,7 +171,7 @@ def collective_spans(rank: RankRow, cw: guard_pb2.CollectiveWave) -> list[Span]:
     wave are aggregated on the worker: the span starts at the wave's first collective and
     lasts the host time inside that (op, group)."""
     run_id, wave = rank.run_id, cw.wave
-    trace_id = wave_trace_id(run_id, wave)
+    trace_id = wave_trace_id(run_id, wave, rank.dp)
     parent = rank_span_id(run_id, wave, rank.dp, rank.tp, rank.pp)
     where = (rank.dp, rank.tp, rank.pp)
     out = []
@@ -213,12 +213,13 @@ def incident_span(row) -> Span:
     incident as a span event, under the rank span of its wave (the wave span for incidents the
     sidecar raised itself)."""
     run_id, wave = row["run_id"] or "", row["wave"] or 0
-    trace_id = wave_trace_id(run_id, wave)
     has_rank = row["tp"] is not None
+    dp = row["dp"] if row["dp"] is not None else 0
+    trace_id = wave_trace_id(run_id, wave, dp)
     parent = (
         rank_span_id(run_id, wave, row["dp"], row["tp"], row["pp"])
         if has_rank
-        else wave_span_id(run_id, wave)
+        else wave_span_id(run_id, wave, dp)
     )
     attrs: dict[str, Any] = {
         schema.ATTR_RUN: run_id,

@@ -299,7 +299,7 @@ class Store:
                 rank.node,
                 rank.pid,
                 rank.runner,
-                _signed(wave_trace_key(rank.run_id)),
+                _signed(wave_trace_key(rank.run_id, rank.dp_rank)),
             ),
         )
         (rank_key,) = conn.execute(

@@ -79,7 +79,7 @@ def test_wave_spans_reach_an_otlp_receiver(receiver, tmp_path: Path) -> None:
         ranks = [s for s in members if s.name == "rank"]
         assert all(s.parent_span_id == root.span_id for s in ranks)
     # the same spans, with the same ids, as the store builds for `ascend-guard trace`
-    trace = format_trace_id(wave_trace_id("run-otlp", 3))
+    trace = format_trace_id(wave_trace_id("run-otlp", 3, 0))
     stored = {
         (s.name, s.span_id.to_bytes(8, "big"), s.start_ns, s.end_ns)
         for s in trace_spans(sidecar.store_path, trace)
