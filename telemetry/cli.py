@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import re
 import sys
 from collections.abc import Sequence
 
@@ -106,8 +107,6 @@ _SIZE = {
 
 def parse_size(text: str, what: str) -> int:
     """'8GiB', '500MB', '1048576' -> bytes."""
-    import re
-
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
     unit = match.group(2).lower() if match else None
     if not match or unit not in _SIZE or float(match.group(1)) <= 0:
