@@ -157,10 +157,20 @@ def _validate_heartbeat(hb: guard_pb2.Heartbeat) -> None:
             f"heartbeat: last_wave {hb.last_wave} / collective_seq {hb.collective_seq} "
             f"exceed {INT64_MAX}"
         )
-    for name in ("phase", "collective_op", "collective_group", "collective_backend"):
+    # a captured graph's list of collectives is a sentence, the rest are names
+    limits = {"collective_graph_holds": MAX_SUMMARY}
+    for name in (
+        "phase",
+        "collective_op",
+        "collective_group",
+        "collective_backend",
+        "collective_graph",
+        "collective_graph_holds",
+    ):
         value = getattr(hb, name)
-        if len(value) > MAX_TEXT:
-            raise InvalidBatch(f"heartbeat.{name}: {len(value)} characters, at most {MAX_TEXT}")
+        limit = limits.get(name, MAX_TEXT)
+        if len(value) > limit:
+            raise InvalidBatch(f"heartbeat.{name}: {len(value)} characters, at most {limit}")
 
 
 def _validate_collective_wave(where: str, cw: guard_pb2.CollectiveWave) -> None:
