@@ -88,6 +88,10 @@ class SidecarMetrics:
     def observe_batch(self, labels: RankLabels, batch: guard_pb2.Batch, source: tuple) -> int:
         """Count one validated batch from the worker process identified by `source` (the writer
         thread); return how many records the worker newly reported as dropped."""
+        if batch.waves:  # a v1 batch handed over directly (ingest converts them first)
+            from telemetry.validation import to_columns
+
+            to_columns(batch)
         with self._lock:
             seen_dropped, seen_errors = self._cumulative.get(source, (0, 0))
             self._cumulative[source] = (

@@ -50,6 +50,16 @@ def rank_span_id(run_id: str, wave: int, dp: int, tp: int, pp: int) -> int:
     return _digest(f"ascend-guard/rank-span/{run_id}/{wave}/{dp}/{tp}/{pp}", 8)
 
 
+def lockstep_links(run_id: str, wave: int, dp: int, dp_size: int) -> list[tuple[int, int, int]]:
+    """(trace id, wave span id, dp) of wave `wave` of every other DP rank, for a replica whose
+    DP engines step in lockstep (issue 13)."""
+    return [
+        (wave_trace_id(run_id, wave, other), wave_span_id(run_id, wave, other), other)
+        for other in range(dp_size)
+        if other != dp
+    ]
+
+
 def phase_span_id(run_id: str, wave: int, dp: int, tp: int, pp: int, phase: str) -> int:
     return _digest(f"ascend-guard/phase-span/{run_id}/{wave}/{dp}/{tp}/{pp}/{phase}", 8)
 

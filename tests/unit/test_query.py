@@ -562,3 +562,14 @@ def test_each_dp_replica_has_its_own_trace_and_root(tmp_path):
         (root,) = [s for s in spans if s.name == "wave"]
         assert root.span_id == wave_span_id("run-dp", 4, dp)
     assert wave_trace_id("run-dp", 4, 0) != wave_trace_id("run-dp", 4, 1)
+
+
+def test_lockstep_links_name_the_other_dp_ranks_waves():
+    from telemetry.traces import lockstep_links
+
+    links = lockstep_links("run-a", 5, 1, 3)
+    assert links == [
+        (wave_trace_id("run-a", 5, 0), wave_span_id("run-a", 5, 0), 0),
+        (wave_trace_id("run-a", 5, 2), wave_span_id("run-a", 5, 2), 2),
+    ]
+    assert lockstep_links("run-a", 5, 0, 1) == []
