@@ -181,7 +181,8 @@ def test_every_series_a_rank_creates_has_a_dp_label():
             stat.calls, stat.last_seq = 1, 1
             b.detector_hits_total["token_repeat"] = 1
             metrics.observe_batch(("e", str(dp), str(tp), "0"), b, (RUN, "e", dp, tp, 0, 1))
-            view.observe("e", b)
+            view.observe("e", b)  # ingest: liveness, hang state, alignment
+            view.count("e", b)  # the writer: collective counters
     families = list(metrics.registry.collect())
     seen = {f.name for f in families if f.samples}
     assert len(seen) >= 24, sorted(seen)
