@@ -5,15 +5,15 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import re
 import sys
 from collections.abc import Sequence
 
-from telemetry import build_info, hangs_cli, logs, paths, ready_cli
+from telemetry import build_info, hangs_cli, logs, paths, ready_cli, schema
 from telemetry.incidents import IncidentFilter, list_incidents
 from telemetry.query import (
     QueryError,
     SpanQuery,
-    attributes,
     load_trace,
     parse_duration_ns,
     parse_rank,
@@ -69,6 +69,8 @@ def _parser() -> argparse.ArgumentParser:
     side = sub.add_parser(
         "sidecar", help="run the node sidecar (gRPC ingest, /metrics, trace store)"
     )
+    from telemetry.sidecar import setting_default as d
+
     side.add_argument(
         "--listen",
         default=paths.sidecar_address(),
@@ -94,12 +96,38 @@ def _parser() -> argparse.ArgumentParser:
     side.add_argument(
         "--otlp-endpoint", default=None, help="also export spans over OTLP/gRPC to this URL"
     )
-    side.add_argument("--retention", default="24h", help="keep spans this long (e.g. 6h, 7d)")
     side.add_argument(
-        "--max-spans", type=int, default=5_000_000, help="keep at most this many spans"
+        "--otlp-slow-wave",
+        default=_seconds_text(d("otlp_slow_wave_s")),
+        help="OTLP export keeps every wave with a step at least this long",
     )
     side.add_argument(
-        "--max-message-bytes", type=int, default=4 * 1024 * 1024, help="largest accepted batch"
+        "--otlp-keep-one-in",
+        type=int,
+        default=d("otlp_keep_one_in"),
+        help="... and 1 in N of the other waves (1: every wave); waves with an incident or "
+        "verdict are always kept",
+    )
+    side.add_argument(
+        "--retention",
+        default=_seconds_text(d("retention_s")),
+        help="keep records this long (e.g. 6h, 7d)",
+    )
+    side.add_argument(
+        "--max-store-bytes",
+        default=f"{d('max_store_bytes') // 2**30}GiB",
+        help="the store's size cap; the oldest minutes go first",
+    )
+    side.add_argument(
+        "--queue-bytes",
+        default=f"{d('queue_bytes') // 2**20}MiB",
+        help="validated batches waiting for the writer, at most (beyond: dropped, counted)",
+    )
+    side.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=d("max_message_bytes"),
+        help="largest accepted batch",
     )
     side.add_argument("--log-json", action="store_true", help="log JSON lines instead of key=value")
     side.add_argument(
@@ -204,12 +232,44 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+_SIZE = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(text: str, what: str) -> int:
+    """'8GiB', '500MB', '1048576' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _SIZE or float(match.group(1)) <= 0:
+        raise QueryError(f"{what}: {text!r} is not a size; use e.g. 8GiB, 500MB or bytes")
+    return int(float(match.group(1)) * _SIZE[unit])
+
+
+def _seconds_text(seconds: float) -> str:
+    return f"{seconds:g}s" if seconds < 3600 else f"{seconds / 3600:g}h"
+
+
 def _cmd_sidecar(args: argparse.Namespace) -> int:
     from telemetry.sidecar import Sidecar, SidecarSettings, SidecarStartError
     from telemetry.transport import ServerSecurity
 
     logs.configure(json_output=args.log_json)
     try:
+        max_store_bytes = parse_size(args.max_store_bytes, "--max-store-bytes")
+        queue_bytes = parse_size(args.queue_bytes, "--queue-bytes")
+        slow_wave_s = parse_duration_ns(args.otlp_slow_wave, "--otlp-slow-wave") / 1e9
+        if args.otlp_keep_one_in < 1:
+            raise QueryError(f"--otlp-keep-one-in: {args.otlp_keep_one_in} must be 1 or more")
         retention_s = parse_duration_ns(args.retention, "--retention") / 1e9
         hang_stale_s = parse_duration_ns(args.hang_after, "--hang-after") / 1e9
         hang_wait_s = parse_duration_ns(args.hang_wait, "--hang-wait") / 1e9
@@ -228,7 +288,8 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
         return 2
     settings = SidecarSettings(
         listen=args.listen, metrics_host=args.metrics_host, metrics_port=args.metrics_port, store=args.store,
-        otlp_endpoint=args.otlp_endpoint, retention_s=retention_s, max_spans=args.max_spans,
+        otlp_endpoint=args.otlp_endpoint, retention_s=retention_s, max_store_bytes=max_store_bytes,
+        queue_bytes=queue_bytes, otlp_slow_wave_s=slow_wave_s, otlp_keep_one_in=args.otlp_keep_one_in,
         max_message_bytes=args.max_message_bytes, health_host=args.health_host,
         health_port=args.health_port, hang_stale_s=hang_stale_s, hang_wait_s=hang_wait_s,
         straggler_threshold_s=straggler_s, socket_group=args.socket_group, engine_linger_s=linger_s,
@@ -265,8 +326,8 @@ def _cmd_query(args: argparse.Namespace) -> int:
         print("no spans match; widen --since or drop a filter")
         return 0
     table = [
-        (_clock(r["start_ns"]), r["wave"], rank_label(r), r["name"], format_duration_ns(r["duration_ns"]),
-         attributes(r).get("ascend_guard.num_reqs", ""), r["trace_id"])
+        (_clock(r.start_ns), r.wave, rank_label(r), r.name, format_duration_ns(r.duration_ns),
+         r.attributes.get(schema.attr("num_reqs"), ""), r.trace_hex)
         for r in rows
     ]  # fmt: skip
     print(
@@ -277,7 +338,7 @@ def _cmd_query(args: argparse.Namespace) -> int:
         )
     )
     print(
-        f"\n{len(rows)} span(s); show one with: ascend-guard trace {rows[0]['trace_id']} --store {args.store}"
+        f"\n{len(rows)} span(s); show one with: ascend-guard trace {rows[0].trace_hex} --store {args.store}"
     )
     return 0
 
@@ -366,28 +427,32 @@ def _cmd_config(args: argparse.Namespace) -> int:
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
-    rows = load_trace(connect(args.store, readonly=True), args.trace_id)
-    if not rows:
-        print(f"trace {args.trace_id} is not in {args.store} (expired, or not flushed yet)")
+    spans = load_trace(connect(args.store, readonly=True), args.trace_id)
+    if not spans:
+        print(f"trace {args.trace_id} is not in {args.store} (expired, or not written yet)")
         return 1
-    origin = min(r["start_ns"] for r in rows)
-    first = rows[0]
-    print(
-        f"trace {first['trace_id']}  run {first['run_id']}  engine {first['engine']}  wave {first['wave']}"
-    )
+    origin = min(s.start_ns for s in spans)
+    first = spans[0]
+    print(f"trace {first.trace_hex}  run {first.run_id}  engine {first.engine}  wave {first.wave}")
     table = []
-    for depth, row in span_tree(rows):
-        attrs = attributes(row)
+    for depth, span in span_tree(spans):
+        attrs = span.attributes
         detail = []
-        for key in ("num_reqs", "prefill_tokens", "decode_tokens", "sampled_tokens"):
-            if f"ascend_guard.{key}" in attrs:
-                detail.append(f"{key}={attrs[f'ascend_guard.{key}']}")
-        if attrs.get("ascend_guard.dummy"):
-            detail.append("dummy")
-        label = row["name"] if row["name"] != "rank" else f"rank {rank_label(row)}"
+        for key in schema.RANK_SPAN_FIELDS:
+            value = attrs.get(schema.attr(key))
+            if key == "dummy":
+                if value:
+                    detail.append("dummy")
+            elif value is not None:
+                detail.append(f"{key}={value}")
+        if span.name.startswith("collective:"):
+            calls = attrs.get(schema.attr("collective.calls"))
+            group = attrs.get(schema.attr("collective.group"))
+            detail.append(f"group={group} calls={calls}")
+        label = span.name if span.name != "rank" else f"rank {rank_label(span)}"
         table.append(
-            ("  " * depth + ("└─ " if depth else "") + label, f"+{format_duration_ns(row['start_ns'] - origin)}",
-             format_duration_ns(row["duration_ns"]), " ".join(detail))
+            ("  " * depth + ("└─ " if depth else "") + label, f"+{format_duration_ns(span.start_ns - origin)}",
+             format_duration_ns(span.duration_ns), " ".join(detail))
         )  # fmt: skip
     print(render_table(("span", "start", "duration", "detail"), table, right=(1, 2)))
     return 0

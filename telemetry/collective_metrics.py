@@ -6,7 +6,10 @@ the wire, so they are bounded: unknown names beyond `MAX_LABEL_VALUES` share one
 
 from __future__ import annotations
 
+import threading
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from telemetry.labels import MAX_LABEL_VALUES, OVERFLOW, BoundedValues  # noqa: F401
 from telemetry.metrics import RANK_LABELS
@@ -22,46 +25,127 @@ SKEW_BUCKETS = (
 STALL_BUCKETS = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 
 
+class CollectiveCounts:
+    """Per-rank collective counters, summed once per batch and yielded at scrape time (a
+    prometheus-client custom Collector: no `.labels().inc()` per stat on the record path)."""
+
+    def __init__(self, label_value: BoundedValues) -> None:
+        self._value = label_value
+        self._lock = threading.Lock()
+        self._ops: dict[tuple, list] = {}  # (*rank labels, op, group, backend) -> sums
+        self._slow: dict[tuple, int] = {}
+        self._seq: dict[tuple, int] = {}  # (*rank labels, group) -> last seq
+
+    def add(self, labels: tuple[str, str, str, str], waves) -> None:
+        # summed under the raw wire values first; bounded label values once per key per batch
+        ops: dict[tuple, list] = {}
+        slow: dict[tuple, int] = {}
+        seqs: dict[str, int] = {}
+        for cw in waves:
+            for stat in cw.stats:
+                key = (stat.op, stat.group, stat.backend)
+                sums = ops.get(key)
+                if sums is None:
+                    ops[key] = [stat.calls, stat.bytes, stat.host_ns, stat.max_host_ns]
+                else:
+                    sums[0] += stat.calls
+                    sums[1] += stat.bytes
+                    sums[2] += stat.host_ns
+                    sums[3] = stat.max_host_ns  # the latest wave's
+                group = key[1]
+                if stat.last_seq > seqs.get(group, 0):
+                    seqs[group] = stat.last_seq
+            for call in cw.slow_calls:
+                key = (call.op, call.group, call.backend)
+                slow[key] = slow.get(key, 0) + 1
+        value = self._value
+        with self._lock:
+            for (op, group, backend), (calls, nbytes, host_ns, max_ns) in ops.items():
+                full = (*labels, value(op), value(group), value(backend))
+                sums = self._ops.get(full)
+                if sums is None:
+                    self._ops[full] = [calls, nbytes, host_ns, max_ns]
+                else:
+                    sums[0] += calls
+                    sums[1] += nbytes
+                    sums[2] += host_ns
+                    sums[3] = max_ns
+            for (op, group, backend), count in slow.items():
+                full = (*labels, value(op), value(group), value(backend))
+                self._slow[full] = self._slow.get(full, 0) + count
+                self._ops.setdefault(full, [0, 0, 0, 0])
+            for group, seq in seqs.items():
+                self._seq[(*labels, value(group))] = seq
+
+    def forget(self, engine: str) -> int:
+        """Drop every series of `engine` (it left: telemetry/roster.py); how many went."""
+        removed = 0
+        with self._lock:
+            for table in (self._ops, self._slow, self._seq):
+                gone = [key for key in table if key[0] == engine]
+                for key in gone:
+                    del table[key]
+                removed += len(gone)
+        return removed
+
+    def collect(self):
+        with self._lock:
+            ops = {k: list(v) for k, v in self._ops.items()}
+            slow = dict(self._slow)
+            seqs = dict(self._seq)
+        families = (
+            CounterMetricFamily(
+                "ascend_guard_collective_calls",
+                "Collective calls a rank made, by op, group and backend.",
+                labels=COLLECTIVE_LABELS,
+            ),
+            CounterMetricFamily(
+                "ascend_guard_collective_bytes",
+                "Payload bytes a rank handed to collectives.",
+                labels=COLLECTIVE_LABELS,
+            ),
+            CounterMetricFamily(
+                "ascend_guard_collective_seconds",
+                "Host time a rank spent inside collectives (transfer plus waiting for peers).",
+                labels=COLLECTIVE_LABELS,
+            ),
+            GaugeMetricFamily(
+                "ascend_guard_collective_max_seconds",
+                "Longest single call of (op, group) in the rank's latest wave.",
+                labels=COLLECTIVE_LABELS,
+            ),
+        )
+        calls, nbytes, seconds, max_seconds = families
+        slow_family = CounterMetricFamily(
+            "ascend_guard_collective_slow_calls",
+            "Collective calls over the guard's slow-call threshold.",
+            labels=COLLECTIVE_LABELS,
+        )
+        for key, (n, b, host_ns, max_ns) in ops.items():
+            calls.add_metric(key, n)
+            nbytes.add_metric(key, b)
+            seconds.add_metric(key, host_ns / 1e9)
+            max_seconds.add_metric(key, max_ns / 1e9)
+            slow_family.add_metric(key, slow.get(key, 0))
+        last_seq = GaugeMetricFamily(
+            "ascend_guard_collective_last_seq",
+            "Per-group sequence number of the rank's latest finished collective.",
+            labels=(*RANK_LABELS, "group"),
+        )
+        for key, seq in seqs.items():
+            last_seq.add_metric(key, seq)
+        yield from families
+        yield slow_family
+        yield last_seq
+
+
 class CollectiveMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
         self.label_value = BoundedValues()
-        self.calls = Counter(
-            "ascend_guard_collective_calls",
-            "Collective calls a rank made, by op, group and backend.",
-            COLLECTIVE_LABELS,
-            registry=r,
-        )
-        self.bytes = Counter(
-            "ascend_guard_collective_bytes",
-            "Payload bytes a rank handed to collectives.",
-            COLLECTIVE_LABELS,
-            registry=r,
-        )
-        self.seconds = Counter(
-            "ascend_guard_collective_seconds",
-            "Host time a rank spent inside collectives (transfer plus waiting for peers).",
-            COLLECTIVE_LABELS,
-            registry=r,
-        )
-        self.max_seconds = Gauge(
-            "ascend_guard_collective_max_seconds",
-            "Longest single call of (op, group) in the rank's latest wave.",
-            COLLECTIVE_LABELS,
-            registry=r,
-        )
-        self.slow_calls = Counter(
-            "ascend_guard_collective_slow_calls",
-            "Collective calls over the guard's slow-call threshold.",
-            COLLECTIVE_LABELS,
-            registry=r,
-        )
-        self.last_seq = Gauge(
-            "ascend_guard_collective_last_seq",
-            "Per-group sequence number of the rank's latest finished collective.",
-            (*RANK_LABELS, "group"),
-            registry=r,
-        )
+        # calls, bytes, seconds, max_seconds, slow_calls, last_seq: summed per batch
+        self.counts = CollectiveCounts(self.label_value)
+        r.register(self.counts)
         self.skew = Histogram(
             "ascend_guard_wave_skew_seconds",
             "Per wave: how much longer the most-waiting rank spent in collectives than the "

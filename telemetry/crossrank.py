@@ -29,8 +29,13 @@ class CrossRankView:
         )
 
     def observe(self, engine: str, batch: guard_pb2.Batch) -> None:
+        """Liveness, hang state and wave alignment (the ingest handler, before queueing)."""
         self.hangs.observe(engine, batch)
-        self.sync.observe(engine, batch)
+        self.sync.align(engine, batch)
+
+    def count(self, engine: str, batch: guard_pb2.Batch) -> None:
+        """Collective counters (the writer thread)."""
+        self.sync.count(engine, batch)
 
     def rank_gone(self, engine: str, rank: guard_pb2.RankInfo) -> None:
         self.hangs.rank_gone(engine, rank)

@@ -43,7 +43,6 @@ from telemetry.replica import RankKey, Replica, rank_key, replica_of
 log = structlog.get_logger("ascend_guard.hangs")
 
 KINDS = ("no_heartbeat", "not_arrived", "collective_stuck")
-MAX_LAG_ALLOWANCE_S = 10.0
 VERDICT = "hang_verdict"
 RECOVERY = "hang_recovered"
 
@@ -380,23 +379,21 @@ class HangDetector:
             and now - r.speaking_since >= s.wait_s
         ]  # fmt: skip
         if behind:
-            # peers wait for it and it has been quiet past stale_s: frozen, even if the lag
-            # allowance has not run out yet (the peers' wait is the corroboration)
+            # peers wait for it and it has been quiet past stale_s: frozen
             quiet = any(
-                self._frozen(r, now) or now - r.heard_at() > self._silence_limit(r, lag=False)
-                for r in behind
+                self._frozen(r, now) or now - r.heard_at() > self._silence_limit(r) for r in behind
             )
             return self._verdict(key, "no_heartbeat" if quiet else "not_arrived", behind, at, now)
         if len(at) == len(ranks):
             return self._verdict(key, "collective_stuck", at, at, now)
         return None
 
-    def _silence_limit(self, state: RankState, lag: bool = True) -> float:
-        """How long a rank may be silent: stale_s, or twice its heartbeat interval, plus how
-        far behind the sidecar was on its stream (an overloaded sidecar reads late; a frozen
-        rank's last heartbeat was read promptly, so this costs detection time only then)."""
-        base = max(self.settings.stale_s, 2.0 * state.heartbeat_interval)
-        return base + (min(state.lag_s, MAX_LAG_ALLOWANCE_S) if lag else 0.0)
+    def _silence_limit(self, state: RankState) -> float:
+        """How long a rank may be silent: stale_s, or twice its heartbeat interval. No
+        allowance for a sidecar that reads late: the ingest handler updates this state before
+        it queues the batch for storage (telemetry/pipeline.py), so heartbeats do not wait
+        behind span or store work (bench/sidecar_ingest.py: heartbeat lag under load)."""
+        return max(self.settings.stale_s, 2.0 * state.heartbeat_interval)
 
     def _verdict(
         self,

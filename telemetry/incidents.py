@@ -2,9 +2,10 @@
 
 Workers re-send incidents whose delivery they cannot be sure of (a stream that broke, a spool
 replayed after an outage), so the ledger keys every incident by its id: the first copy is
-counted in `ascend_guard_incidents_total`, stored in the `incidents` table of the trace store,
-and turned into an `incident` span (with the incident as a span event) under the rank span of
-its wave; later copies are ignored.
+counted in `ascend_guard_incidents_total`, stored in the `incidents` table of the trace store
+(with the trace id of its wave), and handed to the listeners (the OTLP exporter, which keeps
+the wave and sends an `incident` span built from the stored row, telemetry/spans.py); later
+copies are ignored. Hang verdicts are incidents too; the `hang_verdicts` view lists them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from telemetry.hangs import RECOVERY, VERDICT
 from telemetry.labels import BoundedValues
 from telemetry.proto import guard_pb2
 from telemetry.store import connect
+from telemetry.traces import format_trace_id, wave_trace_id
 
 log = structlog.get_logger("ascend_guard.incidents")
 
@@ -52,9 +54,34 @@ CREATE TABLE IF NOT EXISTS incidents (
 CREATE INDEX IF NOT EXISTS incidents_time ON incidents (time_ns);
 CREATE INDEX IF NOT EXISTS incidents_type ON incidents (type, time_ns);
 CREATE INDEX IF NOT EXISTS incidents_request ON incidents (request_id);
+CREATE INDEX IF NOT EXISTS incidents_wave ON incidents (run_id, wave);
+CREATE VIEW IF NOT EXISTS hang_verdicts AS
+    SELECT id, run_id, engine, dp, tp, pp, wave, time_ns, summary, evidence, trace_id
+    FROM incidents WHERE type = 'hang_verdict';
 """
-
-IncidentSpanner = Callable[[guard_pb2.RankInfo | None, str, guard_pb2.Incident], str]
+COLUMNS = (
+    "id",
+    "schema",
+    "type",
+    "severity",
+    "run_id",
+    "engine",
+    "dp",
+    "tp",
+    "pp",
+    "node",
+    "pid",
+    "wave",
+    "request_id",
+    "time_ns",
+    "summary",
+    "evidence",
+    "actions",
+    "occurrence",
+    "suppressed",
+    "trace_id",
+)
+IncidentListener = Callable[[dict], None]
 
 
 def open_incident_table(path: str | os.PathLike) -> sqlite3.Connection:
@@ -74,7 +101,7 @@ class IncidentLedger:
         store_path: str,
         *,
         counter=None,
-        spanner: IncidentSpanner | None = None,
+        listeners: list[IncidentListener] | None = None,
         retention_s: float = 7 * 24 * 3600,
     ) -> None:
         self._conn = open_incident_table(store_path)
@@ -84,7 +111,7 @@ class IncidentLedger:
         self._type_label = BoundedValues()
         for own in SIDECAR_TYPES:
             self._type_label(own)
-        self._spanner = spanner
+        self.listeners = list(listeners or [])
         self.retention_s = retention_s
         self._last_prune = 0.0
         self.accepted = 0
@@ -94,9 +121,11 @@ class IncidentLedger:
         self, engine: str, rank: guard_pb2.RankInfo | None, incident: guard_pb2.Incident
     ) -> bool:
         """Record an incident once; False when this id was seen before."""
-        trace_id = ""
-        if self._spanner is not None and incident.wave:
-            trace_id = self._spanner(rank, engine, incident)
+        run_id = rank.run_id if rank is not None else ""
+        dp = rank.dp_rank if rank is not None else 0
+        trace_id = (
+            format_trace_id(wave_trace_id(run_id, incident.wave, dp)) if incident.wave else ""
+        )
         row = (
             incident.id, incident.schema_version, incident.type, incident.severity,
             rank.run_id if rank is not None else "", engine,
@@ -124,6 +153,13 @@ class IncidentLedger:
             self._counter.labels(
                 engine, *dims, self._type_label(incident.type), incident.severity
             ).inc()
+        if self.listeners:
+            record = dict(zip(COLUMNS, row, strict=True))
+            for listener in self.listeners:
+                try:
+                    listener(record)
+                except Exception:  # noqa: BLE001 - a listener must not lose the incident
+                    log.exception("incident_listener_failed", id=incident.id)
         log.info(
             "incident", id=incident.id, type=incident.type, severity=incident.severity, engine=engine,
             wave=incident.wave, request_id=incident.request_id, summary=incident.summary,
@@ -176,3 +212,12 @@ def list_incidents(conn: sqlite3.Connection, flt: IncidentFilter) -> list[sqlite
         params.append(escaped + "%")
     sql = f"SELECT * FROM incidents WHERE {' AND '.join(where)} ORDER BY time_ns DESC LIMIT ?"
     return conn.execute(sql, (*params, flt.limit)).fetchall()
+
+
+def incidents_of_wave(conn: sqlite3.Connection, run_id: str, wave: int) -> list[sqlite3.Row]:
+    try:
+        return conn.execute(
+            "SELECT * FROM incidents WHERE run_id = ? AND wave = ? ORDER BY time_ns", (run_id, wave)
+        ).fetchall()
+    except sqlite3.OperationalError:
+        return []

@@ -1,9 +1,13 @@
-"""gRPC ingest: one long-lived client stream per worker rank.
+"""gRPC ingest: one long-lived client stream per worker rank; the first half of the record path.
 
 Messages are parsed here rather than by gRPC's generated handler, so a malformed or oversized
 message is answered with a status that says what was wrong (INVALID_ARGUMENT or
-RESOURCE_EXHAUSTED), counted in `ascend_guard_ingest_rejected_total`, and only that stream
-ends; the sidecar keeps serving every other one.
+RESOURCE_EXHAUSTED), counted in `ascend_guard_ingest_rejected_total`, logged at a bounded
+rate, and only that stream ends; the sidecar keeps serving every other one.
+
+A valid batch updates what must not wait (liveness, heartbeats, hang state, cross-rank
+alignment, incidents) and is then put on the bounded queue to the writer
+(telemetry/pipeline.py), which feeds metrics, the store and the OTLP exporter.
 """
 
 from __future__ import annotations
@@ -19,10 +23,10 @@ from telemetry.crossrank import CrossRankView
 from telemetry.incidents import IncidentLedger
 from telemetry.labels import EngineLabels
 from telemetry.metrics import SidecarMetrics
+from telemetry.pipeline import STAGE_INGEST, BoundedQueue, Drops, Item, RankSource
 from telemetry.proto import guard_pb2
 from telemetry.ratelimit import RateLimitedLog
-from telemetry.traces import WaveTracer
-from telemetry.validation import InvalidBatch, validate_batch
+from telemetry.validation import InvalidBatch, to_columns, validate_batch
 
 log = structlog.get_logger("ascend_guard.ingest")
 
@@ -44,35 +48,38 @@ class _Refused:
 class RankView:
     """What the sidecar knows of one rank's stream right now (for logs and the CLI)."""
 
-    __slots__ = ("batches", "engine", "last_wave", "rank", "waves")
+    __slots__ = ("batches", "engine", "last_wave", "rank", "source", "waves")
 
     def __init__(self, rank: guard_pb2.RankInfo, engine: str) -> None:
         self.rank = rank
         self.engine = engine
+        labels = (engine, str(rank.dp_rank), str(rank.tp_rank), str(rank.pp_rank))
+        process = (rank.run_id, engine, rank.dp_rank, rank.tp_rank, rank.pp_rank, rank.pid)
+        self.source = RankSource(rank, engine, labels, process)
         self.batches = 0
         self.waves = 0
         self.last_wave = 0
 
 
 class IngestService:
-    """Receives batches, validates them, and feeds metrics and traces."""
+    """Receives batches, validates them, updates liveness, and queues them for the writer."""
 
     def __init__(
         self,
         metrics: SidecarMetrics,
-        tracer: WaveTracer | None,
+        queue: BoundedQueue | None,
+        drops: Drops,
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         engines: EngineLabels | None = None,
-        on_batch: Callable[[guard_pb2.Batch], None] | None = None,
         incidents: IncidentLedger | None = None,
         cross_rank: CrossRankView | None = None,
     ) -> None:
         self.metrics = metrics
-        self.tracer = tracer
+        self.queue = queue
+        self.drops = drops
         self.max_message_bytes = max_message_bytes
         self.engines = engines or EngineLabels()
-        self._on_batch = on_batch
         self.incidents = incidents
         self.cross_rank = cross_rank  # collectives, skew, hang verdicts (telemetry/crossrank.py)
         # engine membership (telemetry/roster.py): told when an engine's first stream opens
@@ -87,6 +94,7 @@ class IngestService:
         self._stream_log = RateLimitedLog(log.info, burst=100)
         self.streams: dict[int, RankView] = {}
         self._next_stream = 0
+        self.received_records = 0
 
     def connected(self) -> list[tuple[str, guard_pb2.RankInfo]]:
         """(engine, rank) of every stream open right now."""
@@ -102,24 +110,29 @@ class IngestService:
         )
         return grpc.method_handlers_generic_handler(SERVICE, {"Stream": method})
 
-    def _deserialize(self, data: bytes) -> guard_pb2.Batch | _Refused:
+    def _deserialize(self, data: bytes) -> tuple[guard_pb2.Batch, int] | _Refused:
         if len(data) > self.max_message_bytes:
             return _Refused(
-                grpc.StatusCode.RESOURCE_EXHAUSTED, "oversized",
-                f"message of {len(data)} bytes exceeds the sidecar's limit of {self.max_message_bytes} bytes",
-            )  # fmt: skip
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "oversized",
+                f"message of {len(data)} bytes exceeds the sidecar's limit of "
+                f"{self.max_message_bytes} bytes",
+            )
         batch = guard_pb2.Batch()
         try:
             batch.ParseFromString(data)
         except DecodeError as exc:
+            # includes strings that are not UTF-8: protobuf refuses them while parsing
             return _Refused(
                 grpc.StatusCode.INVALID_ARGUMENT, "malformed", f"not a Batch message: {exc}"
             )
-        return batch
+        return batch, len(data)
 
     # -- the RPC ----------------------------------------------------------------------------
     def stream(
-        self, requests: Iterator[guard_pb2.Batch | _Refused], context: grpc.ServicerContext
+        self,
+        requests: Iterator[tuple[guard_pb2.Batch, int] | _Refused],
+        context: grpc.ServicerContext,
     ) -> guard_pb2.Ack:
         with self._lock:
             self._next_stream += 1
@@ -128,12 +141,22 @@ class IngestService:
         batches = waves = 0
         clean = False
         try:
-            for batch in requests:
-                if isinstance(batch, _Refused):
-                    self._refuse(context, batch.code, batch.reason, batch.message)
+            for message in requests:
+                if isinstance(message, _Refused):
+                    self._refuse(context, message.code, message.reason, message.message)
+                batch, nbytes = message
+                v1 = bool(batch.waves)
+                if v1:
+                    to_columns(batch)
                 try:
-                    validate_batch(batch)
+                    records = validate_batch(batch, rank_known=view is not None, v1=v1)
+                    if view is not None and batch.HasField("rank") and batch.rank != view.rank:
+                        raise InvalidBatch(
+                            "batch.rank: differs from the rank this stream named first; "
+                            "one stream carries one rank"
+                        )
                 except InvalidBatch as exc:
+                    self.drops.add(STAGE_INGEST, "invalid", len(batch.wave_columns.wave))
                     self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(exc))
                 if view is None:
                     problem = self.check_engine and self.check_engine(
@@ -144,9 +167,11 @@ class IngestService:
                             context, grpc.StatusCode.FAILED_PRECONDITION, "engine_in_use", problem
                         )
                     view = self._register(stream_id, batch.rank)
-                self._ingest(view, batch)
+                elif not batch.HasField("rank"):
+                    batch.rank.CopyFrom(view.rank)  # wire v2: named once per stream
+                self._ingest(view, batch, records, nbytes)
                 batches += 1
-                waves += len(batch.waves)
+                waves += records
             # the worker closed its stream; a dropped connection may also end the loop, but
             # then the RPC is no longer active
             clean = context.is_active()
@@ -166,8 +191,9 @@ class IngestService:
 
     def _register(self, stream_id: int, rank: guard_pb2.RankInfo) -> RankView:
         engine = self.engines.label(rank.engine or "default")
-        view = RankView(guard_pb2.RankInfo(), engine)
-        view.rank.CopyFrom(rank)
+        own = guard_pb2.RankInfo()
+        own.CopyFrom(rank)
+        view = RankView(own, engine)
         with self._lock:
             self.streams[stream_id] = view
         self.metrics.ranks_connected.labels(engine, str(rank.dp_rank)).inc()
@@ -194,26 +220,25 @@ class IngestService:
         if last and self.on_engine_idle is not None:
             self.on_engine_idle(view.engine, clean)
 
-    def _ingest(self, view: RankView, batch: guard_pb2.Batch) -> None:
-        rank = batch.rank
-        engine = self.engines.label(rank.engine or "default")
-        labels = (engine, str(rank.dp_rank), str(rank.tp_rank), str(rank.pp_rank))
-        source = (rank.run_id, engine, rank.dp_rank, rank.tp_rank, rank.pp_rank, rank.pid)
-        if self.cross_rank is not None:  # first: liveness must not wait for the span work
+    def _ingest(self, view: RankView, batch: guard_pb2.Batch, records: int, nbytes: int) -> None:
+        source = view.source
+        engine = source.engine
+        if self.cross_rank is not None:  # first: liveness must not wait for anything else
             self.cross_rank.observe(engine, batch)
-        self.metrics.observe_batch(labels, batch, source)
-        if self.tracer is not None:
-            for wave in batch.waves:
-                self.tracer.record(rank, engine, wave)
+        if batch.HasField("heartbeat"):
+            self.metrics.observe_heartbeat(source.labels, batch.heartbeat.time_unix_nano)
         if self.incidents is not None:
             for incident in batch.incidents:
-                self.incidents.add(engine, rank, incident)
+                self.incidents.add(engine, batch.rank, incident)
         for probe in batch.probes:
-            if not self.metrics.observe_probe(labels, probe, source):
+            if not self.metrics.observe_probe(source.labels, probe, source.process):
                 self.metrics.rejected.labels("unknown_probe").inc()
         view.batches += 1
-        view.waves += len(batch.waves)
-        if batch.waves:
-            view.last_wave = max(view.last_wave, max(w.wave for w in batch.waves))
-        if self._on_batch is not None:
-            self._on_batch(batch)
+        if records:
+            view.waves += records
+            view.last_wave = max(view.last_wave, max(batch.wave_columns.wave))
+        if records:
+            with self._lock:
+                self.received_records += records
+        if self.queue is not None:
+            self.queue.put(Item(source, batch, nbytes, records))

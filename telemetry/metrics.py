@@ -3,13 +3,22 @@
 Per-rank series carry `engine`, `dp`, `tp`, `pp`; per-replica series `engine`, `dp`. Workers send cumulative counts of dropped
 records and internal errors; the sidecar turns them into counter increments per worker process,
 so counters stay monotonic across worker and sidecar restarts.
+
+The per-wave families (waves, tokens, step durations, last wave, heartbeats, drops, guard
+errors) come from `WaveStats`, a prometheus-client custom Collector: the writer adds each batch
+once, as numpy sums and bucket counts over the batch's columns, and `collect()` yields
+`CounterMetricFamily` / `HistogramMetricFamily` / `GaugeMetricFamily` at scrape time, under
+the same names and labels the dashboards and alerts use.
 """
 
 from __future__ import annotations
 
 import threading
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created_metrics
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from telemetry.labels import BoundedValues
 from telemetry.probes import PROBE_METRICS
@@ -36,68 +45,8 @@ class SidecarMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.waves = Counter(
-            "ascend_guard_waves",
-            "Engine steps (waves) reported by a rank.",
-            RANK_LABELS,
-            registry=r,
-        )
-        self.dummy_waves = Counter(
-            "ascend_guard_dummy_waves",
-            "Idle or dummy waves (nothing scheduled) reported by a rank.",
-            RANK_LABELS,
-            registry=r,
-        )
-        self.sampled_tokens = Counter(
-            "ascend_guard_sampled_tokens",
-            "Tokens a rank's runner sampled that the scheduler keeps (drafts accepted past a "
-            "stop are left out): vllm:generation_tokens_total on each sampling rank, except "
-            "tokens of aborted requests (client gone, stop string) sampled after vLLM's front "
-            "end stopped counting them, which are counted here and not there.",
-            RANK_LABELS,
-            registry=r,
-        )
-        self.scheduled_tokens = Counter(
-            "ascend_guard_scheduled_tokens",
-            "Tokens scheduled on a rank. kind=prefill: prompt tokens computed for the first "
-            "time, i.e. vllm:prompt_tokens_total less prefix-cache hits "
-            '(vllm:prompt_tokens_by_source{source="local_compute"}); kind=recompute: what '
-            "preempted requests compute again on resuming (vLLM exports only their count, "
-            "vllm:num_preemptions_total); kind=decode: the rest, drafts included.",
-            (*RANK_LABELS, "kind"),
-            registry=r,
-        )
-        self.step_duration = Histogram(
-            "ascend_guard_step_duration_seconds",
-            "Host time of a wave's phases on a rank.",
-            (*RANK_LABELS, "phase"),
-            buckets=DURATION_BUCKETS,
-            registry=r,
-        )
-        self.dropped = Counter(
-            "ascend_guard_records_dropped",
-            "Records a rank dropped before they reached the sidecar.",
-            RANK_LABELS,
-            registry=r,
-        )
-        self.guard_errors = Counter(
-            "ascend_guard_guard_errors",
-            "Guard-internal errors caught (and survived) on a rank.",
-            RANK_LABELS,
-            registry=r,
-        )
-        self.last_wave = Gauge(
-            "ascend_guard_last_wave",
-            "Latest wave number reported by a rank.",
-            RANK_LABELS,
-            registry=r,
-        )
-        self.last_heartbeat = Gauge(
-            "ascend_guard_last_heartbeat_timestamp_seconds",
-            "Unix time of a rank's latest heartbeat.",
-            RANK_LABELS,
-            registry=r,
-        )
+        self.waves = WaveStats()
+        r.register(self.waves)
         self.ranks_connected = Gauge(
             "ascend_guard_ranks_connected",
             "Worker streams connected to this sidecar, per replica (DP engine).",
@@ -140,26 +89,26 @@ class SidecarMetrics:
         }
         self._lock = threading.Lock()
 
-    def observe_batch(self, labels: RankLabels, batch: guard_pb2.Batch, source: tuple) -> None:
-        """Count one validated batch from the worker process identified by `source`."""
-        waves = batch.waves
-        if waves:
-            self._observe_waves(labels, waves)
-        if batch.HasField("heartbeat"):
-            self.last_heartbeat.labels(*labels).set(batch.heartbeat.time_unix_nano / 1e9)
+    def observe_heartbeat(self, labels: RankLabels, time_unix_nano: int) -> None:
+        """A rank's latest heartbeat (the ingest handler: liveness does not wait for the writer)."""
+        self.waves.heartbeat(labels, time_unix_nano)
+
+    def observe_batch(self, labels: RankLabels, batch: guard_pb2.Batch, source: tuple) -> int:
+        """Count one validated batch from the worker process identified by `source` (the writer
+        thread); return how many records the worker newly reported as dropped."""
+        if batch.waves:  # a v1 batch handed over directly (ingest converts them first)
+            from telemetry.validation import to_columns
+
+            to_columns(batch)
         with self._lock:
             seen_dropped, seen_errors = self._cumulative.get(source, (0, 0))
             self._cumulative[source] = (
                 max(seen_dropped, batch.dropped_total),
                 max(seen_errors, batch.guard_errors_total),
             )
-        if batch.dropped_total > seen_dropped:
-            self.dropped.labels(*labels).inc(batch.dropped_total - seen_dropped)
-        if batch.guard_errors_total > seen_errors:
-            self.guard_errors.labels(*labels).inc(batch.guard_errors_total - seen_errors)
-        # make the series exist (at 0) as soon as a rank speaks, so dashboards and alerts see it
-        self.dropped.labels(*labels)
-        self.guard_errors.labels(*labels)
+        dropped = max(0, batch.dropped_total - seen_dropped)
+        errors = max(0, batch.guard_errors_total - seen_errors)
+        self.waves.add(labels, batch.wave_columns, dropped, errors)
         for raw_type, total in batch.detector_hits_total.items():
             type_ = self._hit_type(raw_type)
             key = (*source, type_)
@@ -168,6 +117,7 @@ class SidecarMetrics:
                 self._hits_seen[key] = max(seen, total)
             if total > seen:
                 self.detector_hits.labels(*labels, type_).inc(total - seen)
+        return dropped
 
     def observe_probe(
         self, labels: RankLabels, probe: guard_pb2.ProbeValue, source: tuple = ()
@@ -189,27 +139,172 @@ class SidecarMetrics:
             series.inc(probe.value - seen)
         return True
 
-    def _observe_waves(self, labels: RankLabels, waves) -> None:
-        execute = self.step_duration.labels(*labels, "execute_model")
-        sample = self.step_duration.labels(*labels, "sample_tokens")
-        step = self.step_duration.labels(*labels, "step")
-        sampled = prefill = decode = recompute = dummies = 0
-        last = 0
-        for wave in waves:
-            execute.observe(wave.execute_ns / 1e9)
-            if wave.sampled:
-                sample.observe(wave.sample_ns / 1e9)
-            step.observe((wave.execute_ns + wave.sample_ns) / 1e9)
-            sampled += wave.sampled_tokens
-            prefill += wave.prefill_tokens
-            decode += wave.decode_tokens
-            recompute += wave.recompute_tokens
-            dummies += wave.dummy
-            last = max(last, wave.wave)
-        self.waves.labels(*labels).inc(len(waves))
-        self.dummy_waves.labels(*labels).inc(dummies)
-        self.sampled_tokens.labels(*labels).inc(sampled)
-        self.scheduled_tokens.labels(*labels, "prefill").inc(prefill)
-        self.scheduled_tokens.labels(*labels, "decode").inc(decode)
-        self.scheduled_tokens.labels(*labels, "recompute").inc(recompute)
-        self.last_wave.labels(*labels).set(last)
+
+_BOUNDS_NS = np.array([round(b * 1e9) for b in DURATION_BUCKETS], dtype=np.int64)
+_LE = [floatToGoString(b) for b in DURATION_BUCKETS] + ["+Inf"]
+# counters kept per rank, in this order
+_WAVES, _DUMMY, _SAMPLED, _PREFILL, _DECODE, _RECOMPUTE, _DROPPED, _ERRORS = range(8)
+
+
+class _RankSeries:
+    __slots__ = ("buckets", "counts", "heartbeat", "last_wave", "sums_ns")
+
+    def __init__(self) -> None:
+        self.counts = [0] * 8
+        self.buckets = np.zeros((len(PHASES), len(_LE)), dtype=np.int64)
+        self.sums_ns = [0, 0, 0]
+        self.last_wave = 0
+        self.heartbeat = 0.0
+
+
+class WaveStats:
+    """Per-rank wave families, fed once per batch (custom Collector)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._ranks: dict[RankLabels, _RankSeries] = {}
+
+    def _series(self, labels: RankLabels) -> _RankSeries:
+        series = self._ranks.get(labels)
+        if series is None:
+            series = self._ranks[labels] = _RankSeries()
+        return series
+
+    def heartbeat(self, labels: RankLabels, time_unix_nano: int) -> None:
+        with self._lock:
+            self._series(labels).heartbeat = time_unix_nano / 1e9
+
+    def add(
+        self, labels: RankLabels, cols: guard_pb2.WaveColumns, dropped: int, errors: int
+    ) -> None:
+        n = len(cols.wave)
+        if n:
+            execute = np.fromiter(cols.execute_ns, dtype=np.int64, count=n)
+            sample = np.fromiter(cols.sample_ns, dtype=np.int64, count=n)
+            sampled = np.fromiter(cols.sampled, dtype=bool, count=n)
+            step = execute + sample
+            sample_taken = sample[sampled]
+            nb = len(_LE)
+            hist = np.stack(
+                (
+                    np.bincount(np.searchsorted(_BOUNDS_NS, execute), minlength=nb),
+                    np.bincount(np.searchsorted(_BOUNDS_NS, sample_taken), minlength=nb),
+                    np.bincount(np.searchsorted(_BOUNDS_NS, step), minlength=nb),
+                )
+            )
+            sums = (int(execute.sum()), int(sample_taken.sum()), int(step.sum()))
+            counts = (
+                n,
+                sum(cols.dummy),
+                sum(cols.sampled_tokens),
+                sum(cols.prefill_tokens),
+                sum(cols.decode_tokens),
+                sum(cols.recompute_tokens),
+            )
+            last = max(cols.wave)
+        with self._lock:
+            series = self._series(labels)
+            c = series.counts
+            if n:
+                for i, value in enumerate(counts):
+                    c[i] += value
+                series.buckets += hist
+                for i, value in enumerate(sums):
+                    series.sums_ns[i] += value
+                series.last_wave = max(series.last_wave, last)
+            c[_DROPPED] += dropped
+            c[_ERRORS] += errors
+
+    def forget(self, engine: str) -> int:
+        """Drop every series of `engine` (it left: telemetry/roster.py); how many went."""
+        with self._lock:
+            gone = [labels for labels in self._ranks if labels[0] == engine]
+            for labels in gone:
+                del self._ranks[labels]
+        return len(gone)
+
+    def collect(self):
+        with self._lock:
+            snapshot = [
+                (
+                    labels,
+                    list(s.counts),
+                    s.buckets.cumsum(axis=1),
+                    list(s.sums_ns),
+                    s.last_wave,
+                    s.heartbeat,
+                )
+                for labels, s in self._ranks.items()
+            ]
+        counters = (
+            ("ascend_guard_waves", "Engine steps (waves) reported by a rank.", _WAVES),
+            (
+                "ascend_guard_dummy_waves",
+                "Idle or dummy waves (nothing scheduled) reported by a rank.",
+                _DUMMY,
+            ),
+            (
+                "ascend_guard_sampled_tokens",
+                "Tokens a rank's runner sampled that the scheduler keeps (drafts accepted past a "
+                "stop are left out): vllm:generation_tokens_total on each sampling rank, except "
+                "tokens of aborted requests (client gone, stop string) sampled after vLLM's front "
+                "end stopped counting them, which are counted here and not there.",
+                _SAMPLED,
+            ),
+            (
+                "ascend_guard_records_dropped",
+                "Records a rank dropped before they reached the sidecar.",
+                _DROPPED,
+            ),
+            (
+                "ascend_guard_guard_errors",
+                "Guard-internal errors caught (and survived) on a rank.",
+                _ERRORS,
+            ),
+        )
+        for name, help_text, index in counters:
+            family = CounterMetricFamily(name, help_text, labels=RANK_LABELS)
+            for labels, counts, *_ in snapshot:
+                family.add_metric(labels, counts[index])
+            yield family
+        scheduled = CounterMetricFamily(
+            "ascend_guard_scheduled_tokens",
+            "Tokens scheduled on a rank. kind=prefill: prompt tokens computed for the first "
+            "time, i.e. vllm:prompt_tokens_total less prefix-cache hits "
+            '(vllm:prompt_tokens_by_source{source="local_compute"}); kind=recompute: what '
+            "preempted requests compute again on resuming (vLLM exports only their count, "
+            "vllm:num_preemptions_total); kind=decode: the rest, drafts included.",
+            labels=(*RANK_LABELS, "kind"),
+        )
+        for labels, counts, *_ in snapshot:
+            scheduled.add_metric((*labels, "prefill"), counts[_PREFILL])
+            scheduled.add_metric((*labels, "decode"), counts[_DECODE])
+            scheduled.add_metric((*labels, "recompute"), counts[_RECOMPUTE])
+        yield scheduled
+        durations = HistogramMetricFamily(
+            "ascend_guard_step_duration_seconds",
+            "Host time of a wave's phases on a rank.",
+            labels=(*RANK_LABELS, "phase"),
+        )
+        last_wave = GaugeMetricFamily(
+            "ascend_guard_last_wave", "Latest wave number reported by a rank.", labels=RANK_LABELS
+        )
+        heartbeat = GaugeMetricFamily(
+            "ascend_guard_last_heartbeat_timestamp_seconds",
+            "Unix time of a rank's latest heartbeat.",
+            labels=RANK_LABELS,
+        )
+        for labels, counts, cumulative, sums, last, beat in snapshot:
+            if counts[_WAVES]:
+                for p, phase in enumerate(PHASES):
+                    durations.add_metric(
+                        (*labels, phase),
+                        list(zip(_LE, cumulative[p].tolist(), strict=True)),
+                        sums[p] / 1e9,
+                    )
+                last_wave.add_metric(labels, last)
+            if beat:
+                heartbeat.add_metric(labels, beat)
+        yield durations
+        yield last_wave
+        yield heartbeat

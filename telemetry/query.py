@@ -1,21 +1,32 @@
-"""Searches of the trace store: the filters on-call engineers type, parsed with clear errors."""
+"""Searches of the record store: the filters on-call engineers type, parsed with clear errors.
+
+Spans are not stored: `search` and `load_trace` read wave blocks (pruned by their time range,
+wave range and slowest step before any is decoded), and build the spans that match with
+telemetry/spans.py, the builder the OTLP exporter uses too.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import json
+import heapq
 import re
 import sqlite3
 import time
 from decimal import Decimal, InvalidOperation
-from typing import Any
+
+import numpy as np
+
+from telemetry import store
+from telemetry.incidents import incidents_of_wave
+from telemetry.spans import Span, collective_spans, incident_span, is_root_rank, wave_spans
+from telemetry.traces import format_trace_id, split_trace_id
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ns|us|µs|ms|s|m|h|d)\s*$")
 _UNIT_NS = {"ns": 1, "us": 10**3, "µs": 10**3, "ms": 10**6, "s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9,
             "d": 86400 * 10**9}  # fmt: skip
-SPAN_NAMES = ("wave", "rank", "execute_model", "sample_tokens")
-SORT_KEYS = {"duration": "duration_ns DESC", "start": "start_ns DESC", "wave": "wave DESC"}
+SPAN_NAMES = ("wave", "rank", "execute_model", "sample_tokens")  # what `query --name` searches
+SORT_KEYS = ("duration", "start", "wave")
 
 
 class QueryError(ValueError):
@@ -106,75 +117,144 @@ class SpanQuery:
         ):
             raise QueryError("--since is later than --until")
 
-    def sql(self) -> tuple[str, list[Any]]:
-        self.validate()
-        where, params = [], []
-        if self.since_ns is not None:
-            where.append("start_ns >= ?")
-            params.append(self.since_ns)
-        if self.until_ns is not None:
-            where.append("start_ns <= ?")
-            params.append(self.until_ns)
-        if self.min_duration_ns is not None:
-            where.append("duration_ns >= ?")
-            params.append(self.min_duration_ns)
-        for coord, value in self.rank.items():
-            where.append(f"{coord} = ?")
-            params.append(value)
-        for column in ("name", "run_id", "engine", "wave"):
-            value = getattr(self, column)
-            if value is not None:
-                where.append(f"{column} = ?")
-                params.append(value)
-        clause = f" WHERE {' AND '.join(where)}" if where else ""
-        return f"SELECT * FROM spans{clause} ORDER BY {SORT_KEYS[self.sort]} LIMIT ?", [
-            *params,
-            self.limit,
-        ]
+
+def _rank_filter(query: SpanQuery) -> tuple[str, list]:
+    where, params = [], []
+    for coord, value in query.rank.items():
+        where.append(f"ranks.{coord} = ?")
+        params.append(value)
+    if query.run_id is not None:
+        where.append("runs.run_id = ?")
+        params.append(query.run_id)
+    if query.engine is not None:
+        where.append("ranks.engine = ?")
+        params.append(query.engine)
+    return " AND ".join(where), params
 
 
-def search(conn: sqlite3.Connection, query: SpanQuery) -> list[sqlite3.Row]:
-    sql, params = query.sql()
-    return conn.execute(sql, params).fetchall()
+def _candidates(rank: store.RankRow, cols, names: tuple[str, ...], query: SpanQuery):
+    """(sort key, name, index) of the waves in one block whose spans match the query."""
+    n = len(cols.wave)
+    start = np.fromiter(cols.start_unix_nano, np.int64, n)
+    execute = np.fromiter(cols.execute_ns, np.int64, n)
+    sample = np.fromiter(cols.sample_ns, np.int64, n)
+    offset = np.fromiter(cols.sample_offset_ns, np.int64, n)
+    sampled = np.fromiter(cols.sampled, bool, n)
+    wave = np.fromiter(cols.wave, np.int64, n)
+    end = np.where(sampled, np.maximum(start + execute, start + offset + sample), start + execute)
+    for name in names:
+        if name in ("rank", "wave"):
+            if name == "wave" and (query.rank or not is_root_rank(rank)):
+                continue
+            span_start, duration, ok = start, end - start, np.ones(n, bool)
+        elif name == "execute_model":
+            span_start, duration, ok = start, execute, np.ones(n, bool)
+        else:
+            span_start, duration, ok = start + offset, sample, sampled.copy()
+        if query.since_ns is not None:
+            ok &= span_start >= query.since_ns
+        if query.until_ns is not None:
+            ok &= span_start <= query.until_ns
+        if query.min_duration_ns is not None:
+            ok &= duration >= query.min_duration_ns
+        if query.wave is not None:
+            ok &= wave == query.wave
+        key = {"duration": duration, "start": span_start, "wave": wave}[query.sort]
+        for i in np.flatnonzero(ok)[np.argsort(-key[ok], kind="stable")][: query.limit]:
+            yield int(key[i]), name, int(i)
 
 
-def load_trace(conn: sqlite3.Connection, trace_id: str) -> list[sqlite3.Row]:
-    trace_id = trace_id.strip().lower()
-    if not re.fullmatch(r"[0-9a-f]{32}", trace_id):
-        raise QueryError(f"trace id: {trace_id!r} is not 32 hex digits")
-    return conn.execute(
-        "SELECT * FROM spans WHERE trace_id = ? ORDER BY start_ns, name", (trace_id,)
-    ).fetchall()
+def search(conn: sqlite3.Connection, query: SpanQuery) -> list[Span]:
+    """The spans that match, best first by `query.sort`, at most `query.limit`."""
+    query.validate()
+    where, params = _rank_filter(query)
+    ranks = {r.id: r for r in store.ranks(conn, where, params)}
+    names = (query.name,) if query.name else SPAN_NAMES
+    best: list[tuple] = []  # min-heap of (key, tiebreak, rank id, name, index, cols)
+    counter = 0
+    for rank_id, cols in store.wave_blocks(
+        conn,
+        list(ranks),
+        since_ns=query.since_ns,
+        until_ns=query.until_ns,
+        min_step_ns=query.min_duration_ns,
+        wave=query.wave,
+    ):
+        for key, name, index in _candidates(ranks[rank_id], cols, names, query):
+            counter += 1
+            entry = (key, -counter, rank_id, name, index, cols)
+            if len(best) < query.limit:
+                heapq.heappush(best, entry)
+            elif entry[:2] > best[0][:2]:
+                heapq.heapreplace(best, entry)
+    out = []
+    for _, _, rank_id, name, index, cols in sorted(best, key=lambda e: e[:2], reverse=True):
+        (span,) = wave_spans(ranks[rank_id], cols, index, frozenset((name,)))
+        out.append(span)
+    return out
 
 
-def span_tree(rows: list[sqlite3.Row]) -> list[tuple[int, sqlite3.Row]]:
-    """Depth-first (depth, span) order; spans whose parent is not stored are roots."""
-    by_id = {row["span_id"]: row for row in rows}
-    children: dict[str | None, list[sqlite3.Row]] = {}
-    for row in rows:
-        parent = row["parent_id"] if row["parent_id"] in by_id else None
-        children.setdefault(parent, []).append(row)
+def load_trace(conn: sqlite3.Connection, trace_id: str) -> list[Span]:
+    """Every span of one wave trace, built from the stored rows, in start order."""
+    text = trace_id.strip().lower()
+    if not re.fullmatch(r"[0-9a-f]{32}", text):
+        raise QueryError(f"trace id: {text!r} is not 32 hex digits")
+    key, wave = split_trace_id(int(text, 16))
+    spans: list[Span] = []
+    runs = set()
+    for rank in store.ranks_of_trace_key(conn, key):
+        runs.add(rank.run_id)
+        for _, cols in store.wave_blocks(conn, [rank.id], wave=wave):
+            for i, number in enumerate(cols.wave):
+                if number == wave:
+                    spans += wave_spans(rank, cols, i)
+        for cw in store.collective_waves(conn, rank.id, wave):
+            spans += collective_spans(rank, cw)
+    seen = set()
+    for run_id in runs or {""}:
+        for row in incidents_of_wave(conn, run_id, wave):
+            if row["trace_id"] == text and row["id"] not in seen:
+                seen.add(row["id"])
+                spans.append(incident_span(row))
+    spans = [s for s in spans if format_trace_id(s.trace_id) == text]
+    spans.sort(key=lambda s: (s.start_ns, s.name))
+    return spans
+
+
+def span_tree(spans: list) -> list[tuple[int, Span]]:
+    """Depth-first (depth, span) order; spans whose parent is not there are roots."""
+    by_id = {_get(s, "span_id"): s for s in spans}
+    children: dict = {}
+    for span in spans:
+        parent = _get(span, "parent_id")
+        children.setdefault(parent if parent in by_id else None, []).append(span)
     for items in children.values():
         items.sort(
-            key=lambda r: (r["start_ns"], r["dp"] or 0, r["tp"] or 0, r["pp"] or 0, r["name"])
+            key=lambda s: (
+                _get(s, "start_ns"),
+                _get(s, "dp") or 0,
+                _get(s, "tp") or 0,
+                _get(s, "pp") or 0,
+                _get(s, "name"),
+            )
         )
-    out: list[tuple[int, sqlite3.Row]] = []
+    out: list[tuple[int, Span]] = []
 
-    def walk(parent: str | None, depth: int) -> None:
-        for row in children.get(parent, []):
-            out.append((depth, row))
-            walk(row["span_id"], depth + 1)
+    def walk(parent, depth: int) -> None:
+        for span in children.get(parent, []):
+            out.append((depth, span))
+            walk(_get(span, "span_id"), depth + 1)
 
     walk(None, 0)
     return out
 
 
-def rank_label(row: sqlite3.Row) -> str:
+def _get(span, name: str):
+    return span[name] if isinstance(span, dict) else getattr(span, name)
+
+
+def rank_label(span) -> str:
     """'dp0 tp1 pp0' for a span that belongs to a rank, '-' for the wave root."""
-    if row["dp"] is None:
+    if _get(span, "dp") is None:
         return "-"
-    return f"dp{row['dp']} tp{row['tp']} pp{row['pp']}"
-
-
-def attributes(row: sqlite3.Row) -> dict[str, Any]:
-    return json.loads(row["attributes"] or "{}")
+    return f"dp{_get(span, 'dp')} tp{_get(span, 'tp')} pp{_get(span, 'pp')}"

@@ -68,14 +68,26 @@ class RankSync:
         # replica -> wave -> tp -> record
         self._pending: dict[StageKey, collections.OrderedDict[int, dict[int, _RankWave]]] = {}
         self.recent: collections.deque[WaveSkew] = collections.deque(maxlen=keep_recent)
+        self._skew_children: dict[tuple, tuple] = {}
 
     def observe(self, engine: str, batch: guard_pb2.Batch) -> list[WaveSkew]:
         """Count one batch's collective records; return the waves it completed."""
+        self.count(engine, batch)
+        return self.align(engine, batch)
+
+    def count(self, engine: str, batch: guard_pb2.Batch) -> None:
+        """The per-rank collective counters (the sidecar's writer thread)."""
+        if batch.collective_waves:
+            rank = batch.rank
+            labels = (engine, str(rank.dp_rank), str(rank.tp_rank), str(rank.pp_rank))
+            self._count(labels, batch.collective_waves)
+
+    def align(self, engine: str, batch: guard_pb2.Batch) -> list[WaveSkew]:
+        """Align one batch's waves with the other ranks'; return the waves it completed
+        (the ingest handler: skew and stragglers must not wait behind storage)."""
         if not batch.collective_waves:
             return []
         rank = batch.rank
-        labels = (engine, str(rank.dp_rank), str(rank.tp_rank), str(rank.pp_rank))
-        self._count(labels, batch.collective_waves)
         if rank.tp_size <= 1:
             return []
         key = (replica_of(engine, rank), rank.pp_rank)
@@ -110,25 +122,9 @@ class RankSync:
 
     def _count(self, labels: tuple[str, str, str, str], waves) -> None:
         m = self.metrics
-        value = m.label_value
         m.straggler_waves.labels(*labels)  # exist at 0 once a rank reports collectives
         m.straggler_seconds.labels(*labels)
-        last_seq: dict[str, int] = {}
-        for cw in waves:
-            for stat in cw.stats:
-                op_labels = (*labels, value(stat.op), value(stat.group), value(stat.backend))
-                m.calls.labels(*op_labels).inc(stat.calls)
-                m.bytes.labels(*op_labels).inc(stat.bytes)
-                m.seconds.labels(*op_labels).inc(stat.host_ns / 1e9)
-                m.max_seconds.labels(*op_labels).set(stat.max_host_ns / 1e9)
-                group = op_labels[5]
-                last_seq[group] = max(last_seq.get(group, 0), stat.last_seq)
-            for call in cw.slow_calls:
-                m.slow_calls.labels(
-                    *labels, value(call.op), value(call.group), value(call.backend)
-                ).inc()
-        for group, seq in last_seq.items():
-            m.last_seq.labels(*labels, group).set(seq)
+        m.counts.add(labels, waves)
 
     def _judge(
         self, engine: str, dp: int, pp: int, wave: int, ranks: dict[int, _RankWave]
@@ -147,9 +143,16 @@ class RankSync:
 
     def _export(self, skew: WaveSkew) -> None:
         m = self.metrics
-        replica = (skew.engine, str(skew.dp), str(skew.pp))
-        m.skew.labels(*replica).observe(skew.skew_s)
-        m.arrival_skew.labels(*replica).observe(skew.arrival_skew_s)
+        replica = (skew.engine, skew.dp, skew.pp)
+        children = self._skew_children.get(replica)
+        if children is None:  # one `.labels()` per replica, not two per wave
+            labels = (skew.engine, str(skew.dp), str(skew.pp))
+            children = self._skew_children[replica] = (
+                m.skew.labels(*labels),
+                m.arrival_skew.labels(*labels),
+            )
+        children[0].observe(skew.skew_s)
+        children[1].observe(skew.arrival_skew_s)
         if skew.straggler_tp is not None:
             rank = (skew.engine, str(skew.dp), str(skew.straggler_tp), str(skew.pp))
             m.straggler_waves.labels(*rank).inc()

@@ -29,7 +29,11 @@ DEFAULT_LINGER_S = 15 * 60.0
 
 
 def forget_series(collector: Any, label: str, value: str) -> int:
-    """Remove every series of one labelled metric whose `label` equals `value`."""
+    """Remove every series of one labelled metric whose `label` equals `value`. A custom
+    Collector keyed by engine (telemetry/metrics.py WaveStats, telemetry/collective_metrics.py)
+    forgets through its own `forget(engine)`."""
+    if label == "engine" and callable(getattr(collector, "forget", None)):
+        return collector.forget(value)
     names = getattr(collector, "_labelnames", ())
     if label not in names or not hasattr(collector, "_metrics"):
         return 0

@@ -1,4 +1,10 @@
-"""The node sidecar: gRPC ingest, Prometheus `/metrics`, traces into the store (and OTLP)."""
+"""The node sidecar: gRPC ingest, Prometheus `/metrics`, the record store, OTLP export.
+
+    ingest (gRPC handlers) -> BoundedQueue -> Writer -> [metrics, store, OTLP exporter]
+
+See telemetry/pipeline.py for the split, telemetry/store.py for the tables and
+telemetry/export.py for the sampling policy.
+"""
 
 from __future__ import annotations
 
@@ -19,14 +25,21 @@ from guard.liveness_record import RecordReader
 from telemetry import build_info, paths
 from telemetry.addresses import address_problem, unix_socket_path
 from telemetry.crossrank import CrossRankView
+from telemetry.export import ExportSettings, OtlpExporter
 from telemetry.hangs import HangSettings
 from telemetry.incidents import IncidentLedger
 from telemetry.ingest import DEFAULT_MAX_MESSAGE_BYTES, IngestService
 from telemetry.liveness import LivenessServer
 from telemetry.metrics import SidecarMetrics
+from telemetry.pipeline import (
+    DEFAULT_QUEUE_BYTES,
+    STAGE_WORKER,
+    BoundedQueue,
+    Drops,
+    Writer,
+)
 from telemetry.roster import DEFAULT_LINGER_S, EngineRoster
-from telemetry.store import SqliteSpanExporter
-from telemetry.traces import WaveTracer, build_provider
+from telemetry.store import DEFAULT_MAX_BYTES, DEFAULT_RETENTION_S, Store
 from telemetry.transport import (
     ServerSecurity,
     TokenInterceptor,
@@ -45,15 +58,18 @@ GRPC_HARD_CAP_BYTES = 64 * 1024 * 1024
 
 @dataclasses.dataclass
 class SidecarSettings:
+    """Every sidecar setting and its one default (the CLI reads its defaults from here)."""
+
     listen: str
     metrics_host: str = "0.0.0.0"
     metrics_port: int = paths.DEFAULT_METRICS_PORT
     store: str = ""
     otlp_endpoint: str | None = None
-    retention_s: float = 24 * 3600
-    max_spans: int = 5_000_000
+    retention_s: float = DEFAULT_RETENTION_S
+    max_store_bytes: int = DEFAULT_MAX_BYTES
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_streams: int = 256
+    queue_bytes: int = DEFAULT_QUEUE_BYTES  # validated batches waiting for the writer
     # liveness/API endpoint (/live, /ready, /hangs, /coverage); 0 = off. A busy port is an
     # error, never silently another port: probes and the CLI must find it where it was asked.
     health_host: str = "0.0.0.0"
@@ -73,6 +89,36 @@ class SidecarSettings:
     # TLS / mTLS / bearer token of the gRPC and HTTP listeners (telemetry/transport.py)
     security: ServerSecurity = dataclasses.field(default_factory=ServerSecurity)
     straggler_threshold_s: float = 0.05
+    # OTLP tail sampling (telemetry/export.py)
+    otlp_slow_wave_s: float = ExportSettings.slow_wave_s
+    otlp_keep_one_in: int = ExportSettings.keep_one_in
+
+
+def setting_default(name: str):
+    """The default of one `SidecarSettings` field."""
+    return SidecarSettings.__dataclass_fields__[name].default
+
+
+class _MetricsSink:
+    """Per-batch aggregates into the metrics (the writer's first sink)."""
+
+    stage = "metrics"
+
+    def __init__(self, metrics: SidecarMetrics, cross_rank: CrossRankView, drops: Drops) -> None:
+        self._metrics = metrics
+        self._cross_rank = cross_rank
+        self._drops = drops
+
+    def write(self, items) -> None:
+        for item in items:
+            source = item.source
+            dropped = self._metrics.observe_batch(source.labels, item.batch, source.process)
+            if dropped:
+                self._drops.add(STAGE_WORKER, "buffer_full_or_lost_in_flight", dropped)
+            self._cross_rank.count(source.engine, item.batch)
+
+    def close(self) -> None:
+        pass
 
 
 class SidecarStartError(RuntimeError):
@@ -124,29 +170,11 @@ class Sidecar:
     def __init__(self, settings: SidecarSettings) -> None:
         self.settings = settings
         self.metrics = SidecarMetrics()
-        exporters = [
-            SqliteSpanExporter(
-                settings.store, retention_s=settings.retention_s, max_spans=settings.max_spans
-            )
-        ]
-        self.store_exporter = exporters[0]
-        if settings.otlp_endpoint:
-            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-
-            exporters.append(OTLPSpanExporter(endpoint=settings.otlp_endpoint, insecure=True))
-        self.provider, ids = build_provider(exporters, socket.gethostname())
-        tracer = WaveTracer(self.provider, ids)
+        self.drops = Drops(self.metrics.registry)
         self.incidents = IncidentLedger(
             settings.store,
             counter=self.metrics.incidents,
-            spanner=tracer.record_incident,
             retention_s=max(settings.retention_s, 7 * 24 * 3600),
-        )
-        self.ingest = IngestService(
-            self.metrics,
-            tracer,
-            max_message_bytes=settings.max_message_bytes,
-            incidents=self.incidents,
         )
         self.cross_rank = CrossRankView(
             self.metrics.registry,
@@ -159,7 +187,17 @@ class Sidecar:
             incident_sink=self.incidents.add,
             records=RecordReader(settings.liveness_dir),
         )
-        self.ingest.cross_rank = self.cross_rank
+        self.queue = BoundedQueue(settings.queue_bytes, self.drops, self.metrics.registry)
+        self.store, self.exporter, sinks = self._build_sinks()
+        self.writer = Writer(self.queue, sinks, self.drops)
+        self.ingest = IngestService(
+            self.metrics,
+            self.queue,
+            self.drops,
+            max_message_bytes=settings.max_message_bytes,
+            incidents=self.incidents,
+            cross_rank=self.cross_rank,
+        )
         self.roster = EngineRoster(
             self.metrics.registry,
             self.ingest.connected,
@@ -182,6 +220,29 @@ class Sidecar:
         self._http = None
         self._token: str | None = None
         self._stopped = threading.Event()
+
+    def _build_sinks(self) -> tuple[Store, OtlpExporter | None, list]:
+        """The writer's sinks, in order: metrics, store, OTLP exporter (when configured)."""
+        settings = self.settings
+        store = Store(
+            settings.store, retention_s=settings.retention_s, max_bytes=settings.max_store_bytes
+        )
+        sinks: list = [_MetricsSink(self.metrics, self.cross_rank, self.drops), store]
+        exporter = None
+        if settings.otlp_endpoint:
+            exporter = OtlpExporter(
+                ExportSettings(
+                    settings.otlp_endpoint,
+                    slow_wave_s=settings.otlp_slow_wave_s,
+                    keep_one_in=settings.otlp_keep_one_in,
+                ),
+                self.drops,
+                self.metrics.registry,
+                socket.gethostname(),
+            )
+            self.incidents.listeners.append(exporter.on_incident)
+            sinks.append(exporter)
+        return store, exporter, sinks
 
     def start(self) -> None:
         settings = self.settings
@@ -266,6 +327,9 @@ class Sidecar:
         except SidecarStartError:
             server.stop(0)
             raise
+        self.writer.start()
+        if self.exporter is not None:
+            self.exporter.start()
         old_umask = os.umask(0o177) if unix_path else None
         try:
             server.start()
@@ -299,14 +363,19 @@ class Sidecar:
             paths.remove_discovery(os.getpid())
         if self.liveness is not None:
             self.liveness.stop()
-        self.provider.shutdown()  # flushes pending spans into the store
+        self.writer.stop()  # writes what is queued, then closes the sinks (store, exporter)
         self.incidents.close()
         if self._http is not None:
             self._http.shutdown()
         unix_path = unix_socket_path(self.settings.listen)
         if unix_path and os.path.exists(unix_path):
             os.unlink(unix_path)
-        log.info("sidecar_stopped", spans_stored=self.store_exporter.exported)
+        log.info(
+            "sidecar_stopped",
+            waves_received=self.ingest.received_records,
+            waves_stored=self.store.stored_waves,
+            dropped=dict(self.drops.totals),
+        )
 
     def _start_liveness(self) -> None:
         settings = self.settings

@@ -1,57 +1,134 @@
-"""The embedded trace store: an OpenTelemetry span exporter into SQLite, with retention.
+"""The embedded record store: compact typed tables in SQLite, retention by age and by size.
 
-One row per span, keyed by (trace_id, span_id), so a span exported twice is stored once. The
-rank coordinates and wave are lifted out of the attributes into indexed columns, which is what
-the on-call queries filter on. WAL mode lets `ascend-guard query` read while the sidecar writes.
+Engine: SQLite in WAL mode. The sidecar is the one writer, and `ascend-guard query`, `trace`,
+`incidents` and `hangs` read the same file at the same time from other processes, without
+going through the sidecar (DuckDB is columnar but allows one writer process, so reads would
+then go through the sidecar; a sidecar that is down or wedged would take the on-call tools
+with it). SQLite ships with Python, and its file is one thing to copy or delete.
+
+Tables (integer keys throughout; strings live once, in the dimension tables):
+
+    runs               id, run_id                                  dimension
+    ranks              id, run, engine, dp, tp, pp, sizes, node,   dimension; trace_key finds
+                       pid, runner, trace_key                      a rank from a trace id
+    wave_blocks        (rank, first_wave) -> last_wave, start_ns,  waves of one rank, one row
+                       end_ns, waves, max_step_ns, columns         per batch
+    collective_blocks  (rank, first_wave) -> last_wave, start_ns,  collective stats per wave
+                       waves, columns                              and rank, one row per batch
+    slow_calls         (rank, group, seq) -> wave, op, backend,    one row per slow call
+                       dtype, bytes, start_ns, host_ns
+    incidents          telemetry/incidents.py (hang verdicts are the view `hang_verdicts`)
+
+`columns` holds the batch's `WaveColumns` (or its `CollectiveWave`s) in the proto's own packed
+encoding, zlib-compressed: the proto stays the one schema of a wave, a block costs one row
+insert however many waves it holds, and a wave with 2 collective stats takes about 50 bytes on
+disk (bench/README.md). Blocks live in rowid tables on 4 KiB pages: a WITHOUT ROWID table (or
+larger pages) left most of each page empty with rows of a few KiB (146 B per wave at 16 KiB).
+The block's typed columns (time range, wave range, slowest step) are what queries filter on
+before a block is decoded. Inserts are `INSERT OR IGNORE` on the block key, so a batch sent
+again is stored once.
+
+Retention: rows older than `retention_s` are deleted, and while the file's used pages
+(page_count - freelist_count, times page_size: no COUNT(*) scan) exceed `max_bytes`, the oldest
+minute is deleted; both delete whole time buckets of `BUCKET_NS`, oldest first. Freed pages are
+reused by later inserts, so the file stays near the cap. The default cap holds the default 24 h
+of a 16-rank node at 200 steps/s per rank (see DEFAULT_MAX_BYTES).
 """
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 import sqlite3
 import threading
 import time
-from collections.abc import Sequence
+import zlib
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import numpy as np
 import structlog
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+from telemetry.pipeline import STAGE_STORE, Item
+from telemetry.proto import guard_pb2
+from telemetry.traces import wave_trace_key
 
 log = structlog.get_logger("ascend_guard.store")
 
+DEFAULT_RETENTION_S = 24 * 3600.0
+# 3,200 waves/s (16 ranks x 200 steps/s) x 86,400 s x ~50 B per wave with 2 collective stats
+# (measured by bench/sidecar_ingest.py: ~17 B of wave columns, ~29 B of collectives, the rest
+# SQLite's pages and keys) is about 13.8 GB (12.9 GiB) a day: 16 GiB holds the default 24 h
+# with room for bursts, incidents and the WAL.
+DEFAULT_MAX_BYTES = 16 * 1024**3
+BUCKET_NS = 60 * 10**9
+PAGE_SIZE = 4096
+
 SCHEMA = """
-CREATE TABLE IF NOT EXISTS spans (
-    trace_id    TEXT NOT NULL,
-    span_id     TEXT NOT NULL,
-    parent_id   TEXT,
-    name        TEXT NOT NULL,
+CREATE TABLE IF NOT EXISTS runs (
+    id      INTEGER PRIMARY KEY,
+    run_id  TEXT NOT NULL UNIQUE
+);
+CREATE TABLE IF NOT EXISTS ranks (
+    id        INTEGER PRIMARY KEY,
+    run       INTEGER NOT NULL REFERENCES runs (id),
+    engine    TEXT NOT NULL,
+    dp        INTEGER NOT NULL,
+    tp        INTEGER NOT NULL,
+    pp        INTEGER NOT NULL,
+    dp_size   INTEGER NOT NULL,
+    tp_size   INTEGER NOT NULL,
+    pp_size   INTEGER NOT NULL,
+    node      TEXT NOT NULL,
+    pid       INTEGER NOT NULL,
+    runner    TEXT NOT NULL,
+    trace_key INTEGER NOT NULL,
+    UNIQUE (run, engine, dp, tp, pp)
+);
+CREATE INDEX IF NOT EXISTS ranks_trace ON ranks (trace_key);
+CREATE TABLE IF NOT EXISTS wave_blocks (
+    rank        INTEGER NOT NULL,
+    first_wave  INTEGER NOT NULL,
+    last_wave   INTEGER NOT NULL,
     start_ns    INTEGER NOT NULL,
     end_ns      INTEGER NOT NULL,
-    duration_ns INTEGER NOT NULL,
-    run_id      TEXT,
-    engine      TEXT,
-    wave        INTEGER,
-    dp          INTEGER,
-    tp          INTEGER,
-    pp          INTEGER,
-    status      TEXT,
-    attributes  TEXT,
-    events      TEXT,
-    PRIMARY KEY (trace_id, span_id)
+    waves       INTEGER NOT NULL,
+    max_step_ns INTEGER NOT NULL,
+    columns     BLOB NOT NULL,
+    UNIQUE (rank, first_wave)
 );
-CREATE INDEX IF NOT EXISTS spans_start ON spans (start_ns);
-CREATE INDEX IF NOT EXISTS spans_duration ON spans (name, duration_ns);
-CREATE INDEX IF NOT EXISTS spans_wave ON spans (run_id, wave);
+CREATE INDEX IF NOT EXISTS wave_blocks_start ON wave_blocks (start_ns);
+CREATE TABLE IF NOT EXISTS collective_blocks (
+    rank        INTEGER NOT NULL,
+    first_wave  INTEGER NOT NULL,
+    last_wave   INTEGER NOT NULL,
+    start_ns    INTEGER NOT NULL,
+    waves       INTEGER NOT NULL,
+    columns     BLOB NOT NULL,
+    UNIQUE (rank, first_wave)
+);
+CREATE INDEX IF NOT EXISTS collective_blocks_start ON collective_blocks (start_ns);
+CREATE TABLE IF NOT EXISTS slow_calls (
+    rank        INTEGER NOT NULL,
+    group_name  TEXT NOT NULL,
+    seq         INTEGER NOT NULL,
+    wave        INTEGER NOT NULL,
+    op          TEXT NOT NULL,
+    backend     TEXT NOT NULL,
+    dtype       TEXT NOT NULL,
+    bytes       INTEGER NOT NULL,
+    start_ns    INTEGER NOT NULL,
+    host_ns     INTEGER NOT NULL,
+    PRIMARY KEY (rank, group_name, seq)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS slow_calls_start ON slow_calls (start_ns);
 """
-
-ATTR_RUN = "ascend_guard.run_id"
-ATTR_ENGINE = "ascend_guard.engine"
-ATTR_WAVE = "ascend_guard.wave"
-ATTR_DP = "ascend_guard.dp"
-ATTR_TP = "ascend_guard.tp"
-ATTR_PP = "ascend_guard.pp"
+# (table, time column) pairs retention deletes from, in time buckets
+_RETAINED = (
+    ("wave_blocks", "start_ns"),
+    ("collective_blocks", "start_ns"),
+    ("slow_calls", "start_ns"),
+)
 
 
 def default_store_path() -> str:
@@ -72,6 +149,7 @@ def connect(path: str | os.PathLike, *, readonly: bool = False) -> sqlite3.Conne
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
         conn = sqlite3.connect(path, timeout=5.0, check_same_thread=False)
+        conn.execute(f"PRAGMA page_size={PAGE_SIZE}")  # only takes effect on a new file
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.executescript(SCHEMA)
@@ -79,94 +157,319 @@ def connect(path: str | os.PathLike, *, readonly: bool = False) -> sqlite3.Conne
     return conn
 
 
-def _hex(value: int, width: int) -> str:
-    return format(value, f"0{width}x")
+def _signed(value: int) -> int:
+    """A uint64 as SQLite's signed 64-bit integer (same bits)."""
+    return value - 2**64 if value >= 2**63 else value
 
 
-def _row(span: ReadableSpan) -> tuple:
-    attrs = dict(span.attributes or {})
-    ctx = span.context
-    parent = span.parent
-    events = [
-        {"name": e.name, "time_ns": e.timestamp, "attributes": dict(e.attributes or {})}
-        for e in span.events
-    ]
-    start = span.start_time or 0
-    end = span.end_time or start
+@dataclasses.dataclass(frozen=True)
+class RankRow:
+    """One rank as the store knows it (the `ranks` table joined with `runs`)."""
+
+    id: int
+    run_id: str
+    engine: str
+    dp: int
+    tp: int
+    pp: int
+    node: str
+    pid: int
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> RankRow:
+        return cls(
+            row["id"],
+            row["run_id"],
+            row["engine"],
+            row["dp"],
+            row["tp"],
+            row["pp"],
+            row["node"],
+            row["pid"],
+        )
+
+
+def encode_waves(cols: guard_pb2.WaveColumns) -> bytes:
+    return zlib.compress(cols.SerializeToString(), 1)
+
+
+def decode_waves(blob: bytes) -> guard_pb2.WaveColumns:
+    return guard_pb2.WaveColumns.FromString(zlib.decompress(blob))
+
+
+def encode_collectives(waves) -> bytes:
+    holder = guard_pb2.Batch()
+    holder.collective_waves.extend(waves)
+    return zlib.compress(holder.SerializeToString(), 1)
+
+
+def decode_collectives(blob: bytes):
+    return guard_pb2.Batch.FromString(zlib.decompress(blob)).collective_waves
+
+
+def wave_block_row(rank_id: int, cols: guard_pb2.WaveColumns) -> tuple:
+    """The `wave_blocks` row of one batch's waves (columns must be validated and non-empty)."""
+    n = len(cols.wave)
+    starts = np.fromiter(cols.start_unix_nano, np.int64, n)
+    execute_end = starts + np.fromiter(cols.execute_ns, np.int64, n)
+    # a rank span ends at the later of execute_model's and sample_tokens' end
+    sample_end = (
+        starts
+        + np.fromiter(cols.sample_offset_ns, np.int64, n)
+        + np.fromiter(cols.sample_ns, np.int64, n)
+    )
+    ends = np.where(
+        np.fromiter(cols.sampled, bool, n), np.maximum(execute_end, sample_end), execute_end
+    )
+    waves = cols.wave
     return (
-        _hex(ctx.trace_id, 32),
-        _hex(ctx.span_id, 16),
-        _hex(parent.span_id, 16) if parent is not None else None,
-        span.name,
-        start,
-        end,
-        end - start,
-        attrs.get(ATTR_RUN),
-        attrs.get(ATTR_ENGINE),
-        attrs.get(ATTR_WAVE),
-        attrs.get(ATTR_DP),
-        attrs.get(ATTR_TP),
-        attrs.get(ATTR_PP),
-        span.status.status_code.name,
-        json.dumps(attrs, sort_keys=True, default=str),
-        json.dumps(events, default=str) if events else None,
+        rank_id,
+        min(waves),
+        max(waves),
+        int(starts.min()),
+        int(ends.max()),
+        n,
+        int((ends - starts).max()),
+        encode_waves(cols),
     )
 
 
-class SqliteSpanExporter(SpanExporter):
-    """Writes finished spans to the store and enforces retention by age and by row count."""
+class Store:
+    """The sidecar's writer into the store (a `BatchSink`); thread-safe."""
+
+    stage = STAGE_STORE
 
     def __init__(
         self,
         path: str | os.PathLike,
         *,
-        retention_s: float = 24 * 3600,
-        max_spans: int = 5_000_000,
+        retention_s: float = DEFAULT_RETENTION_S,
+        max_bytes: int = DEFAULT_MAX_BYTES,
         prune_every_s: float = 30.0,
     ) -> None:
         self.path = str(path)
         self.retention_s = retention_s
-        self.max_spans = max_spans
+        self.max_bytes = max_bytes
         self._prune_every_s = prune_every_s
-        self._last_prune = 0.0
+        self._last_prune = time.monotonic()
         self._lock = threading.Lock()
         self._conn = connect(self.path)
-        self.exported = 0
+        self._runs: dict[str, int] = {}
+        self._ranks: dict[tuple, int] = {}
+        self.stored_waves = 0
+        self.ignored_waves = 0  # sent again: already stored
 
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        try:
-            rows = [_row(span) for span in spans]
-            with self._lock, self._conn:
-                self._conn.executemany(
-                    "INSERT OR REPLACE INTO spans VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)", rows
+    # -- dimensions -----------------------------------------------------------------------
+    def _run_id(self, run_id: str) -> int:
+        known = self._runs.get(run_id)
+        if known is not None:
+            return known
+        conn = self._conn
+        conn.execute("INSERT OR IGNORE INTO runs (run_id) VALUES (?)", (run_id,))
+        (key,) = conn.execute("SELECT id FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        self._runs[run_id] = key
+        return key
+
+    def rank_id(self, rank: guard_pb2.RankInfo, engine: str) -> int:
+        """The integer key of a rank (inserted on first sight). Call with the lock held."""
+        key = (rank.run_id, engine, rank.dp_rank, rank.tp_rank, rank.pp_rank)
+        known = self._ranks.get(key)
+        if known is not None:
+            return known
+        run = self._run_id(rank.run_id)
+        conn = self._conn
+        conn.execute(
+            "INSERT INTO ranks (run, engine, dp, tp, pp, dp_size, tp_size, pp_size, node, pid, "
+            "runner, trace_key) VALUES (?,?,?,?,?,?,?,?,?,?,?,?) "
+            "ON CONFLICT (run, engine, dp, tp, pp) DO UPDATE SET node = excluded.node, "
+            "pid = excluded.pid, runner = excluded.runner",
+            (
+                run,
+                engine,
+                rank.dp_rank,
+                rank.tp_rank,
+                rank.pp_rank,
+                rank.dp_size,
+                rank.tp_size,
+                rank.pp_size,
+                rank.node,
+                rank.pid,
+                rank.runner,
+                _signed(wave_trace_key(rank.run_id, rank.dp_rank)),
+            ),
+        )
+        (rank_key,) = conn.execute(
+            "SELECT id FROM ranks WHERE run = ? AND engine = ? AND dp = ? AND tp = ? AND pp = ?",
+            (run, engine, rank.dp_rank, rank.tp_rank, rank.pp_rank),
+        ).fetchone()
+        self._ranks[key] = rank_key
+        return rank_key
+
+    # -- writes -----------------------------------------------------------------------------
+    def write(self, items: Sequence[Item]) -> None:
+        wave_rows, coll_rows, slow_rows = [], [], []
+        with self._lock:
+            for item in items:
+                batch = item.batch
+                if not item.records and not batch.collective_waves:
+                    continue
+                rank_id = self.rank_id(item.source.rank, item.source.engine)
+                if item.records:
+                    wave_rows.append(wave_block_row(rank_id, batch.wave_columns))
+                if batch.collective_waves:
+                    coll_rows.append(self._collective_row(rank_id, batch.collective_waves))
+                    for cw in batch.collective_waves:
+                        for call in cw.slow_calls:
+                            slow_rows.append(
+                                (
+                                    rank_id,
+                                    call.group,
+                                    call.seq,
+                                    cw.wave,
+                                    call.op,
+                                    call.backend,
+                                    call.dtype,
+                                    call.bytes,
+                                    call.start_unix_nano,
+                                    call.host_ns,
+                                )
+                            )
+            if not (wave_rows or coll_rows or slow_rows):
+                self._conn.commit()
+                return
+            conn = self._conn
+            with conn:
+                for row in wave_rows:  # one block per batch: a few rows per write
+                    if conn.execute(
+                        "INSERT OR IGNORE INTO wave_blocks VALUES (?,?,?,?,?,?,?,?)", row
+                    ).rowcount:
+                        self.stored_waves += row[5]
+                    else:
+                        self.ignored_waves += row[5]
+                conn.executemany(
+                    "INSERT OR IGNORE INTO collective_blocks VALUES (?,?,?,?,?,?)", coll_rows
                 )
-            self.exported += len(rows)
-            if time.monotonic() - self._last_prune >= self._prune_every_s:
-                self.prune()
-            return SpanExportResult.SUCCESS
-        except sqlite3.Error:
-            log.exception("store_write_failed", path=self.path, spans=len(spans))
-            return SpanExportResult.FAILURE
+                conn.executemany(
+                    "INSERT OR IGNORE INTO slow_calls VALUES (?,?,?,?,?,?,?,?,?,?)", slow_rows
+                )
+        if time.monotonic() - self._last_prune >= self._prune_every_s:
+            self.prune()
 
-    def prune(self, now_ns: int | None = None) -> int:
-        """Delete spans older than the retention and the oldest beyond `max_spans`."""
-        self._last_prune = time.monotonic()
-        cutoff = (now_ns if now_ns is not None else time.time_ns()) - int(self.retention_s * 1e9)
-        with self._lock, self._conn:
-            removed = self._conn.execute("DELETE FROM spans WHERE start_ns < ?", (cutoff,)).rowcount
-            (count,) = self._conn.execute("SELECT COUNT(*) FROM spans").fetchone()
-            if count > self.max_spans:
+    @staticmethod
+    def _collective_row(rank_id: int, waves) -> tuple:
+        numbers = [cw.wave for cw in waves]
+        arrivals = [cw.first_arrival_unix_nano for cw in waves if cw.first_arrival_unix_nano]
+        start = min(arrivals) if arrivals else time.time_ns()
+        return (rank_id, min(numbers), max(numbers), start, len(numbers), encode_collectives(waves))
+
+    # -- retention --------------------------------------------------------------------------
+    def used_bytes(self) -> int:
+        """Bytes of the file in use: (page_count - freelist_count) x page_size."""
+        conn = self._conn
+        (pages,) = conn.execute("PRAGMA page_count").fetchone()
+        (free,) = conn.execute("PRAGMA freelist_count").fetchone()
+        (size,) = conn.execute("PRAGMA page_size").fetchone()
+        return (pages - free) * size
+
+    def _oldest_ns(self) -> int | None:
+        oldest = [
+            self._conn.execute(f"SELECT MIN({column}) FROM {table}").fetchone()[0]
+            for table, column in _RETAINED
+        ]
+        oldest = [t for t in oldest if t is not None]
+        return min(oldest) if oldest else None
+
+    def _delete_before(self, cutoff_ns: int) -> int:
+        removed = 0
+        with self._conn:
+            for table, column in _RETAINED:
                 removed += self._conn.execute(
-                    "DELETE FROM spans WHERE rowid IN (SELECT rowid FROM spans ORDER BY start_ns LIMIT ?)",
-                    (count - self.max_spans,),
+                    f"DELETE FROM {table} WHERE {column} < ?", (cutoff_ns,)
                 ).rowcount
-        if removed:
-            log.info("store_pruned", removed=removed)
         return removed
 
-    def shutdown(self) -> None:
+    def prune(self, now_ns: int | None = None) -> int:
+        """Delete by age, then by size, a time bucket at a time; return the rows removed."""
+        self._last_prune = time.monotonic()
+        cutoff = (now_ns if now_ns is not None else time.time_ns()) - int(self.retention_s * 1e9)
+        removed = 0
+        with self._lock:
+            oldest = self._oldest_ns()
+            while oldest is not None and oldest < cutoff:
+                removed += self._delete_before(min(cutoff, oldest + BUCKET_NS))
+                oldest = self._oldest_ns()
+            while oldest is not None and self.used_bytes() > self.max_bytes:
+                removed += self._delete_before(oldest + BUCKET_NS)
+                oldest = self._oldest_ns()
+        if removed:
+            log.info("store_pruned", removed_rows=removed)
+        return removed
+
+    def close(self) -> None:
         with self._lock:
             self._conn.close()
 
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return True
+
+# -- reads (the CLI, the exporter's look-ups) ---------------------------------------------------
+_RANK_SELECT = (
+    "SELECT ranks.id, runs.run_id, ranks.engine, ranks.dp, ranks.tp, ranks.pp, ranks.node, "
+    "ranks.pid FROM ranks JOIN runs ON runs.id = ranks.run"
+)
+
+
+def ranks(conn: sqlite3.Connection, where: str = "", params: Sequence = ()) -> list[RankRow]:
+    sql = _RANK_SELECT + (f" WHERE {where}" if where else "")
+    return [RankRow.from_row(row) for row in conn.execute(sql, params)]
+
+
+def ranks_of_trace_key(conn: sqlite3.Connection, trace_key: int) -> list[RankRow]:
+    return ranks(conn, "ranks.trace_key = ?", (_signed(trace_key),))
+
+
+def wave_blocks(
+    conn: sqlite3.Connection,
+    rank_ids: Sequence[int],
+    *,
+    since_ns: int | None = None,
+    until_ns: int | None = None,
+    min_step_ns: int | None = None,
+    wave: int | None = None,
+) -> Iterator[tuple[int, guard_pb2.WaveColumns]]:
+    """(rank id, columns) of the blocks that may hold matching waves."""
+    if not rank_ids:
+        return
+    where = [f"rank IN ({','.join('?' * len(rank_ids))})"]
+    params: list = list(rank_ids)
+    if since_ns is not None:
+        where.append("end_ns >= ?")
+        params.append(since_ns)
+    if until_ns is not None:
+        where.append("start_ns <= ?")
+        params.append(until_ns)
+    if min_step_ns is not None:
+        where.append("max_step_ns >= ?")
+        params.append(min_step_ns)
+    if wave is not None:
+        where.append("first_wave <= ? AND last_wave >= ?")
+        params += [wave, wave]
+    sql = f"SELECT rank, columns FROM wave_blocks WHERE {' AND '.join(where)}"
+    for rank_id, blob in conn.execute(sql, params):
+        yield rank_id, decode_waves(blob)
+
+
+def collective_waves(conn: sqlite3.Connection, rank_id: int, wave: int) -> list:
+    """The collective records of one rank in one wave."""
+    out = []
+    for (blob,) in conn.execute(
+        "SELECT columns FROM collective_blocks WHERE rank = ? AND first_wave <= ? "
+        "AND last_wave >= ?",
+        (rank_id, wave, wave),
+    ):
+        out += [cw for cw in decode_collectives(blob) if cw.wave == wave]
+    return out
+
+
+def count_waves(conn: sqlite3.Connection) -> int:
+    """Wave records stored (block sizes summed)."""
+    (total,) = conn.execute("SELECT COALESCE(SUM(waves), 0) FROM wave_blocks").fetchone()
+    return total

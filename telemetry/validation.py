@@ -1,20 +1,27 @@
-"""Checks on every `Batch` before the sidecar uses it; each failure names the field."""
+"""Checks on every `Batch` before the sidecar uses it; each failure names the field and value.
+
+Everything that reaches the store and the spans has passed here, so no writer can fail on a
+value (an integer SQLite cannot hold, a string too long to keep): a bad record is refused with
+its stream, and never spoils a batch of other ranks' records. Wave columns are checked per
+column against the ranges in `telemetry/schema.py` (derived from the proto), with `min`/`max`
+running in C over the packed values rather than a Python loop per record.
+"""
 
 from __future__ import annotations
 
 from telemetry.proto import guard_pb2
+from telemetry.schema import INT64_MAX, MAX_DURATION_NS, WAVE_FIELDS, WAVE_RANGES
 
 MAX_RANK = 65_535
 MAX_TEXT = 128
 MAX_WAVES_PER_BATCH = 100_000
-MAX_DURATION_NS = 24 * 3600 * 10**9
+MAX_COLLECTIVE_WAVES_PER_BATCH = 100_000
+MAX_STATS_PER_WAVE = 1024
+MAX_PROBES_PER_BATCH = 10_000
 MAX_INCIDENTS_PER_BATCH = 10_000
 MAX_SUMMARY = 1024
 MAX_EVIDENCE = 64 * 1024
 MAX_INCIDENT_ID = 256
-# unsigned wire integers that reach SQLite or span attributes (signed 64-bit) must fit in them
-MAX_INT64 = 2**63 - 1
-MAX_START_NS = MAX_INT64 - 4 * MAX_DURATION_NS  # start + its durations stays a 64-bit time
 SEVERITIES = ("info", "warning", "error", "critical")
 SUPPORTED_INCIDENT_SCHEMAS = (1,)
 
@@ -23,10 +30,72 @@ class InvalidBatch(ValueError):
     """A batch that parsed but makes no sense; the message says which field is wrong."""
 
 
-def validate_batch(batch: guard_pb2.Batch) -> None:
-    if not batch.HasField("rank"):
-        raise InvalidBatch("batch.rank: missing; every batch must say which rank sent it")
-    rank = batch.rank
+def to_columns(batch: guard_pb2.Batch) -> None:
+    """Move a v1 batch's `waves` messages into `wave_columns` (a v1 worker, or a raw client)."""
+    if not batch.waves:
+        return
+    cols = batch.wave_columns
+    for name in WAVE_FIELDS:
+        getattr(cols, name).extend([getattr(w, name) for w in batch.waves])
+    del batch.waves[:]
+
+
+def validate_batch(batch: guard_pb2.Batch, *, rank_known: bool = False, v1: bool = False) -> int:
+    """Check one batch; return its number of wave records. `rank_known`: an earlier batch of
+    the stream named the rank (wire v2 sends it once). `v1`: name fields as `waves[i].x`."""
+    if batch.HasField("rank"):
+        _validate_rank(batch.rank)
+    elif not rank_known:
+        raise InvalidBatch(
+            "batch.rank: missing; the first batch of a stream must say which rank sent it"
+        )
+    waves = _validate_waves(batch.wave_columns, v1)
+    if batch.HasField("heartbeat"):
+        _validate_heartbeat(batch.heartbeat)
+    for name in ("dropped_total", "guard_errors_total", "seq"):
+        value = getattr(batch, name)
+        if value > INT64_MAX:
+            raise InvalidBatch(f"batch.{name}: {value} exceeds {INT64_MAX}")
+    if len(batch.collective_waves) > MAX_COLLECTIVE_WAVES_PER_BATCH:
+        raise InvalidBatch(
+            f"batch.collective_waves: {len(batch.collective_waves)} records, "
+            f"at most {MAX_COLLECTIVE_WAVES_PER_BATCH}"
+        )
+    for index, cw in enumerate(batch.collective_waves):
+        _validate_collective_wave(f"collective_waves[{index}]", cw)
+    if len(batch.incidents) > MAX_INCIDENTS_PER_BATCH:
+        raise InvalidBatch(
+            f"batch.incidents: {len(batch.incidents)} incidents, at most {MAX_INCIDENTS_PER_BATCH}"
+        )
+    for index, incident in enumerate(batch.incidents):
+        _validate_incident(f"incidents[{index}]", incident)
+    if len(batch.probes) > MAX_PROBES_PER_BATCH:
+        raise InvalidBatch(
+            f"batch.probes: {len(batch.probes)} readings, at most {MAX_PROBES_PER_BATCH}"
+        )
+    for index, probe in enumerate(batch.probes):
+        if not probe.name or len(probe.name) > MAX_TEXT:
+            raise InvalidBatch(
+                f"probes[{index}].name: {probe.name!r} must be 1-{MAX_TEXT} characters"
+            )
+        if probe.value != probe.value:
+            raise InvalidBatch(f"probes[{index}].value: NaN")
+        for key, value in probe.labels.items():
+            if len(key) > MAX_TEXT or len(value) > MAX_TEXT:
+                raise InvalidBatch(
+                    f"probes[{index}].labels[{_short(key)}]: longer than {MAX_TEXT} characters"
+                )
+    for type_, total in batch.detector_hits_total.items():
+        if not type_ or len(type_) > MAX_TEXT or total > INT64_MAX:
+            raise InvalidBatch(f"detector_hits_total[{_short(type_)}]: {total} not storable")
+    return waves
+
+
+def _short(text: str, limit: int = 40) -> str:
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
+def _validate_rank(rank: guard_pb2.RankInfo) -> None:
     if not rank.run_id:
         raise InvalidBatch("rank.run_id: empty")
     for name in ("run_id", "engine", "node", "runner"):
@@ -41,54 +110,95 @@ def validate_batch(batch: guard_pb2.Batch) -> None:
         value = getattr(rank, f"{coord}_rank")
         if size and value >= size:
             raise InvalidBatch(f"rank.{coord}_rank: {value} is not below {coord}_size {size}")
-    if len(batch.waves) > MAX_WAVES_PER_BATCH:
+
+
+# columns whose proto type already bounds them to what the store holds need no check
+_CHECKED = tuple(
+    (name, lo, hi)
+    for name, (lo, hi) in WAVE_RANGES.items()
+    if (lo, hi) not in ((0, 2**32 - 1), (0, 1))
+)
+
+
+def _validate_waves(cols: guard_pb2.WaveColumns, v1: bool) -> int:
+    n = len(cols.wave)
+    if n > MAX_WAVES_PER_BATCH:
+        raise InvalidBatch(f"batch.waves: {n} records, at most {MAX_WAVES_PER_BATCH}")
+    if not n:
+        for name in WAVE_FIELDS:
+            if len(getattr(cols, name)):
+                raise InvalidBatch(f"wave_columns.{name}: values without a wave column")
+        return 0
+    for name in WAVE_FIELDS:
+        if len(getattr(cols, name)) != n:
+            raise InvalidBatch(
+                f"wave_columns.{name}: {len(getattr(cols, name))} values, wave has {n}"
+            )
+    for name, lo, hi in _CHECKED:
+        col = getattr(cols, name)
+        if min(col) >= lo and max(col) <= hi:
+            continue
+        index, value = next((i, v) for i, v in enumerate(col) if not lo <= v <= hi)
+        where = f"waves[{index}].{name}" if v1 else f"wave_columns.{name}[{index}]"
+        if name == "wave" and value == 0:
+            raise InvalidBatch(f"{where}: must be 1 or more")
+        if name == "start_unix_nano":
+            raise InvalidBatch(f"{where}: {value} is not a time")
+        raise InvalidBatch(f"{where}: {value} is outside [{lo}, {hi}]")
+    return n
+
+
+def _validate_heartbeat(hb: guard_pb2.Heartbeat) -> None:
+    if hb.phase_age_ns < 0:
+        raise InvalidBatch(f"heartbeat.phase_age_ns: {hb.phase_age_ns} is negative")
+    if hb.last_wave > INT64_MAX or hb.collective_seq > INT64_MAX:
         raise InvalidBatch(
-            f"batch.waves: {len(batch.waves)} records, at most {MAX_WAVES_PER_BATCH}"
+            f"heartbeat: last_wave {hb.last_wave} / collective_seq {hb.collective_seq} "
+            f"exceed {INT64_MAX}"
         )
-    for index, wave in enumerate(batch.waves):
-        if wave.wave == 0:
-            raise InvalidBatch(f"waves[{index}].wave: must be 1 or more")
-        if wave.wave > MAX_INT64:
-            raise InvalidBatch(f"waves[{index}].wave: {wave.wave} exceeds {MAX_INT64}")
-        for name in ("execute_ns", "sample_ns", "sample_offset_ns"):
-            value = getattr(wave, name)
-            if not 0 <= value <= MAX_DURATION_NS:
-                raise InvalidBatch(
-                    f"waves[{index}].{name}: {value} is outside [0, {MAX_DURATION_NS}]"
-                )
-        if not 0 < wave.start_unix_nano <= MAX_START_NS:
-            raise InvalidBatch(
-                f"waves[{index}].start_unix_nano: {wave.start_unix_nano} is not a time"
-            )
-    if batch.HasField("heartbeat") and batch.heartbeat.phase_age_ns < 0:
-        raise InvalidBatch(f"heartbeat.phase_age_ns: {batch.heartbeat.phase_age_ns} is negative")
-    if len(batch.incidents) > MAX_INCIDENTS_PER_BATCH:
-        raise InvalidBatch(
-            f"batch.incidents: {len(batch.incidents)} incidents, at most {MAX_INCIDENTS_PER_BATCH}"
-        )
-    for index, incident in enumerate(batch.incidents):
-        _validate_incident(f"incidents[{index}]", incident)
-    for index, cw in enumerate(batch.collective_waves):
-        where = f"collective_waves[{index}]"
-        _check_int64(where, cw, ("wave",))
-        _check_duration(where, cw, ("wait_ns", "injected_delay_ns"))
-        for j, stat in enumerate(cw.stats):
-            _check_duration(f"{where}.stats[{j}]", stat, ("host_ns", "max_host_ns", "device_ns"))
-        for j, call in enumerate(cw.slow_calls):
-            _check_int64(f"{where}.slow_calls[{j}]", call, ("seq", "bytes"))
-            _check_duration(f"{where}.slow_calls[{j}]", call, ("host_ns",))
-    for name in batch.detector_hits_total:
-        if not name or len(name) > MAX_TEXT:
-            raise InvalidBatch(
-                f"detector_hits_total: key {name[:40]!r} must be 1-{MAX_TEXT} characters"
-            )
-    for index, probe in enumerate(batch.probes):
-        if not probe.name or len(probe.name) > MAX_TEXT:
-            raise InvalidBatch(
-                f"probes[{index}].name: {probe.name!r} must be 1-{MAX_TEXT} characters"
-            )
-        if probe.value != probe.value:
-            raise InvalidBatch(f"probes[{index}].value: NaN")
+    # a captured graph's list of collectives is a sentence, the rest are names
+    limits = {"collective_graph_holds": MAX_SUMMARY}
+    for name in (
+        "phase",
+        "collective_op",
+        "collective_group",
+        "collective_backend",
+        "collective_graph",
+        "collective_graph_holds",
+    ):
+        value = getattr(hb, name)
+        limit = limits.get(name, MAX_TEXT)
+        if len(value) > limit:
+            raise InvalidBatch(f"heartbeat.{name}: {len(value)} characters, at most {limit}")
+
+
+def _validate_collective_wave(where: str, cw: guard_pb2.CollectiveWave) -> None:
+    # Integers here are stored as sent (the store keeps the proto's uint64, metrics are
+    # floats, spans clamp to OTLP's int64); only the wave number keys a row.
+    if not 1 <= cw.wave <= INT64_MAX:
+        raise InvalidBatch(f"{where}.wave: {cw.wave} is outside [1, {INT64_MAX}]")
+    # durations are never negative nor longer than a day (they become span ends and metrics)
+    _check_duration(where, cw, ("wait_ns", "injected_delay_ns"))
+    for j, stat in enumerate(cw.stats):
+        _check_duration(f"{where}.stats[{j}]", stat, ("host_ns", "max_host_ns", "device_ns"))
+    for j, call in enumerate(cw.slow_calls):
+        _check_int64(f"{where}.slow_calls[{j}]", call, ("seq", "bytes"))
+        _check_duration(f"{where}.slow_calls[{j}]", call, ("host_ns",))
+    if cw.ByteSize() <= MAX_TEXT:
+        return  # no string inside can be longer than the whole record: the common case
+    if len(cw.stats) > MAX_STATS_PER_WAVE:
+        raise InvalidBatch(f"{where}.stats: {len(cw.stats)} entries, at most {MAX_STATS_PER_WAVE}")
+    for kind, entries in (("stats", cw.stats), ("slow_calls", cw.slow_calls)):
+        for index, entry in enumerate(entries):
+            if entry.ByteSize() <= MAX_TEXT:
+                continue
+            for name in ("op", "group", "backend", "dtype"):
+                value = getattr(entry, name)
+                if len(value) > MAX_TEXT:
+                    raise InvalidBatch(
+                        f"{where}.{kind}[{index}].{name}: {len(value)} characters "
+                        f"({_short(value)}), at most {MAX_TEXT}"
+                    )
 
 
 def _check_duration(where: str, message, fields: tuple[str, ...]) -> None:
@@ -101,12 +211,11 @@ def _check_duration(where: str, message, fields: tuple[str, ...]) -> None:
 def _check_int64(where: str, message, fields: tuple[str, ...]) -> None:
     for name in fields:
         value = getattr(message, name)
-        if value > MAX_INT64:
-            raise InvalidBatch(f"{where}.{name}: {value} exceeds {MAX_INT64}")
+        if value > INT64_MAX:
+            raise InvalidBatch(f"{where}.{name}: {value} exceeds {INT64_MAX}")
 
 
 def _validate_incident(where: str, incident: guard_pb2.Incident) -> None:
-    _check_int64(where, incident, ("wave", "occurrence", "suppressed"))
     if incident.schema_version not in SUPPORTED_INCIDENT_SCHEMAS:
         raise InvalidBatch(
             f"{where}.schema_version: {incident.schema_version} is not supported "
@@ -116,6 +225,12 @@ def _validate_incident(where: str, incident: guard_pb2.Incident) -> None:
         raise InvalidBatch(f"{where}.id: {incident.id!r} must be 1-{MAX_INCIDENT_ID} characters")
     if not incident.type or len(incident.type) > MAX_TEXT:
         raise InvalidBatch(f"{where}.type: {incident.type!r} must be 1-{MAX_TEXT} characters")
+    if incident.wave > INT64_MAX:
+        raise InvalidBatch(f"{where}.wave: {incident.wave} exceeds {INT64_MAX}")
+    if incident.occurrence > INT64_MAX or incident.suppressed > INT64_MAX:
+        raise InvalidBatch(f"{where}.occurrence/suppressed: exceed {INT64_MAX}")
+    if len(incident.actions) > 64 or any(len(a) > MAX_SUMMARY for a in incident.actions):
+        raise InvalidBatch(f"{where}.actions: at most 64 of at most {MAX_SUMMARY} characters")
     if incident.severity not in SEVERITIES:
         raise InvalidBatch(
             f"{where}.severity: {incident.severity!r} is not one of {', '.join(SEVERITIES)}"

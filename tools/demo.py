@@ -20,8 +20,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from telemetry import cli, paths  # noqa: E402
-from telemetry.query import SpanQuery, attributes, rank_label, search  # noqa: E402
+from telemetry import cli, paths, schema  # noqa: E402
+from telemetry.query import SpanQuery, rank_label, search  # noqa: E402
 from telemetry.store import connect  # noqa: E402
 from telemetry.table import format_duration_ns, render_table  # noqa: E402
 from tests.support.metrics import value  # noqa: E402
@@ -48,10 +48,8 @@ def rank_summary(text: str, tp: int, store: Path) -> str:
     for rank in range(tp):
         labels = {"engine": "demo", "dp": "0", "tp": str(rank), "pp": "0"}
         steps = [
-            d
-            for (d,) in conn.execute(
-                "SELECT duration_ns FROM spans WHERE name = 'rank' AND tp = ?", (rank,)
-            )
+            span.duration_ns
+            for span in search(conn, SpanQuery(name="rank", rank={"tp": rank}, limit=10**9))
         ]
         rows.append((
             f"dp0 tp{rank} pp0",
@@ -153,11 +151,11 @@ def main(argv: list[str] | None = None) -> int:
                 ("wave", "rank", "duration", "reqs", "trace id"),
                 [
                     (
-                        r["wave"],
+                        r.wave,
                         rank_label(r),
-                        format_duration_ns(r["duration_ns"]),
-                        attributes(r).get("ascend_guard.num_reqs", ""),
-                        r["trace_id"],
+                        format_duration_ns(r.duration_ns),
+                        r.attributes.get(schema.attr("num_reqs"), ""),
+                        r.trace_hex,
                     )
                     for r in rows
                 ],  # fmt: skip
@@ -165,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             )
         )
         if rows:
-            print(f"\nThe slowest wave as a trace (ascend-guard trace {rows[0]['trace_id']})")
-            cli.main(["trace", rows[0]["trace_id"], "--store", str(store)])
+            print(f"\nThe slowest wave as a trace (ascend-guard trace {rows[0].trace_hex})")
+            cli.main(["trace", rows[0].trace_hex, "--store", str(store)])
 
         print("\nIncidents the sampling detectors raised (ascend-guard incidents)")
         cli.main(["incidents", "--store", str(store), "--limit", "8"])

@@ -114,13 +114,24 @@ def metric_rows() -> list[tuple[str, ...]]:
     from prometheus_client import CollectorRegistry
 
     from telemetry.crossrank import CrossRankView
+    from telemetry.export import ExportSettings, OtlpExporter
     from telemetry.metrics import SidecarMetrics
+    from telemetry.pipeline import BoundedQueue, Drops
 
     registry = CollectorRegistry()
     SidecarMetrics(registry)
     CrossRankView(registry)
+    drops = Drops(registry)  # the record path's own families (telemetry/pipeline.py, export.py)
+    BoundedQueue(1, drops, registry)
+    OtlpExporter(ExportSettings("http://localhost:4317"), drops, registry, "docs").close()
     rows = []
     for collector, names in getattr(registry, "_collector_to_names", {}).items():
+        if not hasattr(collector, "_name"):  # a custom Collector: its families name themselves
+            for family in collector.collect():
+                shown = f"{family.name}_total" if family.type == "counter" else family.name
+                labels = ", ".join(f"`{label}`" for label in getattr(family, "_labelnames", ()))
+                rows.append((f"`{shown}`", family.type, labels, family.documentation))
+            continue
         kind = getattr(collector, "_type", "")
         name = getattr(collector, "_name", "") or sorted(names)[0]
         shown = f"{name}_total" if kind == "counter" else name

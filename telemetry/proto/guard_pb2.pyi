@@ -65,6 +65,38 @@ class WaveRecord(_message.Message):
     recompute_tokens: int
     def __init__(self, wave: _Optional[int] = ..., start_unix_nano: _Optional[int] = ..., execute_ns: _Optional[int] = ..., sample_ns: _Optional[int] = ..., sample_offset_ns: _Optional[int] = ..., num_reqs: _Optional[int] = ..., prefill_reqs: _Optional[int] = ..., decode_reqs: _Optional[int] = ..., prefill_tokens: _Optional[int] = ..., decode_tokens: _Optional[int] = ..., sampled_tokens: _Optional[int] = ..., dummy: bool = ..., sampled: bool = ..., recompute_tokens: _Optional[int] = ...) -> None: ...
 
+class WaveColumns(_message.Message):
+    __slots__ = ("wave", "start_unix_nano", "execute_ns", "sample_ns", "sample_offset_ns", "num_reqs", "prefill_reqs", "decode_reqs", "prefill_tokens", "decode_tokens", "sampled_tokens", "dummy", "sampled", "recompute_tokens")
+    WAVE_FIELD_NUMBER: _ClassVar[int]
+    START_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    EXECUTE_NS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_NS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_OFFSET_NS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_REQS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_REQS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DUMMY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    wave: _containers.RepeatedScalarFieldContainer[int]
+    start_unix_nano: _containers.RepeatedScalarFieldContainer[int]
+    execute_ns: _containers.RepeatedScalarFieldContainer[int]
+    sample_ns: _containers.RepeatedScalarFieldContainer[int]
+    sample_offset_ns: _containers.RepeatedScalarFieldContainer[int]
+    num_reqs: _containers.RepeatedScalarFieldContainer[int]
+    prefill_reqs: _containers.RepeatedScalarFieldContainer[int]
+    decode_reqs: _containers.RepeatedScalarFieldContainer[int]
+    prefill_tokens: _containers.RepeatedScalarFieldContainer[int]
+    decode_tokens: _containers.RepeatedScalarFieldContainer[int]
+    sampled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    dummy: _containers.RepeatedScalarFieldContainer[bool]
+    sampled: _containers.RepeatedScalarFieldContainer[bool]
+    recompute_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, wave: _Optional[_Iterable[int]] = ..., start_unix_nano: _Optional[_Iterable[int]] = ..., execute_ns: _Optional[_Iterable[int]] = ..., sample_ns: _Optional[_Iterable[int]] = ..., sample_offset_ns: _Optional[_Iterable[int]] = ..., num_reqs: _Optional[_Iterable[int]] = ..., prefill_reqs: _Optional[_Iterable[int]] = ..., decode_reqs: _Optional[_Iterable[int]] = ..., prefill_tokens: _Optional[_Iterable[int]] = ..., decode_tokens: _Optional[_Iterable[int]] = ..., sampled_tokens: _Optional[_Iterable[int]] = ..., dummy: _Optional[_Iterable[bool]] = ..., sampled: _Optional[_Iterable[bool]] = ..., recompute_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class Heartbeat(_message.Message):
     __slots__ = ("time_unix_nano", "last_wave", "phase", "phase_age_ns", "collective_op", "collective_group", "collective_seq", "collective_age_ns", "collective_backend", "collective_graph", "collective_graph_holds")
     TIME_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
@@ -205,7 +237,7 @@ class ProbeValue(_message.Message):
     def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., value: _Optional[float] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("rank", "waves", "heartbeat", "dropped_total", "guard_errors_total", "seq", "incidents", "detector_hits_total", "probes", "collective_waves")
+    __slots__ = ("rank", "waves", "heartbeat", "dropped_total", "guard_errors_total", "seq", "incidents", "detector_hits_total", "probes", "collective_waves", "wire_version", "wave_columns")
     class DetectorHitsTotalEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +255,8 @@ class Batch(_message.Message):
     DETECTOR_HITS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     PROBES_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_WAVES_FIELD_NUMBER: _ClassVar[int]
+    WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAVE_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     rank: RankInfo
     waves: _containers.RepeatedCompositeFieldContainer[WaveRecord]
     heartbeat: Heartbeat
@@ -233,7 +267,9 @@ class Batch(_message.Message):
     detector_hits_total: _containers.ScalarMap[str, int]
     probes: _containers.RepeatedCompositeFieldContainer[ProbeValue]
     collective_waves: _containers.RepeatedCompositeFieldContainer[CollectiveWave]
-    def __init__(self, rank: _Optional[_Union[RankInfo, _Mapping]] = ..., waves: _Optional[_Iterable[_Union[WaveRecord, _Mapping]]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., dropped_total: _Optional[int] = ..., guard_errors_total: _Optional[int] = ..., seq: _Optional[int] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., detector_hits_total: _Optional[_Mapping[str, int]] = ..., probes: _Optional[_Iterable[_Union[ProbeValue, _Mapping]]] = ..., collective_waves: _Optional[_Iterable[_Union[CollectiveWave, _Mapping]]] = ...) -> None: ...
+    wire_version: int
+    wave_columns: WaveColumns
+    def __init__(self, rank: _Optional[_Union[RankInfo, _Mapping]] = ..., waves: _Optional[_Iterable[_Union[WaveRecord, _Mapping]]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., dropped_total: _Optional[int] = ..., guard_errors_total: _Optional[int] = ..., seq: _Optional[int] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., detector_hits_total: _Optional[_Mapping[str, int]] = ..., probes: _Optional[_Iterable[_Union[ProbeValue, _Mapping]]] = ..., collective_waves: _Optional[_Iterable[_Union[CollectiveWave, _Mapping]]] = ..., wire_version: _Optional[int] = ..., wave_columns: _Optional[_Union[WaveColumns, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("batches", "waves")

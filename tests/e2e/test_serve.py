@@ -6,8 +6,6 @@ OpenAI API returned and vLLM's own `vllm:generation_tokens_total`.
 
 from __future__ import annotations
 
-import json
-import sqlite3
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -16,6 +14,7 @@ import pytest
 
 from tests.support.metrics import samples, value
 from tests.support.sidecar import SidecarProcess
+from tests.support.store import stored_spans
 from tests.support.vllm_server import VllmServer, completion_tokens, token_ids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -168,14 +167,10 @@ def test_every_rank_reports_the_same_waves(deployment: Deployment) -> None:
     # same scheduled tokens on each rank.
     deadline = time.monotonic() + 10
     while True:
-        conn = sqlite3.connect(deployment.sidecar.store_path)
-        rows = conn.execute(
-            "SELECT trace_id, wave, tp, attributes FROM spans WHERE name = 'rank' AND engine = 'e2e'"
-        ).fetchall()
-        conn.close()
+        rows = stored_spans(deployment.sidecar.store_path, name="rank", engine="e2e")
         per_trace: dict[str, list] = defaultdict(list)
-        for trace_id, wave, tp, attrs in rows:
-            per_trace[trace_id].append((wave, tp, attrs))
+        for span in rows:
+            per_trace[span.trace_hex].append((span.wave, span.tp, span.attributes))
         complete = [t for t in per_trace.values() if len(t) == deployment.tp]
         if len(complete) >= last[0] * 0.9 or time.monotonic() > deadline:
             break
@@ -185,8 +180,7 @@ def test_every_rank_reports_the_same_waves(deployment: Deployment) -> None:
         assert sorted(tp for _, tp, _ in spans) == list(range(len(spans)))
         assert len({wave for wave, _, _ in spans}) == 1
         token_view = {
-            (a["ascend_guard.prefill_tokens"], a["ascend_guard.decode_tokens"])
-            for a in (json.loads(attrs) for _, _, attrs in spans)
+            (a["ascend_guard.prefill_tokens"], a["ascend_guard.decode_tokens"]) for _, _, a in spans
         }
         assert len(token_view) == 1
 

@@ -20,6 +20,7 @@ from guard.spool import IncidentSpool
 from tests.integration.test_sidecar_grpc import batch, raw_call, store_rows, wait_for
 from tests.support.feed import attach_reporter, make_streamer, wave_tuple
 from tests.support.metrics import value
+from tests.support.store import trace_spans
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -72,21 +73,14 @@ def test_incident_is_counted_stored_listed_and_attached_to_its_wave(sidecars, tm
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     assert "no incidents match" in none
-    # the incident span hangs under the rank span of wave 7, in the wave's trace
-    sidecar.stop()  # flush spans
-    rows = store_rows(
-        sidecar.store_path,
-        "SELECT trace_id, parent_id, events FROM spans WHERE name = 'incident:logits_finite'",
-    )
-    assert len(rows) == 1
-    trace_id, parent_id, events = rows[0]
-    (rank_span,) = store_rows(
-        sidecar.store_path,
-        "SELECT trace_id, span_id FROM spans WHERE name = 'rank' AND wave = 7 AND tp = 0",
-    )
-    assert (trace_id, parent_id) == rank_span
-    event = json.loads(events)[0]
-    assert event["attributes"]["incident.request_id"] == "cmpl-abc-0"
+    # the incident span hangs under the rank span of wave 7, in the wave's trace (both built
+    # from the stored rows)
+    sidecar.stop()  # writes what is queued
+    spans = trace_spans(sidecar.store_path, record["trace_id"])
+    (span,) = [s for s in spans if s.name == "incident:logits_finite"]
+    (rank_span,) = [s for s in spans if s.name == "rank" and s.wave == 7 and s.tp == 0]
+    assert (span.trace_id, span.parent_id) == (rank_span.trace_id, rank_span.span_id)
+    assert span.events[0]["attributes"]["incident.request_id"] == "cmpl-abc-0"
 
 
 def test_incidents_wait_in_the_spool_while_no_sidecar_and_arrive_once(sidecars, sock_dir, tmp_path):

@@ -19,6 +19,7 @@ from tests.support.feed import make_streamer, send_waves, wave_tuple
 from tests.support.metrics import value
 from tests.support.ports import free_port
 from tests.support.sidecar import SidecarProcess
+from tests.support.store import stored_spans
 
 REPO = Path(__file__).resolve().parents[2]
 METHOD = "/ascend_guard.v1.GuardIngest/Stream"
@@ -139,32 +140,24 @@ def test_concurrent_client_processes(sidecars):
         wait_metric(sidecar, "ascend_guard_ranks_connected", 0, engine=engine)
     assert value(sidecar.metrics_text(), "ascend_guard_ingest_rejected_total") == 0
 
-    # the store: one trace per wave, one `rank` span per rank (spans are flushed in batches)
+    # the store: one trace per wave, one `rank` span per rank (built from the stored rows)
     def traces():
-        if not sidecar.store_path.exists():
-            return None
-        rows = store_rows(
-            sidecar.store_path,
-            "SELECT run_id, wave, trace_id, COUNT(*), GROUP_CONCAT(tp) FROM spans "
-            "WHERE name = 'rank' GROUP BY run_id, wave ORDER BY run_id, wave",
+        per_wave: dict[tuple, list] = {}
+        for span in stored_spans(sidecar.store_path, name="rank"):
+            per_wave.setdefault((span.run_id, span.wave, span.trace_hex), []).append(span.tp)
+        complete = len(per_wave) == 65 and all(
+            len(tps) == (2 if run == "run-int" else 1) for (run, _, _), tps in per_wave.items()
         )
-        return (
-            rows
-            if len(rows) == 65 and all(r[3] == (2 if r[0] == "run-int" else 1) for r in rows)
-            else None
-        )
+        return sorted(per_wave.items()) if complete else None
 
     rows = wait_for(traces, 15, "rank spans in the store")
-    run_int = [r for r in rows if r[0] == "run-int"]
-    assert [r[1] for r in run_int] == list(range(1, 41))
-    assert all(sorted(r[4].split(",")) == ["0", "1"] for r in run_int)
-    trace_ids = {r[2] for r in rows}
+    run_int = [(key, tps) for key, tps in rows if key[0] == "run-int"]
+    assert [key[1] for key, _ in run_int] == list(range(1, 41))
+    assert all(sorted(tps) == [0, 1] for _, tps in run_int)
+    trace_ids = {key[2] for key, _ in rows}
     assert len(trace_ids) == 65  # one trace per (run, wave)
-    per_trace = store_rows(
-        sidecar.store_path,
-        "SELECT COUNT(DISTINCT trace_id), COUNT(*) FROM spans WHERE name = 'wave' AND run_id = 'run-int'",
-    )
-    assert per_trace == [(40, 40)]
+    roots = stored_spans(sidecar.store_path, name="wave", run_id="run-int")
+    assert len(roots) == 40 and len({s.trace_id for s in roots}) == 40
 
 
 # -- (b) malformed bytes --------------------------------------------------------------------

@@ -14,7 +14,7 @@ def test_recompute_tokens_reach_their_own_kind_and_leave_prefill_alone():
     streamer = make_streamer("unix:///nonexistent.sock")
     resumed = wave_tuple(2)._replace(prefill_tokens=6, recompute_tokens=24, decode_tokens=3)
     batch = streamer._make_batch([wave_tuple(1), resumed], with_heartbeat=False)
-    assert [w.recompute_tokens for w in batch.waves] == [0, 24]
+    assert list(batch.wave_columns.recompute_tokens) == [0, 24]  # wire v2 columns
 
     metrics = SidecarMetrics()
     metrics.observe_batch(("e", "0", "0", "0"), batch, ("run", 1))

@@ -1,8 +1,8 @@
-"""Query parsing, the SQLite span store built by the real tracer, and the query/trace CLI."""
+"""Query parsing, the record store written by the real writer sink, spans built from it on
+demand, and the query/trace CLI."""
 
 from __future__ import annotations
 
-import sqlite3
 import subprocess
 import sys
 import time
@@ -11,21 +11,21 @@ from pathlib import Path
 import pytest
 
 from telemetry import cli
+from telemetry import store as store_mod
+from telemetry.pipeline import Item, RankSource
 from telemetry.proto import guard_pb2
 from telemetry.query import (
     QueryError,
     SpanQuery,
+    load_trace,
     parse_duration_ns,
     parse_rank,
     parse_time_ns,
     span_tree,
 )
-from telemetry.store import SqliteSpanExporter
+from telemetry.store import Store
 from telemetry.traces import (
-    WaveTracer,
-    build_provider,
     format_trace_id,
-    lockstep_links,
     rank_span_id,
     wave_span_id,
     wave_trace_id,
@@ -149,28 +149,6 @@ def test_parse_rank_bad_names_argument_and_part(text, part):
 # -- SpanQuery.sql --------------------------------------------------------------------------
 
 
-def test_span_query_without_filters():
-    sql, params = SpanQuery().sql()
-    assert "WHERE" not in sql
-    assert sql.endswith("ORDER BY duration_ns DESC LIMIT ?")
-    assert params == [20]
-
-
-def test_span_query_all_filters_in_order():
-    query = SpanQuery(
-        since_ns=1, until_ns=2, min_duration_ns=3, rank={"dp": 0, "tp": 1}, name="rank",
-        run_id="r", engine="e", wave=4, sort="start", limit=5,
-    )  # fmt: skip
-    sql, params = query.sql()
-    where = sql.split(" WHERE ", 1)[1].split(" ORDER BY ")[0]
-    assert where.split(" AND ") == [
-        "start_ns >= ?", "start_ns <= ?", "duration_ns >= ?", "dp = ?", "tp = ?", "name = ?",
-        "run_id = ?", "engine = ?", "wave = ?",
-    ]  # fmt: skip
-    assert params == [1, 2, 3, 0, 1, "rank", "r", "e", 4, 5]
-    assert sql.endswith("ORDER BY start_ns DESC LIMIT ?")
-
-
 @pytest.mark.parametrize(
     ("query", "fragment"),
     [
@@ -182,7 +160,7 @@ def test_span_query_all_filters_in_order():
 )
 def test_span_query_validation(query, fragment):
     with pytest.raises(QueryError) as info:
-        query.sql()
+        query.validate()
     assert fragment in str(info.value)
 
 
@@ -231,15 +209,41 @@ def wave_record(wave, start, execute_ms, sample_ms=1, sampled=True, reqs=2):
     )  # fmt: skip
 
 
-def build_store(path: Path, waves, **exporter_kwargs) -> SqliteSpanExporter:
-    """waves: (rank, WaveRecord) pairs, written through a provider that is then shut down."""
-    exporter = SqliteSpanExporter(path, **exporter_kwargs)
-    provider, ids = build_provider([exporter], "node")
-    tracer = WaveTracer(provider, ids)
-    for rank, wave in waves:
-        tracer.record(rank, "eng", wave)
-    provider.shutdown()
-    return exporter
+def item(rank: guard_pb2.RankInfo, *waves: guard_pb2.WaveRecord) -> Item:
+    """One batch of `waves` from `rank`, as ingest hands it to the writer (wire v2 columns)."""
+    batch = guard_pb2.Batch(rank=rank)
+    batch.waves.extend(waves)
+    from telemetry.validation import to_columns, validate_batch
+
+    to_columns(batch)
+    records = validate_batch(batch)
+    labels = ("eng", str(rank.dp_rank), str(rank.tp_rank), str(rank.pp_rank))
+    source = RankSource(rank, "eng", labels, (rank.run_id, "eng", 0, rank.tp_rank, 0, rank.pid))
+    return Item(source, batch, batch.ByteSize(), records)
+
+
+def build_store(path: Path, waves, **store_kwargs) -> Store:
+    """waves: (rank, WaveRecord) pairs, one batch each, written by the store sink."""
+    sink = Store(path, **store_kwargs)
+    sink.write([item(rank, wave) for rank, wave in waves])
+    sink.close()
+    return sink
+
+
+def _spans(path) -> list:
+    """Every span the store can build (all ranks, all blocks)."""
+    from telemetry.spans import wave_spans
+
+    conn = store_mod.connect(path, readonly=True)
+    try:
+        ranks = {r.id: r for r in store_mod.ranks(conn)}
+        out = []
+        for rank_id, cols in store_mod.wave_blocks(conn, list(ranks)):
+            for i in range(len(cols.wave)):
+                out += wave_spans(ranks[rank_id], cols, i)
+        return out
+    finally:
+        conn.close()
 
 
 @pytest.fixture
@@ -256,15 +260,6 @@ def store(tmp_path):
     return path
 
 
-def _rows(path, sql="SELECT * FROM spans", params=()):
-    conn = sqlite3.connect(path)
-    conn.row_factory = sqlite3.Row
-    try:
-        return conn.execute(sql, params).fetchall()
-    finally:
-        conn.close()
-
-
 def _table_rows(out: str) -> list[str]:
     lines = out.splitlines()
     dash = next(i for i, line in enumerate(lines) if line.startswith("---"))
@@ -277,20 +272,28 @@ def _table_rows(out: str) -> list[str]:
 
 
 def test_store_holds_one_trace_per_wave_with_rank_spans(store):
-    rows = _rows(store)
+    rows = _spans(store)
     # per wave: 1 wave span (from tp0) + 2 rank spans + 2 execute + 2 sample
     assert len(rows) == 3 * 7
-    assert len({r["trace_id"] for r in rows}) == 3
+    assert len({r.trace_id for r in rows}) == 3
     for n in (1, 2, 3):
-        trace = [r for r in rows if r["wave"] == n]
-        assert {r["trace_id"] for r in trace} == {format_trace_id(wave_trace_id("run-q", n, 0))}
-        ranks = [r for r in trace if r["name"] == "rank"]
-        assert sorted(r["tp"] for r in ranks) == [0, 1]
-        (root,) = [r for r in trace if r["name"] == "wave"]
-        assert root["span_id"] == format(wave_span_id("run-q", n, 0), "016x")
+        trace = [r for r in rows if r.wave == n]
+        assert {r.trace_hex for r in trace} == {format_trace_id(wave_trace_id("run-q", n, 0))}
+        ranks = [r for r in trace if r.name == "rank"]
+        assert sorted(r.tp for r in ranks) == [0, 1]
+        (root,) = [r for r in trace if r.name == "wave"]
+        assert root.span_id == wave_span_id("run-q", n, 0)
         for r in ranks:
-            assert r["parent_id"] == root["span_id"]
-            assert r["span_id"] == format(rank_span_id("run-q", n, 0, r["tp"], 0), "016x")
+            assert r.parent_id == root.span_id
+            assert r.span_id == rank_span_id("run-q", n, 0, r.tp, 0)
+    # the trace id alone finds the wave again: all 7 spans, built from the stored rows
+    conn = store_mod.connect(store, readonly=True)
+    spans = load_trace(conn, format_trace_id(wave_trace_id("run-q", 2, 0)))
+    assert sorted(s.name for s in spans) == sorted(
+        ["wave", "rank", "rank", "execute_model", "execute_model", "sample_tokens", "sample_tokens"]
+    )
+    tp1 = next(s for s in spans if s.name == "execute_model" and s.tp == 1)
+    assert tp1.duration_ns == 80 * MS
 
 
 def test_cli_query_slowest_first(store, capsys):
@@ -398,7 +401,7 @@ def test_cli_missing_store_exits_2(tmp_path, capsys):
 
 
 def _prune_store(tmp_path, **kwargs):
-    # waves 1..10, one second apart, ending at NOW; tp0 only: 4 spans per wave
+    # waves 1..10, one second apart, ending at NOW; tp0 only: one block (batch) per wave
     waves = [(rank_info(0), wave_record(n, NOW - (10 - n) * 10**9, 1)) for n in range(1, 11)]
     path = tmp_path / "prune.db"
     # prune_every_s huge: only the explicit prune() below deletes anything
@@ -406,57 +409,86 @@ def _prune_store(tmp_path, **kwargs):
     return path
 
 
+def _stored_waves(path) -> list[int]:
+    return sorted({s.wave for s in _spans(path)})
+
+
 def test_prune_by_age(tmp_path):
     path = _prune_store(tmp_path, retention_s=4.5)
-    assert len(_rows(path)) == 40
-    exporter = SqliteSpanExporter(path, retention_s=4.5, prune_every_s=10**12)
-    removed = exporter.prune(now_ns=NOW)
-    exporter.shutdown()
-    rows = _rows(path)
+    assert len(_stored_waves(path)) == 10
+    sink = Store(path, retention_s=4.5, prune_every_s=10**12)
+    removed = sink.prune(now_ns=NOW)
+    sink.close()
     # waves 6..10 start within 4.5 s of NOW; waves 1..5 go
-    assert removed == 20
-    assert sorted({r["wave"] for r in rows}) == [6, 7, 8, 9, 10]
-    assert min(r["start_ns"] for r in rows) >= NOW - 4_500_000_000
+    assert removed == 5
+    assert _stored_waves(path) == [6, 7, 8, 9, 10]
+    assert min(s.start_ns for s in _spans(path)) >= NOW - 4_500_000_000
 
 
-def test_prune_caps_max_spans_keeping_the_newest(tmp_path):
-    path = _prune_store(tmp_path)
-    exporter = SqliteSpanExporter(path, retention_s=10**9, max_spans=10, prune_every_s=10**12)
-    removed = exporter.prune(now_ns=NOW)
-    rows = _rows(path)
-    assert removed == 30
-    assert len(rows) == 10
-    assert min(r["wave"] for r in rows) >= 8  # the oldest went first
-    assert exporter.prune(now_ns=NOW) == 0
-    exporter.shutdown()
+def test_prune_by_size_deletes_the_oldest_minutes_first(tmp_path):
+    """20 minutes of 4 blocks of 256 waves each; a cap of about half the data's pages."""
+    import random
+
+    rng = random.Random(7)
+    path = tmp_path / "size.db"
+    sink = Store(path, retention_s=10**9, prune_every_s=10**12)
+    empty = sink.used_bytes()  # the schema's own pages
+    begin = NOW - 20 * 60 * 10**9
+    for minute in range(20):
+        for part in range(4):
+            first = minute * 1024 + part * 256 + 1
+            waves = []
+            for k in range(256):
+                wave = wave_record(first + k, begin + minute * 60 * 10**9 + k * 10**7, 1)
+                wave.execute_ns, wave.sample_ns = rng.randrange(10**7), rng.randrange(10**6)
+                waves.append(wave)
+            sink.write([item(rank_info(0), *waves)])
+    full = sink.used_bytes()
+    assert full - empty > 10 * sink_page(sink)  # enough pages for the cap to bite
+    cap = empty + (full - empty) // 2
+    sink.max_bytes = cap
+    removed = sink.prune(now_ns=NOW)
+    assert removed > 0
+    assert sink.used_bytes() <= cap
+    kept = _stored_waves(path)
+    assert kept[-1] == 20 * 1024  # the newest minute stays
+    assert kept[0] > 1024  # the oldest minute went first
+    # whole minutes went: the oldest kept wave starts a minute, and about half are left
+    assert (kept[0] - 1) % 1024 == 0
+    assert 5 * 1024 <= len(kept) <= 15 * 1024
+    assert sink.prune(now_ns=NOW) == 0
+    sink.close()
+
+
+def sink_page(sink: Store) -> int:
+    return store_mod.PAGE_SIZE
 
 
 def test_prune_nothing_to_do(tmp_path):
     path = _prune_store(tmp_path)
-    exporter = SqliteSpanExporter(path, prune_every_s=10**12)
-    assert exporter.prune(now_ns=NOW) == 0
-    exporter.shutdown()
-    assert len(_rows(path)) == 40
+    sink = Store(path, prune_every_s=10**12)
+    assert sink.prune(now_ns=NOW) == 0
+    sink.close()
+    assert len(_stored_waves(path)) == 10
 
 
-def test_export_prunes_by_itself(tmp_path):
-    """With the default prune interval, exporting enforces retention against the real clock."""
-    old = time.time_ns() - 3600 * 10**9
-    waves = [
-        (rank_info(0), wave_record(1, old, 1)),
-        (rank_info(0), wave_record(2, time.time_ns(), 1)),
-    ]
+def test_write_prunes_by_itself(tmp_path):
+    """With the default prune interval, writing enforces retention against the real clock."""
     path = tmp_path / "auto.db"
-    build_store(path, waves, retention_s=60)
-    assert {r["wave"] for r in _rows(path)} == {2}
+    sink = Store(path, retention_s=60, prune_every_s=0)
+    sink.write([item(rank_info(0), wave_record(1, time.time_ns() - 3600 * 10**9, 1))])
+    sink.write([item(rank_info(0), wave_record(2, time.time_ns(), 1))])
+    sink.close()
+    assert _stored_waves(path) == [2]
 
 
-def test_same_span_exported_twice_is_stored_once(tmp_path):
+def test_same_batch_written_twice_is_stored_once(tmp_path):
     wave = wave_record(1, NOW, 1)
     path = tmp_path / "dup.db"
-    build_store(path, [(rank_info(0), wave)], prune_every_s=10**12)
-    build_store(path, [(rank_info(0), wave)], prune_every_s=10**12)
-    names = [r["name"] for r in _rows(path, "SELECT * FROM spans WHERE name IN ('wave', 'rank')")]
+    first = build_store(path, [(rank_info(0), wave)], prune_every_s=10**12)
+    second = build_store(path, [(rank_info(0), wave)], prune_every_s=10**12)
+    assert (first.stored_waves, second.stored_waves, second.ignored_waves) == (1, 0, 1)
+    names = [s.name for s in _spans(path) if s.name in ("wave", "rank")]
     assert sorted(names) == ["rank", "wave"]
 
 
@@ -464,40 +496,28 @@ def test_same_span_exported_twice_is_stored_once(tmp_path):
 
 
 def test_wave_trace_id_is_deterministic_across_calls_and_processes():
-    def ids() -> list[int]:
-        return [
-            wave_trace_id("run-a", 7, 1),
-            wave_span_id("run-a", 7, 1),
-            rank_span_id("run-a", 7, 1, 1, 0),
-        ]
-
-    here = ids()
-    assert here == ids()
+    here = [
+        wave_trace_id("run-a", 7, 0),
+        wave_span_id("run-a", 7, 0),
+        rank_span_id("run-a", 7, 0, 1, 0),
+    ]
+    assert here == [wave_trace_id("run-a", 7, 0), wave_span_id("run-a", 7, 0), rank_span_id("run-a", 7, 0, 1, 0)]  # fmt: skip
     code = (
         "from telemetry.traces import wave_trace_id, wave_span_id, rank_span_id\n"
-        "print(wave_trace_id('run-a', 7, 1), wave_span_id('run-a', 7, 1),"
-        " rank_span_id('run-a', 7, 1, 1, 0))"
+        "print(wave_trace_id('run-a', 7, 0), wave_span_id('run-a', 7, 0), rank_span_id('run-a', 7, 0, 1, 0))"
     )
     proc = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=Path(__file__).resolve().parents[2],
-        env={"PYTHONHASHSEED": "123", "PATH": ""},
-    )
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        cwd=Path(__file__).resolve().parents[2], env={"PYTHONHASHSEED": "123", "PATH": ""},
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert [int(x) for x in proc.stdout.split()] == here
 
 
-def test_ids_differ_between_waves_runs_replicas_and_ranks():
+def test_ids_differ_between_waves_runs_and_ranks():
     assert wave_trace_id("run-a", 1, 0) != wave_trace_id("run-a", 2, 0)
     assert wave_trace_id("run-a", 1, 0) != wave_trace_id("run-b", 1, 0)
-    # wave N of two DP engines (replicas) is two traces, with two root spans
-    assert wave_trace_id("run-a", 1, 0) != wave_trace_id("run-a", 1, 1)
-    assert wave_span_id("run-a", 1, 0) != wave_span_id("run-a", 1, 1)
-    traces = {wave_trace_id("run-a", n, dp) for n in range(1, 1001) for dp in range(4)}
-    assert len(traces) == 4000
+    assert len({wave_trace_id("run-a", n, 0) for n in range(1, 1001)}) == 1000
     assert 0 < wave_trace_id("run-a", 1, 0) < 2**128
     assert 0 < wave_span_id("run-a", 1, 0) < 2**64
     spans = {
@@ -507,16 +527,7 @@ def test_ids_differ_between_waves_runs_replicas_and_ranks():
         for pp in range(2)
     }
     assert len(spans) == 16
-    assert not spans & {wave_span_id("run-a", 1, dp) for dp in range(2)}
-
-
-def test_lockstep_links_name_the_other_dp_ranks_waves():
-    links = lockstep_links("run-a", 5, 1, 3)
-    assert links == [
-        (wave_trace_id("run-a", 5, 0), wave_span_id("run-a", 5, 0), 0),
-        (wave_trace_id("run-a", 5, 2), wave_span_id("run-a", 5, 2), 2),
-    ]
-    assert lockstep_links("run-a", 5, 0, 1) == []
+    assert wave_span_id("run-a", 1, 0) not in spans
 
 
 def test_spans_from_two_sidecars_join_into_one_trace(tmp_path):
@@ -524,9 +535,41 @@ def test_spans_from_two_sidecars_join_into_one_trace(tmp_path):
     start = time.time_ns()
     build_store(tmp_path / "a.db", [(rank_info(0), wave_record(4, start, 2))])
     build_store(tmp_path / "b.db", [(rank_info(1), wave_record(4, start, 3))])
-    a, b = _rows(tmp_path / "a.db"), _rows(tmp_path / "b.db")
-    assert {r["trace_id"] for r in a} == {r["trace_id"] for r in b}
-    (root,) = [r for r in a if r["name"] == "wave"]
-    assert not [r for r in b if r["name"] == "wave"]  # only the dp0 tp0 pp0 node emits the root
-    (remote_rank,) = [r for r in b if r["name"] == "rank"]
-    assert remote_rank["parent_id"] == root["span_id"]
+    a, b = _spans(tmp_path / "a.db"), _spans(tmp_path / "b.db")
+    assert {r.trace_id for r in a} == {r.trace_id for r in b}
+    (root,) = [r for r in a if r.name == "wave"]
+    assert not [r for r in b if r.name == "wave"]  # only the dp0 tp0 pp0 node emits the root
+    (remote_rank,) = [r for r in b if r.name == "rank"]
+    assert remote_rank.parent_id == root.span_id
+
+
+def test_each_dp_replica_has_its_own_trace_and_root(tmp_path):
+    """Wave 4 of dp0 and wave 4 of dp1 are different traces (each replica numbers its own
+    waves); the trace id alone finds the right replica's ranks in the store."""
+    start = time.time_ns()
+    ranks = [
+        guard_pb2.RankInfo(run_id="run-dp", engine="eng", dp_rank=dp, tp_rank=tp, dp_size=2,
+                           tp_size=2, pp_size=1, node="n", pid=10 * dp + tp)
+        for dp in (0, 1)
+        for tp in (0, 1)
+    ]  # fmt: skip
+    build_store(tmp_path / "dp.db", [(r, wave_record(4, start, 2 + r.dp_rank)) for r in ranks])
+    conn = store_mod.connect(tmp_path / "dp.db", readonly=True)
+    for dp in (0, 1):
+        spans = load_trace(conn, format_trace_id(wave_trace_id("run-dp", 4, dp)))
+        assert {s.dp for s in spans if s.name == "rank"} == {dp}
+        assert sorted(s.tp for s in spans if s.name == "rank") == [0, 1]
+        (root,) = [s for s in spans if s.name == "wave"]
+        assert root.span_id == wave_span_id("run-dp", 4, dp)
+    assert wave_trace_id("run-dp", 4, 0) != wave_trace_id("run-dp", 4, 1)
+
+
+def test_lockstep_links_name_the_other_dp_ranks_waves():
+    from telemetry.traces import lockstep_links
+
+    links = lockstep_links("run-a", 5, 1, 3)
+    assert links == [
+        (wave_trace_id("run-a", 5, 0), wave_span_id("run-a", 5, 0), 0),
+        (wave_trace_id("run-a", 5, 2), wave_span_id("run-a", 5, 2), 2),
+    ]
+    assert lockstep_links("run-a", 5, 0, 1) == []

@@ -9,14 +9,11 @@ real tracer and the real SQLite store.
 from __future__ import annotations
 
 import json
-import sqlite3
 import time
 import urllib.error
 import urllib.request
 
 import pytest
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import CollectorRegistry
 
 from telemetry.collective_metrics import CollectiveMetrics
@@ -27,8 +24,6 @@ from telemetry.metrics import SidecarMetrics
 from telemetry.proto import guard_pb2
 from telemetry.ranksync import RankSync
 from telemetry.replica import Replica, replica_of
-from telemetry.store import SqliteSpanExporter
-from telemetry.traces import WaveTracer, build_provider, wave_span_id, wave_trace_id
 
 RUN = "run-dp"
 
@@ -186,7 +181,8 @@ def test_every_series_a_rank_creates_has_a_dp_label():
             stat.calls, stat.last_seq = 1, 1
             b.detector_hits_total["token_repeat"] = 1
             metrics.observe_batch(("e", str(dp), str(tp), "0"), b, (RUN, "e", dp, tp, 0, 1))
-            view.observe("e", b)
+            view.observe("e", b)  # ingest: liveness, hang state, alignment
+            view.count("e", b)  # the writer: collective counters
     families = list(metrics.registry.collect())
     seen = {f.name for f in families if f.samples}
     assert len(seen) >= 24, sorted(seen)
@@ -217,63 +213,9 @@ def wave(n: int, dummy: bool = False) -> guard_pb2.WaveRecord:
     )
 
 
-def test_wave_n_of_two_dp_engines_is_two_stored_traces(tmp_path):
-    path = tmp_path / "store.db"
-    exporter = SqliteSpanExporter(path)
-    provider, ids = build_provider([exporter], "node")
-    tracer = WaveTracer(provider, ids)
-    for n in (1, 2, 3):
-        for dp in (0, 1):
-            tracer.record(rank(dp), "e", wave(n))
-    provider.shutdown()
-    conn = sqlite3.connect(path)
-    rows = conn.execute(
-        "SELECT trace_id, span_id, dp, wave FROM spans WHERE name='wave'"
-    ).fetchall()
-    assert len(rows) == 6, "one wave span per replica and wave: none overwrote another"
-    assert len({t for t, _, _, _ in rows}) == 6
-    for trace_id, span_id, dp, n in rows:
-        assert trace_id == format(wave_trace_id(RUN, n, dp), "032x")
-        assert span_id == format(wave_span_id(RUN, n, dp), "016x")
-    per_trace = conn.execute("SELECT trace_id, COUNT(DISTINCT dp) FROM spans GROUP BY trace_id")
-    assert {count for _, count in per_trace} == {1}, "no trace mixes two replicas"
-
-
-def _memory_tracer() -> tuple[WaveTracer, InMemorySpanExporter]:
-    memory = InMemorySpanExporter()
-    provider, ids = build_provider([], "node")
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    return WaveTracer(provider, ids), memory
-
-
-def test_lockstep_dp_engines_link_their_waves_independent_ones_do_not():
-    tracer, memory = _memory_tracer()
-    lockstep = rank(1, dp_size=3, lockstep=True)
-    tracer.record(lockstep, "e", wave(9, dummy=True))  # the idle rank's dummy step
-    tracer.record(rank(0), "e", wave(9))  # an independent replica
-    roots = {
-        s.attributes["ascend_guard.dp"]: s for s in memory.get_finished_spans() if s.name == "wave"
-    }
-    linked = roots[1]
-    assert linked.attributes["ascend_guard.dummy"] is True
-    assert [
-        (link.context.trace_id, link.context.span_id, link.attributes["ascend_guard.dp"])
-        for link in linked.links
-    ] == [
-        (wave_trace_id(RUN, 9, 0), wave_span_id(RUN, 9, 0), 0),
-        (wave_trace_id(RUN, 9, 2), wave_span_id(RUN, 9, 2), 2),
-    ]
-    assert all(link.attributes["ascend_guard.link"] == "dp_lockstep" for link in linked.links)
-    assert roots[0].links == ()
-
-
-def test_incident_lands_in_its_replicas_wave_trace():
-    tracer, memory = _memory_tracer()
-    incident = guard_pb2.Incident(id="i1", type="hang_verdict", wave=4, time_unix_nano=1)
-    trace_hex = tracer.record_incident(rank(1), "e", incident)
-    assert trace_hex == format(wave_trace_id(RUN, 4, 1), "032x")
-    (span,) = memory.get_finished_spans()
-    assert span.context.trace_id == wave_trace_id(RUN, 4, 1)
+# Wave traces per replica are built from the store since issue 9 (telemetry/spans.py); their
+# test is tests/unit/test_query.py::test_each_dp_replica_has_its_own_trace_and_root. Lockstep
+# span links (traces.lockstep_links) are not yet emitted by the span builder.
 
 
 def _get(port: int, path: str) -> tuple[int, dict]:

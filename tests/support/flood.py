@@ -1,0 +1,191 @@
+"""A client process that streams wave records of one TP rank at full speed (or a set rate).
+
+Batches are made by the real worker streamer (`Streamer._make_batch`, wire v2 columns, the rank
+in the first batch only), with what `guard/collectives.py` adds for a TP rank of a small model:
+one `CollectiveWave` per wave with 2 stats (all_reduce and all_gather on group tp). They go
+over one real gRPC client stream, as the worker's streamer sends them.
+
+    python -m tests.support.flood ADDRESS --tp 0 --tp-size 4 --records 100000 [--rate 12500]
+
+Prints `ready` once connected, waits for a line on stdin (so that every client starts at
+once), streams, and prints one JSON line: records and batches sent, and the sidecar's Ack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import grpc
+
+from guard.streamer import HeartbeatState, Streamer, WaveTuple
+from telemetry.proto import guard_pb2
+
+METHOD = "/ascend_guard.v1.GuardIngest/Stream"
+BATCH = 256
+
+
+def _filler(tp: int):
+    def fill(batch: guard_pb2.Batch, with_heartbeat: bool) -> None:
+        cols = batch.wave_columns
+        for wave, start, execute in zip(
+            cols.wave, cols.start_unix_nano, cols.execute_ns, strict=True
+        ):
+            wait = 40_000 + (wave * 7919 + tp) % 60_000
+            cw = batch.collective_waves.add(
+                wave=wave, first_arrival_unix_nano=start + execute // 3, wait_ns=wait
+            )
+            cw.stats.add(
+                op="all_reduce",
+                group="tp",
+                backend="hccl",
+                dtype="bfloat16",
+                calls=2,
+                bytes=2 * 8192,
+                host_ns=wait - 10_000,
+                max_host_ns=wait // 2,
+                first_seq=3 * wave - 2,
+                last_seq=3 * wave - 1,
+            )
+            cw.stats.add(
+                op="all_gather",
+                group="tp",
+                backend="hccl",
+                dtype="bfloat16",
+                calls=1,
+                bytes=4 * 32000,
+                host_ns=10_000,
+                max_host_ns=10_000,
+                first_seq=3 * wave,
+                last_seq=3 * wave,
+            )
+
+    return fill
+
+
+def make_streamer(address: str, args: argparse.Namespace) -> Streamer:
+    rank = guard_pb2.RankInfo(
+        run_id=args.run_id,
+        engine=args.engine,
+        tp_rank=args.tp,
+        tp_size=args.tp_size,
+        dp_size=1,
+        pp_size=1,
+        node="flood-node",
+        pid=os.getpid(),
+        runner="tests.Flood",
+    )
+    return Streamer(
+        address,
+        rank,
+        buffer_size=BATCH,
+        batch_max=BATCH,
+        flush_interval_s=0.01,
+        heartbeat_interval_s=1.0,
+        max_backoff_s=0.2,
+        heartbeat_source=lambda: HeartbeatState(0, "execute_model", 0),
+        batch_filler=_filler(args.tp),
+    )
+
+
+def batches(streamer: Streamer, records: int, rate: float, seed: int):
+    """Serialized batches of `records` waves in all, paced to `rate` records/s (0: no pacing)."""
+    rng = random.Random(seed)
+    start_ns = time.time_ns()
+    began = time.monotonic()
+    sent = 0
+    wave = 0
+    last_beat = 0.0
+    while sent < records:
+        n = min(BATCH, records - sent)
+        tuples = []
+        for _ in range(n):
+            wave += 1
+            execute = rng.randrange(2_000_000, 9_000_000)
+            sample = rng.randrange(200_000, 900_000)
+            reqs = rng.randrange(1, 64)
+            tuples.append(
+                WaveTuple(
+                    wave,
+                    start_ns + wave * 5_000_000,
+                    execute,
+                    sample,
+                    execute + 20_000,
+                    reqs,
+                    0,
+                    reqs,
+                    0,
+                    reqs,
+                    reqs,
+                    False,
+                    True,
+                )
+            )
+        now = time.monotonic()
+        beat = now - last_beat >= 1.0
+        if beat:
+            last_beat = now
+        yield streamer._make_batch(tuples, beat).SerializeToString()
+        sent += n
+        if rate:
+            ahead = sent / rate - (time.monotonic() - began)
+            if ahead > 0:
+                time.sleep(ahead)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("address")
+    parser.add_argument("--engine", default="flood")
+    parser.add_argument("--run-id", default="run-flood")
+    parser.add_argument("--tp", type=int, default=0)
+    parser.add_argument("--tp-size", type=int, default=4)
+    parser.add_argument("--records", type=int, default=100_000)
+    parser.add_argument("--rate", type=float, default=0.0, help="records/s (0: full speed)")
+    args = parser.parse_args()
+    streamer = make_streamer(args.address, args)
+    channel = grpc.insecure_channel(args.address)
+    grpc.channel_ready_future(channel).result(timeout=30)
+    call = channel.stream_unary(
+        METHOD, request_serializer=lambda b: b, response_deserializer=guard_pb2.Ack.FromString
+    )
+    print("ready", flush=True)
+    sys.stdin.readline()
+    counted = {"batches": 0}
+
+    def counting():
+        for data in batches(streamer, args.records, args.rate, seed=args.tp):
+            counted["batches"] += 1
+            yield data
+
+    began = time.monotonic()
+    error = ""
+    try:
+        ack = call(counting(), timeout=600)
+        acked = (ack.batches, ack.waves)
+    except grpc.RpcError as exc:
+        acked = (0, 0)
+        error = f"{exc.code()}: {exc.details()}"
+    # every batch but a short last one holds BATCH records
+    sent = min(args.records, counted["batches"] * BATCH)
+    print(
+        json.dumps(
+            {
+                "records": sent,
+                "batches": counted["batches"],
+                "acked": acked,
+                "seconds": time.monotonic() - began,
+                "error": error,
+            }
+        ),
+        flush=True,
+    )
+    channel.close()
+
+
+if __name__ == "__main__":
+    main()
