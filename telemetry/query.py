@@ -250,7 +250,7 @@ def span_tree(spans: list) -> list[tuple[int, Span]]:
 
 
 def _get(span, name: str):
-    return span[name] if isinstance(span, dict) else getattr(span, name)
+    return span[name] if isinstance(span, (dict, sqlite3.Row)) else getattr(span, name)
 
 
 def rank_label(span) -> str:
