@@ -21,13 +21,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
 
+from telemetry import store as store_mod
+from telemetry.spans import Span, wave_spans
 from tests.support.http import get_json
 from tests.support.metrics import samples, value
 from tests.support.ports import free_port
@@ -160,40 +161,46 @@ def test_live_lists_both_engines_workers(dep: Deployment) -> None:
         assert dep.get(f"/live/{ENGINE}/{dp}")[0] == 200
 
 
+def stored_wave_spans(store_path: Path) -> list[Span]:
+    """The wave roots and rank spans the store yields for this engine, built as queries do."""
+    conn = store_mod.connect(store_path, readonly=True)
+    try:
+        out: list[Span] = []
+        for rank in store_mod.ranks(conn, "ranks.engine = ?", (ENGINE,)):
+            for _, cols in store_mod.wave_blocks(conn, [rank.id]):
+                for i in range(len(cols.wave)):
+                    out += wave_spans(rank, cols, i, frozenset({"wave", "rank"}))
+        return out
+    finally:
+        conn.close()
+
+
 def test_no_two_replicas_share_a_stored_wave_trace(dep: Deployment) -> None:
     text = dep.guard_metrics()
     waves = {
         dp: value(text, "ascend_guard_waves_total", engine=ENGINE, dp=str(dp)) for dp in (0, 1)
     }
     deadline = time.monotonic() + 15
-    while True:  # spans reach the store in batches (every 0.5 s)
-        conn = sqlite3.connect(f"file:{dep.sidecar.store_path}?mode=ro", uri=True)
-        try:
-            stored = dict(
-                conn.execute(
-                    "SELECT dp, COUNT(*) FROM spans WHERE name = 'wave' AND engine = ? GROUP BY dp",
-                    (ENGINE,),
-                ).fetchall()
-            )
-            mixed = conn.execute(
-                "SELECT trace_id, COUNT(DISTINCT dp) FROM spans WHERE engine = ?"
-                " GROUP BY trace_id HAVING COUNT(DISTINCT dp) > 1",
-                (ENGINE,),
-            ).fetchall()
-            roots = conn.execute(
-                "SELECT COUNT(*), COUNT(DISTINCT trace_id) FROM spans"
-                " WHERE name = 'wave' AND engine = ?",
-                (ENGINE,),
-            ).fetchone()
-        finally:
-            conn.close()
-        if all(stored.get(dp, 0) >= waves[dp] for dp in (0, 1)) or time.monotonic() > deadline:
+    while True:  # waves reach the store in blocks, a batch at a time
+        spans = stored_wave_spans(dep.sidecar.store_path)
+        roots = [s for s in spans if s.name == "wave"]
+        stored = {dp: sum(1 for s in spans if s.name == "rank" and s.dp == dp) for dp in (0, 1)}
+        if all(stored[dp] >= waves[dp] for dp in (0, 1)) or time.monotonic() > deadline:
             break
         time.sleep(0.3)
+    replicas_of_trace: dict[int, set[int]] = {}
+    for s in spans:
+        if s.name == "rank":
+            replicas_of_trace.setdefault(s.trace_id, set()).add(s.dp)
+    mixed = [hex(t) for t, dps in replicas_of_trace.items() if len(dps) > 1]
     assert mixed == [], f"traces holding spans of two replicas: {mixed[:5]}"
-    # one wave span per wave of each replica: wave N of dp0 did not overwrite wave N of dp1
+    # one rank span per wave of each replica (TP=1): wave N of dp0 did not overwrite dp1's
     assert stored == {dp: int(n) for dp, n in waves.items()}, (stored, waves)
-    assert roots[0] == roots[1] == sum(stored.values()), roots
+    # one root per trace, and every trace has one
+    assert len(roots) == len({s.trace_id for s in roots}) == len(replicas_of_trace), (
+        len(roots),
+        len(replicas_of_trace),
+    )
 
 
 def test_sigstop_of_one_dp_engines_worker_is_named_while_the_other_serves(dep: Deployment) -> None:
