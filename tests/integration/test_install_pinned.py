@@ -43,7 +43,11 @@ def _floor(requirements: list[str], name: str) -> Version:
 
 
 def _ours() -> list[str]:
-    import tomllib
+    # tomllib is 3.11+; the tests run on the development Python, tomli stands in on 3.10
+    try:
+        import tomllib  # novm
+    except ModuleNotFoundError:
+        import tomli as tomllib
 
     return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
 
