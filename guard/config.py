@@ -102,7 +102,7 @@ class GuardConfig:
     # heartbeat period, sent even when no wave runs (hang verdicts need it)
     heartbeat_interval_s: float = dataclasses.field(default=1.0, metadata=_range(0.05, 60.0))
     # the engine thread's phase and collective in a shared-memory file the sidecar on this node
-    # reads, so a wait that holds the GIL is not taken for a frozen rank (guard/liveness_record)
+    # reads, so a wait that holds the GIL is not taken for a frozen rank (guard/liveness_record.py)
     liveness_record: bool = True
     # where those files live (the sidecar's --liveness-dir); default /dev/shm/ascend-guard
     liveness_dir: str = ""

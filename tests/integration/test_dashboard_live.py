@@ -143,13 +143,14 @@ def test_every_dashboard_query_runs_against_live_sidecar(sidecar, prometheus_for
         elif types[family] != _expected_type(name):
             problems.append(f"{name}: declared as {types[family]}, expected {_expected_type(name)}")
     assert not problems, "\n".join(problems)
-    # every series a rank made is per DP rank (ingest refusals have no rank)
+    # every series a rank made is per DP rank (refusals of ingest or of a token have no rank)
+    sidecar_wide = ("ascend_guard_ingest_rejected", "ascend_guard_auth_refused")
     no_dp = sorted(
         {
             line.split("{")[0]
             for line in metrics_text.splitlines()
             if line.startswith("ascend_guard_")
-            and not line.startswith("ascend_guard_ingest_rejected")
+            and not line.startswith(sidecar_wide)
             and 'dp="' not in line
         }
     )

@@ -41,13 +41,16 @@ class Aborted(Exception):
 
 
 class Context:
-    """The two things IngestService asks of a gRPC context."""
+    """What IngestService asks of a gRPC context."""
 
     def abort(self, code, details):
         raise Aborted(code, details)
 
     def peer(self) -> str:
         return "fuzz"
+
+    def is_active(self) -> bool:
+        return True  # the stream ended by the client's close, not by a broken RPC
 
 
 class Errors(logging.Handler):
