@@ -32,9 +32,14 @@ deps: $(STAMP) prometheus
 demo: $(STAMP)
 	$(PY) tools/demo.py $(DEMO_ARGS)
 
+# vermin: the code needs no newer Python than pyproject's requires-python (only 3.11 runs here)
+MIN_PYTHON := $(shell sed -n 's/^requires-python = ">=\([0-9.]*\)"/\1/p' pyproject.toml)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/vermin --quiet --no-tips --violations --eval-annotations -t=$(MIN_PYTHON)- \
+		ascend_runtime guard telemetry tools bench tests
 
 format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .

@@ -7,9 +7,22 @@ import sys
 
 import structlog
 
+# logging.getLevelNamesMapping() would do, but it is Python 3.11+; pyproject allows 3.10
+LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+
 
 def configure(*, json_output: bool = False, level: str = "info") -> None:
     """Structured logs on stderr: key=value for people, JSON lines for log shippers."""
+    try:
+        threshold = LEVELS[level.lower()]
+    except KeyError:
+        raise ValueError(f"log level {level!r} is not one of {', '.join(LEVELS)}") from None
     renderer = (
         structlog.processors.JSONRenderer()
         if json_output
@@ -22,9 +35,7 @@ def configure(*, json_output: bool = False, level: str = "info") -> None:
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(
-            logging.getLevelNamesMapping()[level.upper()]
-        ),
+        wrapper_class=structlog.make_filtering_bound_logger(threshold),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
