@@ -8,17 +8,23 @@ Each hit goes to the `IncidentReporter` (caps, backoff, counting). Only ranks th
 the output-side detectors' reports: every TP rank of a V1 runner samples the same tokens, so
 the reports of non-driver ranks are left to the driver (tp 0) to avoid N copies of one finding;
 logits checks run on every rank, since a NaN may appear on one rank only.
+
+Per wave the logits get one reduction on their device (`reduce_rows`, default a row max),
+copied without waiting and read after sampling; the token detectors share one `SlotMap` and
+see the wave's tokens once as arrays (`WaveTokens`). Python runs per finding, not per request.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from guard.detectors import logits as logit_checks
 from guard.detectors.config import DetectorsConfig
 from guard.detectors.evidence import EvidenceDumper, request_kv_blocks
-from guard.detectors.spec import AcceptanceTracker
-from guard.detectors.tokens import RepeatDetector, out_of_range
+from guard.detectors.slots import SlotMap, WaveTokens
+from guard.detectors.spec import AcceptanceTracker, draft_counts
+from guard.detectors.tokens import RepeatDetector, out_of_range, rows_out_of_range
 from guard.incidents import IncidentReporter
 
 
@@ -40,15 +46,23 @@ class DetectorSuite:
         *,
         report_tokens: bool = True,
         probe=None,
+        reduce_rows: Callable[[Any], Any] = logit_checks.row_max,
     ) -> None:
         self.config = config
         self.reporter = reporter
         self.dumper = dumper
         self.report_tokens = report_tokens
         self._probe = probe or (lambda name, value, labels: None)
-        self.repeat = RepeatDetector(config.token_repeat) if config.token_repeat.enabled else None
+        self._reduce_rows = reduce_rows
+        self._copies = logit_checks.HostCopies()
+        self.slots = SlotMap()
+        self.repeat = (
+            RepeatDetector(config.token_repeat, self.slots) if config.token_repeat.enabled else None
+        )
         self.spec = (
-            AcceptanceTracker(config.spec_acceptance) if config.spec_acceptance.enabled else None
+            AcceptanceTracker(config.spec_acceptance, self.slots)
+            if config.spec_acceptance.enabled
+            else None
         )
         self.check_finite = config.logits_finite.enabled
         self.stats_every = config.logits_stats.every_n_waves if config.logits_stats.enabled else 0
@@ -64,11 +78,8 @@ class DetectorSuite:
     def on_schedule(self, wave: int, scheduler_output: Any) -> None:
         finished = getattr(scheduler_output, "finished_req_ids", None)
         if finished:
-            for req_id in finished:
-                if self.repeat is not None:
-                    self.repeat.forget(req_id)
-                if self.spec is not None:
-                    self.spec.forget(req_id)
+            self.slots.release(finished)
+            for req_id in finished:  # requests finished this wave: few
                 self.reporter.forget_request(req_id)
         if self.spec is not None:
             drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
@@ -81,13 +92,13 @@ class DetectorSuite:
     ) -> None:
         if self.vocab_size is None:
             self.vocab_size = _vocab_size(runner, logits)
-        row_max = logit_checks.row_max(logits) if self.check_finite else None
+        row_max = self._reduce_rows(logits) if self.check_finite else None
         stats = None
         if self.stats_every and wave % self.stats_every == 0:
             stats = logit_checks.health_stats(logits)
         if row_max is None and stats is None:
             return
-        host, event = logit_checks.start_copy(row_max) if row_max is not None else (None, None)
+        host, event = self._copies.copy(row_max) if row_max is not None else (None, None)
         stats_host = None
         if stats is not None:
             stats_host, stats_event = logit_checks.start_copy(stats)
@@ -112,21 +123,26 @@ class DetectorSuite:
         sampled = getattr(output, "sampled_token_ids", None)
         if not req_ids or not sampled or not isinstance(sampled, list):
             return
+        if len(sampled) != len(req_ids):
+            count = min(len(sampled), len(req_ids))
+            req_ids, sampled = req_ids[:count], sampled[:count]
         if self.vocab_size is None:
             self.vocab_size = _vocab_size(runner, None)
+        tokens = WaveTokens(sampled)  # the wave's tokens as arrays, built once
         vocab = self.vocab_size if self.config.token_range.enabled else None
-        add = self.repeat.add if self.repeat is not None else None
-        for req_id, tokens in zip(req_ids, sampled, strict=False):  # one pass, hot path
-            if not tokens:
-                continue
-            if vocab and (min(tokens) < 0 or max(tokens) >= vocab):
-                self._out_of_range(wave, runner, req_id, tokens, vocab)
-            if add is not None:
-                findings = add(req_id, tokens)
-                if findings and self.report_tokens:
-                    self._repeats(wave, runner, req_id, findings)
-        if self.spec is not None and self._drafts and self._drafts_wave == wave:
-            self._observe_spec(wave, runner, req_ids, sampled)
+        if vocab:
+            for row in rows_out_of_range(tokens, vocab).tolist():  # rows with a bad id: rare
+                self._out_of_range(wave, runner, req_ids[row], sampled[row], vocab)
+        repeat, spec = self.repeat, self.spec
+        if repeat is None and spec is None:
+            return
+        slots = self.slots.slots(req_ids)
+        if repeat is not None:
+            for row, findings in repeat.add_wave(slots, tokens):
+                if self.report_tokens:
+                    self._repeats(wave, runner, req_ids[row], findings)
+        if spec is not None and self._drafts and self._drafts_wave == wave:
+            self._observe_spec(wave, runner, req_ids, slots, tokens)
 
     def _out_of_range(self, wave: int, runner: Any, req_id: str, tokens, vocab: int) -> None:
         bad = out_of_range(tokens, vocab)
@@ -149,9 +165,11 @@ class DetectorSuite:
                 self.config.token_repeat.action, runner,
             )  # fmt: skip
 
-    def _observe_spec(self, wave: int, runner: Any, req_ids, sampled) -> None:
+    def _observe_spec(self, wave: int, runner: Any, req_ids, slots, tokens: WaveTokens) -> None:
         spec = self.spec
-        drafted, accepted, per_request = spec.observe(self._drafts, req_ids, sampled)
+        drafted, accepted, rows, _, _ = spec.observe_wave(
+            slots, draft_counts(self._drafts, req_ids), tokens
+        )
         if not drafted:
             return
         if not self.spec_method:
@@ -159,18 +177,31 @@ class DetectorSuite:
             self.spec_method = str(getattr(config, "method", "") or "unknown")
         method = self.spec_method
         if not self.report_tokens:
+            spec.update_baseline(drafted, accepted)
             return
-        band = f"[{spec.config.min_rate:g}, {spec.config.max_rate:g}]"
-        for key, window in spec.newly_out_of_band(list(per_request)):
+        band = [spec.config.min_rate, spec.config.max_rate]
+        for judged in spec.judge(slots, req_ids, rows):
+            key = judged.key
             scope = f"request {key}" if key else "wave window"
+            if judged.kind == "band":
+                summary = (
+                    f"{method} acceptance {judged.rate:.2f} in the {scope} is outside "
+                    f"[{band[0]:g}, {band[1]:g}]"
+                )
+            else:
+                summary = (
+                    f"{method} acceptance {judged.rate:.2f} in the {scope} jumped "
+                    f"{judged.rate - judged.baseline:+.2f} above the baseline "
+                    f"{judged.baseline:.2f} (repetitive output raises acceptance)"
+                )
             self._hit(
-                "spec_acceptance", "warning", wave, key,
-                f"{method} acceptance {window.rate:.2f} in the {scope} is outside {band}",
-                {"method": method, "rate": round(window.rate, 4), "drafted": window.drafted,
-                 "accepted": window.accepted, "band": [spec.config.min_rate, spec.config.max_rate],
-                 "scope": "request" if key else "wave"},
+                "spec_acceptance", "warning", wave, key, summary,
+                {"method": method, "kind": judged.kind, "rate": round(judged.rate, 4),
+                 "drafted": judged.drafted, "accepted": judged.accepted, "band": band,
+                 "baseline": round(judged.baseline, 4), "scope": "request" if key else "wave"},
                 self.config.spec_acceptance.action, runner,
             )  # fmt: skip
+        spec.update_baseline(drafted, accepted)
 
     # -- logits checks resolved after sampling ----------------------------------------------
     def resolve_ready(self, force: bool = False) -> None:
@@ -244,8 +275,8 @@ class DetectorSuite:
 
     def _dump(self, type_, wave, req_id, evidence, runner, logits_row, row) -> str:
         tokens = None
-        if self.repeat is not None and req_id in self.repeat.requests:
-            tokens = list(self.repeat.requests[req_id].tokens)
+        if self.repeat is not None and req_id in self.slots:
+            tokens = self.repeat.recent_tokens(req_id)
         if row is None and runner is not None:
             try:
                 row = list(runner.input_batch.req_ids).index(req_id)
