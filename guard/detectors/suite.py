@@ -12,12 +12,22 @@ logits checks run on every rank, since a NaN may appear on one rank only.
 Per wave the logits get one reduction on their device (`reduce_rows`, default a row max),
 copied without waiting and read after sampling; the token detectors share one `SlotMap` and
 see the wave's tokens once as arrays (`WaveTokens`). Python runs per finding, not per request.
+
+With `defer_tokens` (what the processor uses) the engine thread only checks token ids against
+the vocabulary and queues the wave's tokens; the repeat and acceptance detectors run on the
+detector thread, in wave order, woken every `DEFER_EVERY` waves. Each finding carries the wave
+it was found in. Their evidence bundles then hold tokens but no KV blocks (the runner is not
+read off the engine thread).
 """
 
 from __future__ import annotations
 
+import collections
+import threading
 from collections.abc import Callable
 from typing import Any
+
+import structlog
 
 from guard.detectors import logits as logit_checks
 from guard.detectors.config import DetectorsConfig
@@ -26,6 +36,70 @@ from guard.detectors.slots import SlotMap, WaveTokens
 from guard.detectors.spec import AcceptanceTracker, draft_counts
 from guard.detectors.tokens import RepeatDetector, out_of_range, rows_out_of_range
 from guard.incidents import IncidentReporter
+
+log = structlog.get_logger("ascend_guard.detectors")
+
+DEFER_EVERY = 8  # queued waves that wake the detector thread (it also wakes every 50 ms)
+
+
+class Deferred:
+    """Token-side work queued by the engine thread, run in order on the detector thread.
+
+    Not started (`start`), items wait until `drain` (tests, the bench, `close`); `inline`
+    runs each item at once in the caller's thread.
+    """
+
+    def __init__(
+        self, run: Callable[[tuple], None], *, inline: bool, on_error: Callable[[str], None]
+    ) -> None:
+        self.queue: collections.deque[tuple] = collections.deque()
+        self.lock = threading.RLock()  # held while items run, and by engine-side state readers
+        self.inline = inline
+        self._run = run
+        self._on_error = on_error
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def put(self, item: tuple) -> None:
+        if self.inline:
+            self._run(item)
+            return
+        queue = self.queue
+        queue.append(item)
+        if len(queue) >= DEFER_EVERY and self._thread is not None:
+            self._wake.set()
+
+    def start(self) -> None:
+        if self.inline or self._thread is not None:
+            return
+        self._thread = threading.Thread(
+            target=self._loop, name="ascend-guard-detectors", daemon=True
+        )
+        self._thread.start()
+
+    def drain(self) -> None:
+        with self.lock:
+            queue = self.queue
+            while queue:
+                item = queue.popleft()
+                try:
+                    self._run(item)
+                except Exception:  # noqa: BLE001 - a detector must not stop the others
+                    self._on_error("detectors_deferred")
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._wake.wait(0.05)
+            self._wake.clear()
+            self.drain()
+
+    def close(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(1.0)
+        self.drain()
 
 
 def request_ids(runner: Any, count: int) -> list[str]:
@@ -47,6 +121,8 @@ class DetectorSuite:
         report_tokens: bool = True,
         probe=None,
         reduce_rows: Callable[[Any], Any] = logit_checks.row_max,
+        defer_tokens: bool = False,
+        on_error: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.reporter = reporter
@@ -54,6 +130,8 @@ class DetectorSuite:
         self.report_tokens = report_tokens
         self._probe = probe or (lambda name, value, labels: None)
         self._reduce_rows = reduce_rows
+        self._on_error = on_error or (lambda where: log.exception("detector_error", where=where))
+        self.deferred = Deferred(self._run_item, inline=not defer_tokens, on_error=self._on_error)
         self._copies = logit_checks.HostCopies()
         self.slots = SlotMap()
         self.repeat = (
@@ -77,9 +155,10 @@ class DetectorSuite:
     # -- execute_model entry ----------------------------------------------------------------
     def on_schedule(self, wave: int, scheduler_output: Any) -> None:
         finished = getattr(scheduler_output, "finished_req_ids", None)
-        if finished:
-            self.slots.release(finished)
-            for req_id in finished:  # requests finished this wave: few
+        if finished and (self.repeat is not None or self.spec is not None):
+            self.deferred.put(("release", tuple(finished)))
+        elif finished:
+            for req_id in finished:
                 self.reporter.forget_request(req_id)
         if self.spec is not None:
             drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
@@ -136,13 +215,49 @@ class DetectorSuite:
         repeat, spec = self.repeat, self.spec
         if repeat is None and spec is None:
             return
+        drafts = None
+        if spec is not None and self._drafts and self._drafts_wave == wave:
+            drafts = self._drafts
+            if not self.spec_method:
+                config = getattr(runner, "speculative_config", None)
+                self.spec_method = str(getattr(config, "method", "") or "unknown")
+        inline = self.deferred.inline
+        # the engine may reuse its id list: the queued wave keeps its own copy
+        self.deferred.put(
+            (
+                "wave",
+                wave,
+                req_ids if inline else list(req_ids),
+                tokens,
+                drafts,
+                runner if inline else None,
+            )
+        )
+
+    def _run_item(self, item: tuple) -> None:
+        """One queued item, in wave order: a wave's tokens, or finished requests."""
+        if item[0] == "release":
+            finished = item[1]
+            self.slots.release(finished)
+            for req_id in finished:  # requests finished this wave: few
+                self.reporter.forget_request(req_id)
+            return
+        _, wave, req_ids, tokens, drafts, runner = item
         slots = self.slots.slots(req_ids)
-        if repeat is not None:
-            for row, findings in repeat.add_wave(slots, tokens):
+        if self.repeat is not None:
+            for row, findings in self.repeat.add_wave(slots, tokens):
                 if self.report_tokens:
                     self._repeats(wave, runner, req_ids[row], findings)
-        if spec is not None and self._drafts and self._drafts_wave == wave:
-            self._observe_spec(wave, runner, req_ids, slots, tokens)
+        if drafts:
+            self._observe_spec(wave, runner, req_ids, slots, tokens, drafts)
+
+    def start(self) -> None:
+        """Run the deferred token detectors on their own thread from now on."""
+        self.deferred.start()
+
+    def drain(self) -> None:
+        """Run every queued token wave now (tests, the bench)."""
+        self.deferred.drain()
 
     def _out_of_range(self, wave: int, runner: Any, req_id: str, tokens, vocab: int) -> None:
         bad = out_of_range(tokens, vocab)
@@ -165,16 +280,13 @@ class DetectorSuite:
                 self.config.token_repeat.action, runner,
             )  # fmt: skip
 
-    def _observe_spec(self, wave: int, runner: Any, req_ids, slots, tokens: WaveTokens) -> None:
+    def _observe_spec(self, wave: int, runner: Any, req_ids, slots, tokens, drafts) -> None:
         spec = self.spec
         drafted, accepted, rows, _, _ = spec.observe_wave(
-            slots, draft_counts(self._drafts, req_ids), tokens
+            slots, draft_counts(drafts, req_ids), tokens
         )
         if not drafted:
             return
-        if not self.spec_method:
-            config = getattr(runner, "speculative_config", None)
-            self.spec_method = str(getattr(config, "method", "") or "unknown")
         method = self.spec_method
         if not self.report_tokens:
             spec.update_baseline(drafted, accepted)
@@ -275,8 +387,10 @@ class DetectorSuite:
 
     def _dump(self, type_, wave, req_id, evidence, runner, logits_row, row) -> str:
         tokens = None
-        if self.repeat is not None and req_id in self.slots:
-            tokens = self.repeat.recent_tokens(req_id)
+        if self.repeat is not None:
+            with self.deferred.lock:  # the detector thread may be updating the rows
+                if req_id in self.slots:
+                    tokens = self.repeat.recent_tokens(req_id)
         if row is None and runner is not None:
             try:
                 row = list(runner.input_batch.req_ids).index(req_id)
@@ -302,6 +416,7 @@ class DetectorSuite:
 
     def close(self) -> None:
         self.resolve_ready(force=True)
+        self.deferred.close()
 
 
 def _vocab_size(runner: Any, logits: Any) -> int | None:

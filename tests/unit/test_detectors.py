@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import types
 from pathlib import Path
@@ -330,3 +331,26 @@ def test_spec_acceptance_alarms_when_acceptance_jumps_above_its_baseline(tmp_pat
     assert 40 < jumps[0].wave <= 48
     assert "jumped" in jumps[0].summary
     assert suite.spec.drafted_total == 80 * 12
+
+
+def test_deferred_token_detectors_report_on_their_thread_with_the_wave_they_saw(tmp_path):
+    """What the processor runs: the engine thread queues each wave's tokens; the repeat
+    detector runs on the detector thread and its finding names the wave of the tokens."""
+    sent = []
+    reporter = IncidentReporter(
+        IncidentsConfig(), run_id="r", current_wave=lambda: 999, sink=sent.append
+    )
+    config = DetectorsConfig(dump=DumpConfig(directory=str(tmp_path), min_free_bytes=0))
+    suite = DetectorSuite(
+        config, reporter, EvidenceDumper(config.dump, "r", "x"), defer_tokens=True
+    )
+    suite.start()
+    runner = Runner(["a", "b"])
+    for wave in range(1, 41):
+        out = types.SimpleNamespace(req_ids=["a", "b"], sampled_token_ids=[[5], [wave % 49]])
+        suite.on_output(wave, runner, out)
+    suite.close()  # drains what is still queued
+    hits = [(i.request_id, i.wave, json.loads(i.evidence_json)["kind"]) for i in sent]
+    # the 4-gram 5555 is seen 8 times at token 11; a period-1 loop needs min_span 32 tokens
+    assert hits == [("a", 11, "ngram"), ("a", 32, "loop")]
+    assert suite.deferred.queue == collections.deque()
