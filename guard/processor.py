@@ -5,22 +5,28 @@ One `GuardProcessor` lives in each worker process. The step decorator opens a wa
 goes to the streamer as a plain tuple. The wrapped method's own result and exceptions pass
 through untouched; anything that goes wrong in the guard's own code is caught, counted and
 logged at a bounded rate, and the engine carries on.
+
+The processor is a minimal shared core, in the manner of vLLM's Model Runner V2: it counts
+waves and fans out to a list of wave observers through one protocol (`guard/observers.py`):
+the config-stamp reader (hot reload), the detectors, the collectives observer, probes. The
+streamer is built here at start-up with one batch-filler protocol (the processor itself and
+the incident reporter) and started as soon as the first wave names the rank.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from guard.config import RUN_ID_ENV, GuardConfig, config_from_json
-from guard.incidents import IncidentReporter
-from guard.reload import STAMP_ATTR
+from guard.observers import Observers
+from guard.reload import StampReader
+from guard.reporter import IncidentReporter
 from guard.schedule import EMPTY_SCHEDULE, PrefillTracker, ScheduleSummary, count_sampled_tokens
 from guard.spool import IncidentSpool
 from guard.streamer import HeartbeatState, Streamer, WaveTuple
@@ -32,15 +38,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger("ascend_guard.processor")
 
 RankDescriber = Callable[[Any], guard_pb2.RankInfo]
-
-
-class WaveObserver(Protocol):
-    """Extra per-wave work (guard/collective_guard.py): called on the engine thread at the
-    wave's boundaries, and on the streamer thread to add its fields to each batch."""
-
-    def begin_wave(self, wave: int) -> None: ...
-    def end_wave(self, wave: int) -> None: ...
-    def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool) -> None: ...
 
 
 # A wave between execute_model and sample_tokens: (wave, start_perf_ns, execute_ns, schedule).
@@ -90,8 +87,6 @@ class GuardProcessor:
     ) -> None:
         self.config = config
         self._describe_rank = describe_rank
-        self._streamer_factory = streamer_factory
-        self.streamer: Streamer | None = None
         self.errors = _RateLimitedErrors(config.error_log_per_minute)
         self.wave = 0
         self._open: OpenWave | None = None
@@ -101,10 +96,6 @@ class GuardProcessor:
         self._phase: tuple[str, int] = (_IDLE, time.perf_counter_ns())
         # wall clock = perf_counter_ns + offset; refreshed by the streamer thread's heartbeat
         self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()
-        # incidents and probe readings raised before the first wave starts the streamer
-        self._early_incidents: list[guard_pb2.Incident] = []
-        self._early_probes: list[tuple[str, float, dict[str, str]]] = []
-        self._early_lock = threading.Lock()
         # sampling detectors: built with the streamer (they need the rank), rebuilt on reload
         self.detectors: DetectorSuite | None = None
         self.config_generation = 1
@@ -118,8 +109,35 @@ class GuardProcessor:
             current_wave=lambda: self.wave,
             sink=self._queue_incident,
         )
-        # issue 4: collectives, watchdog, fire drill (guard/collective_guard.py); None = off
-        self.observer: WaveObserver | None = None
+        # the wave observers: config stamps first (a change applies before this wave's
+        # sampling), the detectors once the rank is known, then collectives and probes
+        self.observers = Observers(self.errors.record)
+        self.observers.add(StampReader(self._apply_stamp))
+        # built now, started by the first wave; what is offered before waits in its buffers
+        self.streamer: Streamer = streamer_factory(
+            config.sidecar,
+            buffer_size=config.buffer_size,
+            batch_max=config.batch_max,
+            flush_interval_s=config.flush_interval_ms / 1000.0,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            max_backoff_s=config.reconnect_max_backoff_s,
+            fillers=[self, self.incidents],
+        )
+        self.streaming = False
+        self.streamer.offer_probe("config_generation", float(self.config_generation), {})
+
+    def add_observer(self, observer: Any) -> None:
+        """Add a wave observer (any subset of `guard.observers.WaveObserver`'s hooks)."""
+        self.observers.add(observer)
+
+    @property
+    def observer(self) -> Any:
+        """The last observer added (kept for callers that set one observer)."""
+        return self.observers.members[-1] if self.observers.members else None
+
+    @observer.setter
+    def observer(self, observer: Any) -> None:
+        self.add_observer(observer)
 
     # -- decorator entry points ---------------------------------------------------------------
     def run_step(self, fn: Callable[..., Any], runner: Any, args: tuple, kwargs: dict) -> Any:
@@ -128,12 +146,11 @@ class GuardProcessor:
             return fn(runner, *args, **kwargs)
         # Counted first and unconditionally: wave N must name the same step on every rank.
         self.wave = wave = self.wave + 1
-        if self.streamer is None or self._open is not None:
+        if not self.streaming or self._open is not None:
             self._prepare_step(runner)
         self._runner = runner
-        observer = self.observer
-        if observer is not None:
-            observer.begin_wave(wave)
+        observers = self.observers
+        observers.begin_wave(wave)
         start = time.perf_counter_ns()
         self._phase = (_EXECUTE, start)
         self._depth = 1
@@ -148,23 +165,17 @@ class GuardProcessor:
                 schedule = EMPTY_SCHEDULE
             else:
                 scheduler_output = args[0] if args else kwargs.get("scheduler_output")
-                # a config change rides on the scheduler output: applied on every rank at this
-                # wave, before its sampling
-                stamp = getattr(scheduler_output, STAMP_ATTR, None)
-                if stamp is not None:
-                    self._apply_stamp(stamp)
-                if self.detectors is not None:
-                    self.detectors.on_schedule(wave, scheduler_output)
+                # config stamps (applied on every rank at this wave, before its sampling), then
+                # the detectors (finished requests, drafts)
+                observers.on_schedule(wave, scheduler_output)
                 schedule = self._prefill.summarize(scheduler_output)
             opened = (wave, start, end - start, schedule)
             if output is None:
                 self._open = opened  # sample_tokens finishes this wave
             else:
                 self._emit(opened, 0, 0, count_sampled_tokens(output), False)
-                if self.detectors is not None:
-                    self.detectors.on_output(wave, runner, output)
-                if observer is not None:
-                    observer.end_wave(wave)
+                observers.on_output(wave, runner, output)
+                observers.end_wave(wave)
         except Exception:  # noqa: BLE001
             self.errors.record("step_end")
         return output
@@ -182,9 +193,7 @@ class GuardProcessor:
             self._depth = 0
             end = time.perf_counter_ns()
             self._phase = (_IDLE, end)
-        observer = self.observer
-        if observer is not None:
-            observer.end_wave(self.wave)
+        self.observers.end_wave(self.wave)
         opened = self._open
         if opened is not None:
             self._open = None
@@ -198,7 +207,7 @@ class GuardProcessor:
     def _prepare_step(self, runner: Any) -> None:
         """Start streaming on the first wave; flush a wave that never reached sample_tokens."""
         try:
-            if self.streamer is None:
+            if not self.streaming:
                 self._start_streamer(runner)
             opened = self._open
             if opened is not None:
@@ -211,11 +220,10 @@ class GuardProcessor:
         offset = start - opened[1]
         tokens = count_sampled_tokens(output)
         get_output = getattr(output, "get_output", None) if tokens is None else None
-        detectors = self.detectors
+        observers = self.observers
         if get_output is None or not callable(get_output):
             self._emit(opened, end - start, offset, tokens, True)
-            if detectors is not None:
-                detectors.on_output(opened[0], self._runner, output)
+            observers.on_output(opened[0], self._runner, output)
             return
 
         # Async output (GPU/NPU runners): token lists exist only once get_output() resolves,
@@ -224,8 +232,7 @@ class GuardProcessor:
             result = get_output(*a, **kw)
             try:
                 self._emit(opened, end - start, offset, count_sampled_tokens(result), True)
-                if detectors is not None:
-                    detectors.on_output(opened[0], self._runner, result)
+                observers.on_output(opened[0], self._runner, result)
             except Exception:  # noqa: BLE001
                 self.errors.record("async_output")
             return result
@@ -240,9 +247,9 @@ class GuardProcessor:
         tokens: int | None,
         sampled: bool,
     ) -> None:
-        streamer = self.streamer
-        if streamer is None:
+        if not self.streaming:
             return
+        streamer = self.streamer
         wave, start, execute_ns, schedule = opened
         num_reqs, prefill_reqs, decode_reqs, prefill_tokens, decode_tokens = schedule
         streamer.offer(
@@ -293,10 +300,14 @@ class GuardProcessor:
             ),
             report_tokens=rank.tp_rank == 0,
             probe=self.offer_probe,
+            defer_tokens=True,  # token detectors on their own thread, in wave order
+            on_error=self.errors.record,
         )
         self.wants_logits = suite.needs_logits
         if suite.needs_logits or suite.needs_output:
             self.detectors = suite
+            suite.start()
+        self.observers.replace(old, self.detectors)
 
     def _apply_stamp(self, stamp: tuple) -> None:
         """A config change stamped on this wave's scheduler output (see guard/reload.py)."""
@@ -329,28 +340,21 @@ class GuardProcessor:
         )
 
     def _queue_incident(self, incident: guard_pb2.Incident) -> None:
-        streamer = self.streamer
-        if streamer is None:
-            with self._early_lock:
-                streamer = self.streamer
-                if streamer is None:
-                    self._early_incidents.append(incident)
-                    return
-        streamer.offer_incident(incident)
+        self.streamer.offer_incident(incident)
 
     def offer_probe(self, name: str, value: float, labels: dict[str, str]) -> None:
-        streamer = self.streamer
-        if streamer is None:
-            with self._early_lock:
-                streamer = self.streamer
-                if streamer is None:
-                    self._early_probes.append((name, value, labels))
-                    return
-        streamer.offer_probe(name, value, labels)
+        self.streamer.offer_probe(name, value, labels)
 
-    def _probe_snapshot(self) -> list[tuple[str, float, dict[str, str]]]:
-        detectors = self.detectors
-        return detectors.probe_values() if detectors is not None else []
+    def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool) -> None:
+        """Streamer thread: this rank's heartbeat, error count, readings, then the observers'."""
+        if with_heartbeat:
+            self.heartbeat().fill(batch)
+            detectors = self.detectors
+            if detectors is not None:
+                for name, value, labels in detectors.probe_values():
+                    batch.probes.add(name=name, labels=labels, value=value)
+        self.observers.fill_batch(batch, with_heartbeat)
+        batch.guard_errors_total += self.errors.total
 
     def heartbeat(self) -> HeartbeatState:
         """What this rank is doing right now; called on the streamer thread."""
@@ -362,35 +366,15 @@ class GuardProcessor:
     def _start_streamer(self, runner: Any) -> None:
         config = self.config
         rank = self._describe_rank(runner)
-        streamer = self._streamer_factory(
-            config.sidecar,
+        self._rank = rank
+        self._build_detectors(rank)
+        self.streamer.start(
             rank,
-            buffer_size=config.buffer_size,
-            batch_max=config.batch_max,
-            flush_interval_s=config.flush_interval_ms / 1000.0,
-            heartbeat_interval_s=config.heartbeat_interval_s,
-            max_backoff_s=config.reconnect_max_backoff_s,
-            heartbeat_source=self.heartbeat,
-            batch_filler=self.observer.fill_batch if self.observer is not None else None,
-            error_counter=lambda: self.errors.total,
-            hits_source=self.incidents.hits_snapshot,
-            probe_source=self._probe_snapshot,
-            spool=IncidentSpool(
+            IncidentSpool(
                 config.incidents.spool_dir, rank.run_id, rank.pid, config.incidents.spool_max_bytes
             ),
         )
-        self._rank = rank
-        self._build_detectors(rank)
-        if hasattr(streamer, "offer_probe"):
-            streamer.offer_probe("config_generation", float(self.config_generation), {})
-        with self._early_lock:
-            for incident in self._early_incidents:
-                streamer.offer_incident(incident)
-            for probe in self._early_probes:
-                streamer.offer_probe(*probe)
-            self._early_incidents, self._early_probes = [], []
-            self.streamer = streamer
-        streamer.start()
+        self.streaming = True
         log.info(
             "guard_streaming",
             sidecar=config.sidecar,
@@ -403,13 +387,9 @@ class GuardProcessor:
         )
 
     def close(self) -> None:
-        if self.detectors is not None:
-            try:
-                self.detectors.close()
-            except Exception:  # noqa: BLE001
-                self.errors.record("detectors_close")
+        self.observers.close()  # the detectors drain their queued waves
         opened, self._open = self._open, None
         if opened is not None:
             self._emit(opened, 0, 0, None, False)
-        if self.streamer is not None:
+        if self.streaming:
             self.streamer.stop()

@@ -192,3 +192,15 @@ def guard_schedule(fn: F) -> F:
 
     guarded_schedule.__ascend_guard_wrapped__ = fn  # type: ignore[attr-defined]
     return guarded_schedule  # type: ignore[return-value]
+
+
+class StampReader:
+    """Worker side, a wave observer: hands each new stamp on a scheduler output to `apply`."""
+
+    def __init__(self, apply: Callable[[Stamp], None]) -> None:
+        self._apply = apply
+
+    def on_schedule(self, wave: int, scheduler_output: Any) -> None:
+        stamp = getattr(scheduler_output, STAMP_ATTR, None)
+        if stamp is not None:
+            self._apply(stamp)

@@ -35,7 +35,7 @@ from guard.detectors.evidence import EvidenceDumper, request_kv_blocks
 from guard.detectors.slots import SlotMap, WaveTokens
 from guard.detectors.spec import AcceptanceTracker, draft_counts
 from guard.detectors.tokens import RepeatDetector, out_of_range, rows_out_of_range
-from guard.incidents import IncidentReporter
+from guard.reporter import IncidentReporter
 
 log = structlog.get_logger("ascend_guard.detectors")
 

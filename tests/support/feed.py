@@ -25,8 +25,22 @@ def make_streamer(
     )  # fmt: skip
     return Streamer(
         address, info, buffer_size=buffer_size, batch_max=256, flush_interval_s=0.02, heartbeat_interval_s=0.2,
-        max_backoff_s=0.2, heartbeat_source=lambda: HeartbeatState(0, "idle", 0),
+        max_backoff_s=0.2, fillers=[FixedHeartbeat(HeartbeatState(0, "idle", 0))],
     )  # fmt: skip
+
+
+class FixedHeartbeat:
+    """A batch filler that reports the same heartbeat state every time."""
+
+    def __init__(self, state: HeartbeatState, fill=None) -> None:
+        self.state = state
+        self._fill = fill
+
+    def fill_batch(self, batch, with_heartbeat: bool) -> None:
+        if with_heartbeat:
+            self.state.fill(batch)
+        if self._fill is not None:
+            self._fill(batch, with_heartbeat)
 
 
 def wave_tuple(
@@ -78,13 +92,13 @@ def send_waves(
 def attach_reporter(streamer: Streamer, run_id: str, *, wave: int = 7, **config):
     """An IncidentReporter wired to `streamer` the way GuardProcessor wires them."""
     from guard.config import IncidentsConfig
-    from guard.incidents import IncidentReporter
+    from guard.reporter import IncidentReporter
 
     reporter = IncidentReporter(
         IncidentsConfig(**config), run_id=run_id, current_wave=lambda: wave,
         sink=streamer.offer_incident,
     )  # fmt: skip
-    streamer._hits_source = reporter.hits_snapshot
+    streamer.fillers.append(reporter)  # each batch carries the hit counts
     return reporter
 
 

@@ -82,16 +82,25 @@ class BareRunner(Runner):
 
 
 class FakeStreamer:
-    def __init__(self, address, rank, **kwargs):
+    """Built by the processor at start-up; named its rank when the first wave starts it."""
+
+    def __init__(self, address, **kwargs):
         self.address = address
-        self.rank = rank
+        self.rank = None
         self.kwargs = kwargs
         self.records: list[WaveTuple] = []
         self.started = self.stopped = False
         self.fail_offer = False
 
-    def start(self):
+    def start(self, rank, spool=None):
+        self.rank = rank
         self.started = True
+
+    def offer_probe(self, name, value, labels):
+        pass
+
+    def offer_incident(self, incident):
+        pass
 
     def stop(self):
         self.stopped = True
@@ -116,8 +125,8 @@ class Guard:
             self.described.append(runner)
             return RANK
 
-        def factory(address, rank, **kwargs):
-            streamer = FakeStreamer(address, rank, **kwargs)
+        def factory(address, **kwargs):
+            streamer = FakeStreamer(address, **kwargs)
             self.streamers.append(streamer)
             return streamer
 
@@ -128,6 +137,10 @@ class Guard:
     @property
     def records(self) -> list[WaveTuple]:
         return [r for s in self.streamers for r in s.records]
+
+    @property
+    def started(self) -> list[FakeStreamer]:
+        return [s for s in self.streamers if s.started]
 
 
 @pytest.fixture
@@ -191,7 +204,7 @@ def test_guard_off_calls_no_processor():
         runner.execute_model(sched(a=1))
         runner.sample_tokens(None)
     assert guard.processor.wave == 0
-    assert guard.streamers == [] and guard.described == []
+    assert guard.started == [] and guard.described == []
     assert runner.phase_seen == [None] * 6
 
 
@@ -264,9 +277,17 @@ def test_guard_on_starts_one_streamer_with_the_config(guard):
     assert streamer.kwargs["buffer_size"] == 64
     assert streamer.kwargs["batch_max"] == 8
     assert streamer.kwargs["flush_interval_s"] == pytest.approx(0.05)
-    assert streamer.kwargs["heartbeat_source"]().last_wave == 3
+    # one batch-filler protocol: the processor fills heartbeat and error count
+    fillers = streamer.kwargs["fillers"]
+    batch = guard_pb2.Batch()
+    for filler in fillers:
+        filler.fill_batch(batch, True)
+    assert batch.heartbeat.last_wave == 3
     guard.processor.errors.total = 7
-    assert streamer.kwargs["error_counter"]() == 7
+    batch = guard_pb2.Batch()
+    for filler in fillers:
+        filler.fill_batch(batch, False)
+    assert batch.guard_errors_total == 7
 
 
 def test_guard_on_exceptions_propagate(guard):
@@ -422,7 +443,7 @@ def test_error_in_describe_rank_is_counted_and_result_returned():
     assert runner.execute_model(sched(a=1)) is output
     assert guard.processor.errors.total == 2
     assert len(runner.calls) == 2  # the bare method still ran each time
-    assert guard.streamers == []
+    assert guard.started == []
 
 
 def test_error_in_streamer_offer_is_counted_and_result_returned(guard):

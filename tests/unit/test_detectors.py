@@ -23,7 +23,7 @@ from guard.detectors.evidence import EvidenceDumper
 from guard.detectors.spec import AcceptanceTracker
 from guard.detectors.suite import DetectorSuite
 from guard.detectors.tokens import RepeatDetector, find_loop, out_of_range, rows_out_of_range
-from guard.incidents import IncidentReporter
+from guard.reporter import IncidentReporter
 
 
 # -- logits checks --------------------------------------------------------------------------
