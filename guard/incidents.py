@@ -31,9 +31,15 @@ def report_incident(
         return
     try:
         processor.incidents.report(
-            type, severity, summary, wave=wave, request_id=request_id, evidence=evidence,
-            actions=actions, incident_id=incident_id,
-        )  # fmt: skip
+            type,
+            severity,
+            summary,
+            wave=wave,
+            request_id=request_id,
+            evidence=evidence,
+            actions=actions,
+            incident_id=incident_id,
+        )
     except Exception:  # noqa: BLE001 - telemetry must never break the caller
         processor.errors.record("report_incident")
 

@@ -39,14 +39,6 @@ class Observers:
         self.members.append(observer)
         self._rebuild()
 
-    def replace(self, old: Any, new: Any) -> None:
-        """Put `new` where `old` was (or at the end); None removes."""
-        members = [new if m is old else m for m in self.members]
-        if old is None or not any(m is old for m in self.members):
-            members.append(new)
-        self.members = [m for m in members if m is not None]
-        self._rebuild()
-
     def _rebuild(self) -> None:
         self._hooks = {
             name: [getattr(m, name) for m in self.members if callable(getattr(m, name, None))]
@@ -61,15 +53,11 @@ class Observers:
                 self._on_error("observer_begin_wave")
 
     def on_schedule(self, wave: int, scheduler_output: Any) -> None:
-        # by index, re-read each time: a config stamp applied by the first observer may
-        # replace a later one (the detectors), which then sees this wave already
-        index = 0
-        while index < len(self._hooks["on_schedule"]):
+        for hook in self._hooks["on_schedule"]:
             try:
-                self._hooks["on_schedule"][index](wave, scheduler_output)
+                hook(wave, scheduler_output)
             except Exception:  # noqa: BLE001
                 self._on_error("observer_on_schedule")
-            index += 1
 
     def on_output(self, wave: int, runner: Any, output: Any) -> None:
         for hook in self._hooks["on_output"]:

@@ -23,9 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from guard.config import RUN_ID_ENV, GuardConfig, config_from_json
+from guard.config import RUN_ID_ENV, GuardConfig
+from guard.detectors.host import DetectorHost
+from guard.errors import ErrorBudget
 from guard.observers import Observers
-from guard.reload import StampReader
+from guard.reload import LiveConfig
 from guard.reporter import IncidentReporter
 from guard.schedule import EMPTY_SCHEDULE, PrefillTracker, ScheduleSummary, count_sampled_tokens
 from guard.spool import IncidentSpool
@@ -50,25 +52,6 @@ _SAMPLE = "sample_tokens"
 _new_tuple = tuple.__new__  # builds a WaveTuple without the Python-level __new__ frame
 
 
-class _RateLimitedErrors:
-    """Counts every guard-internal error; logs at most `per_minute` of them a minute."""
-
-    def __init__(self, per_minute: int) -> None:
-        self.total = 0
-        self._per_minute = per_minute
-        self._window_start = 0.0
-        self._in_window = 0
-
-    def record(self, where: str) -> None:
-        self.total += 1
-        now = time.monotonic()
-        if now - self._window_start >= 60.0:
-            self._window_start, self._in_window = now, 0
-        if self._in_window < self._per_minute:
-            self._in_window += 1
-            log.exception("guard_internal_error", where=where, errors_total=self.total)
-
-
 class GuardProcessor:
     """Turns decorated runner calls into wave records for one rank.
 
@@ -87,7 +70,7 @@ class GuardProcessor:
     ) -> None:
         self.config = config
         self._describe_rank = describe_rank
-        self.errors = _RateLimitedErrors(config.error_log_per_minute)
+        self.errors = ErrorBudget(config.error_log_per_minute)
         self.wave = 0
         self._open: OpenWave | None = None
         self._prefill = PrefillTracker()
@@ -96,10 +79,6 @@ class GuardProcessor:
         self._phase: tuple[str, int] = (_IDLE, time.perf_counter_ns())
         # wall clock = perf_counter_ns + offset; refreshed by the streamer thread's heartbeat
         self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()
-        # sampling detectors: built with the streamer (they need the rank), rebuilt on reload
-        self.detectors: DetectorSuite | None = None
-        self.config_generation = 1
-        self.wants_logits = False  # read by the sampler decorators on every sample
         self.logits_checked = False  # set while a verify sampler runs: skip its inner sampler
         self._runner: Any = None
         self._rank: guard_pb2.RankInfo | None = None
@@ -109,10 +88,15 @@ class GuardProcessor:
             current_wave=lambda: self.wave,
             sink=self._queue_incident,
         )
-        # the wave observers: config stamps first (a change applies before this wave's
-        # sampling), the detectors once the rank is known, then collectives and probes
+        # the wave observers: live config first (a change applies before this wave's
+        # sampling), the detectors (built once the rank is known), then collectives and probes
+        self.live_config = LiveConfig(
+            self.incidents, self._config_changed, self.offer_probe, self._run_id
+        )
+        self.detector_host = DetectorHost(self.incidents, self.offer_probe, self.errors.record)
         self.observers = Observers(self.errors.record)
-        self.observers.add(StampReader(self._apply_stamp))
+        self.observers.add(self.live_config)
+        self.observers.add(self.detector_host)
         # built now, started by the first wave; what is offered before waits in its buffers
         self.streamer: Streamer = streamer_factory(
             config.sidecar,
@@ -125,6 +109,19 @@ class GuardProcessor:
         )
         self.streaming = False
         self.streamer.offer_probe("config_generation", float(self.config_generation), {})
+
+    # -- what the decorators and tests read ---------------------------------------------------
+    @property
+    def wants_logits(self) -> bool:
+        return self.detector_host.wants_logits
+
+    @property
+    def detectors(self) -> DetectorSuite | None:
+        return self.detector_host.suite
+
+    @property
+    def config_generation(self) -> int:
+        return self.live_config.generation
 
     def add_observer(self, observer: Any) -> None:
         """Add a wave observer (any subset of `guard.observers.WaveObserver`'s hooks)."""
@@ -252,92 +249,42 @@ class GuardProcessor:
         streamer = self.streamer
         wave, start, execute_ns, schedule = opened
         num_reqs, prefill_reqs, decode_reqs, prefill_tokens, decode_tokens = schedule
-        streamer.offer(
-            _new_tuple(
-                WaveTuple,
-                (
-                    wave,
-                    start + self._wall_offset_ns,
-                    execute_ns,
-                    sample_ns,
-                    sample_offset_ns,
-                    num_reqs,
-                    prefill_reqs,
-                    decode_reqs,
-                    prefill_tokens,
-                    decode_tokens,
-                    tokens or 0,
-                    num_reqs == 0,
-                    sampled,
-                ),
-            )  # fmt: skip
+        record = (
+            wave,
+            start + self._wall_offset_ns,
+            execute_ns,
+            sample_ns,
+            sample_offset_ns,
+            num_reqs,
+            prefill_reqs,
+            decode_reqs,
+            prefill_tokens,
+            decode_tokens,
+            tokens or 0,
+            num_reqs == 0,
+            sampled,
         )
+        streamer.offer(_new_tuple(WaveTuple, record))
 
     # -- sampling detectors and live config ----------------------------------------------------
     def on_logits(self, logits: Any, rows_per_req: list[int] | None) -> None:
         """Called by the sampler decorators with the logits about to be sampled."""
-        detectors = self.detectors
-        if detectors is None or self.logits_checked or logits is None:
+        if self.logits_checked or logits is None:
             return
         try:
-            detectors.on_logits(self.wave, self._runner, logits, rows_per_req)
+            self.detector_host.on_logits(self.wave, self._runner, logits, rows_per_req)
         except Exception:  # noqa: BLE001
             self.errors.record("detectors_logits")
 
-    def _build_detectors(self, rank: guard_pb2.RankInfo) -> None:
-        from guard.detectors.evidence import EvidenceDumper
-        from guard.detectors.suite import DetectorSuite
-
-        config = self.config.detectors
-        old, self.detectors = self.detectors, None
-        if old is not None:
-            old.close()
-        suite = DetectorSuite(
-            config,
-            self.incidents,
-            EvidenceDumper(
-                config.dump, rank.run_id, f"dp{rank.dp_rank}tp{rank.tp_rank}pp{rank.pp_rank}"
-            ),
-            report_tokens=rank.tp_rank == 0,
-            probe=self.offer_probe,
-            defer_tokens=True,  # token detectors on their own thread, in wave order
-            on_error=self.errors.record,
-        )
-        self.wants_logits = suite.needs_logits
-        if suite.needs_logits or suite.needs_output:
-            self.detectors = suite
-            suite.start()
-        self.observers.replace(old, self.detectors)
-
-    def _apply_stamp(self, stamp: tuple) -> None:
-        """A config change stamped on this wave's scheduler output (see guard/reload.py)."""
-        generation, config_json, error, restart = stamp
-        if generation <= self.config_generation:
-            return
-        self.config_generation = generation
-        run_id = self._rank.run_id if self._rank is not None else "run"
-        if error:
-            self.incidents.report(
-                "config_reload_failed", "error", f"config edit refused, old config kept: {error}"[:1000],
-                evidence={"generation": generation, "error": error}, incident_id=f"{run_id}:config:{generation}",
-            )  # fmt: skip
-            log.error("config_reload_refused", generation=generation, wave=self.wave, error=error)
-            return
-        self.config = config_from_json(config_json)
-        self.incidents.reconfigure(self.config.incidents)
+    def _config_changed(self, config: GuardConfig) -> None:
+        """A live config change (guard/reload.py), applied at this wave on every rank."""
+        self.config = config
+        self.incidents.reconfigure(config.incidents)
         if self._rank is not None:
-            self._build_detectors(self._rank)
-        self.offer_probe("config_generation", float(generation), {})
-        if restart:
-            self.incidents.report(
-                "config_needs_restart", "warning",
-                f"changed keys need a restart and were not applied: {', '.join(restart)}",
-                evidence={"generation": generation, "keys": list(restart)},
-                incident_id=f"{run_id}:config-restart:{generation}",
-            )  # fmt: skip
-        log.info(
-            "config_reloaded", generation=generation, wave=self.wave, needs_restart=list(restart)
-        )
+            self.detector_host.build(config.detectors, self._rank)
+
+    def _run_id(self) -> str:
+        return self._rank.run_id if self._rank is not None else "run"
 
     def _queue_incident(self, incident: guard_pb2.Incident) -> None:
         self.streamer.offer_incident(incident)
@@ -349,11 +296,7 @@ class GuardProcessor:
         """Streamer thread: this rank's heartbeat, error count, readings, then the observers'."""
         if with_heartbeat:
             self.heartbeat().fill(batch)
-            detectors = self.detectors
-            if detectors is not None:
-                for name, value, labels in detectors.probe_values():
-                    batch.probes.add(name=name, labels=labels, value=value)
-        self.observers.fill_batch(batch, with_heartbeat)
+        self.observers.fill_batch(batch, with_heartbeat)  # detectors' readings, collectives
         batch.guard_errors_total += self.errors.total
 
     def heartbeat(self) -> HeartbeatState:
@@ -367,7 +310,7 @@ class GuardProcessor:
         config = self.config
         rank = self._describe_rank(runner)
         self._rank = rank
-        self._build_detectors(rank)
+        self.detector_host.build(config.detectors, rank)
         self.streamer.start(
             rank,
             IncidentSpool(

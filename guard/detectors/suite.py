@@ -185,9 +185,15 @@ class DetectorSuite:
         count = len(rows_per_req) if rows_per_req is not None else int(logits.shape[0])
         keep_logits = self.config.logits_finite.action == "dump"
         pending = logit_checks.PendingCheck(
-            wave, host, event, request_ids(runner, count), rows_per_req,
-            logits if keep_logits else None, stats_host, runner if keep_logits else None,
-        )  # fmt: skip
+            wave,
+            host,
+            event,
+            request_ids(runner, count),
+            rows_per_req,
+            logits if keep_logits else None,
+            stats_host,
+            runner if keep_logits else None,
+        )
         if self.config.logits_finite.sync_gate or event is None:
             self._resolve(pending)
         else:
@@ -262,10 +268,15 @@ class DetectorSuite:
     def _out_of_range(self, wave: int, runner: Any, req_id: str, tokens, vocab: int) -> None:
         bad = out_of_range(tokens, vocab)
         self._hit(
-            "token_range", "critical", wave, req_id,
+            "token_range",
+            "critical",
+            wave,
+            req_id,
             f"sampled id {bad[0]} outside the vocabulary [0, {vocab})",
-            {"ids": bad[:16], "vocab_size": vocab}, self.config.token_range.action, runner,
-        )  # fmt: skip
+            {"ids": bad[:16], "vocab_size": vocab},
+            self.config.token_range.action,
+            runner,
+        )
 
     def _repeats(self, wave: int, runner: Any, req_id: str, findings) -> None:
         for kind, size, extent, block in findings:
@@ -276,9 +287,15 @@ class DetectorSuite:
                 summary = f"{size}-gram repeated {extent} times in the window"
                 evidence = {"kind": kind, "n": size, "count": extent, "ngram": block}
             self._hit(
-                "token_repeat", "warning", wave, req_id, summary, evidence,
-                self.config.token_repeat.action, runner,
-            )  # fmt: skip
+                "token_repeat",
+                "warning",
+                wave,
+                req_id,
+                summary,
+                evidence,
+                self.config.token_repeat.action,
+                runner,
+            )
 
     def _observe_spec(self, wave: int, runner: Any, req_ids, slots, tokens, drafts) -> None:
         spec = self.spec
@@ -307,12 +324,24 @@ class DetectorSuite:
                     f"{judged.baseline:.2f} (repetitive output raises acceptance)"
                 )
             self._hit(
-                "spec_acceptance", "warning", wave, key, summary,
-                {"method": method, "kind": judged.kind, "rate": round(judged.rate, 4),
-                 "drafted": judged.drafted, "accepted": judged.accepted, "band": band,
-                 "baseline": round(judged.baseline, 4), "scope": "request" if key else "wave"},
-                self.config.spec_acceptance.action, runner,
-            )  # fmt: skip
+                "spec_acceptance",
+                "warning",
+                wave,
+                key,
+                summary,
+                {
+                    "method": method,
+                    "kind": judged.kind,
+                    "rate": round(judged.rate, 4),
+                    "drafted": judged.drafted,
+                    "accepted": judged.accepted,
+                    "band": band,
+                    "baseline": round(judged.baseline, 4),
+                    "scope": "request" if key else "wave",
+                },
+                self.config.spec_acceptance.action,
+                runner,
+            )
         spec.update_baseline(drafted, accepted)
 
     # -- logits checks resolved after sampling ----------------------------------------------
@@ -331,10 +360,15 @@ class DetectorSuite:
             limit = self.config.logits_stats.max_abs_limit
             if limit and max_abs >= limit:
                 self._hit(
-                    "logits_stats", "warning", check.wave, "",
+                    "logits_stats",
+                    "warning",
+                    check.wave,
+                    "",
                     f"max |logit| {max_abs:.4g} reached the limit {limit:g}",
-                    {"max_abs": max_abs, "entropy_nats": entropy, "limit": limit}, "report", None,
-                )  # fmt: skip
+                    {"max_abs": max_abs, "entropy_nats": entropy, "limit": limit},
+                    "report",
+                    None,
+                )
         if check.host is None:
             return
         bad = logit_checks.bad_rows(check.host)
@@ -350,12 +384,17 @@ class DetectorSuite:
             if check.logits is not None:
                 evidence.update(logit_checks.describe_row(check.logits[rows[0]]))
             self._hit(
-                "logits_finite", "error", check.wave, req_id,
+                "logits_finite",
+                "error",
+                check.wave,
+                req_id,
                 f"non-finite logits in {len(rows)} row(s) of request {req_id}",
-                evidence, self.config.logits_finite.action, check.runner,
+                evidence,
+                self.config.logits_finite.action,
+                check.runner,
                 logits_row=check.logits[rows[0]] if check.logits is not None else None,
                 row=rows[0],
-            )  # fmt: skip
+            )
 
     # -- reporting --------------------------------------------------------------------------
     def _hit(
@@ -398,9 +437,14 @@ class DetectorSuite:
                 row = None
         kv = request_kv_blocks(runner, row) if runner is not None and row is not None else None
         return self.dumper.dump(
-            type_, wave, req_id, meta={"evidence": evidence}, tokens=tokens, logits_row=logits_row,
+            type_,
+            wave,
+            req_id,
+            meta={"evidence": evidence},
+            tokens=tokens,
+            logits_row=logits_row,
             kv_blocks=kv,
-        )  # fmt: skip
+        )
 
     def probe_values(self) -> list[tuple[str, float, dict[str, str]]]:
         """Readings taken by the streamer thread with each heartbeat: nothing on the hot path."""

@@ -516,3 +516,70 @@ def test_reentrant_override_counts_one_wave_even_when_the_guard_fails():
         assert runner.execute_model(sched(a=1)) is runner.execute_result
     assert guard.processor.errors.total >= 3
     assert guard.processor.wave == 3
+
+
+# -- the observer protocol and the module layering -------------------------------------------
+
+
+class Recorder:
+    """A wave observer with every hook, recording the calls."""
+
+    def __init__(self, calls, name):
+        self.calls, self.name = calls, name
+
+    def begin_wave(self, wave):
+        self.calls.append((self.name, "begin", wave))
+
+    def on_schedule(self, wave, scheduler_output):
+        self.calls.append((self.name, "schedule", wave))
+
+    def on_output(self, wave, runner, output):
+        self.calls.append((self.name, "output", wave))
+
+    def end_wave(self, wave):
+        self.calls.append((self.name, "end", wave))
+
+
+class CollectivesLike:
+    """Only the hooks the collectives observer has (guard/collective_guard.py), one raising."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def begin_wave(self, wave):
+        raise RuntimeError("tracker broke")
+
+    def end_wave(self, wave):
+        self.calls.append(("coll", "end", wave))
+
+    def fill_batch(self, batch, with_heartbeat):
+        batch.guard_errors_total += 5
+
+
+def test_observers_are_called_in_order_and_a_failing_hook_is_counted(guard):
+    calls = []
+    guard.processor.add_observer(Recorder(calls, "a"))
+    guard.processor.observer = CollectivesLike(calls)  # the collectives binding's way
+    runner = Runner(sample_result=Output([[1]]))
+    for _ in range(2):
+        runner.execute_model(sched(a=1))
+        runner.sample_tokens(None)
+    per_wave = [("a", "begin"), ("a", "schedule"), ("a", "end"), ("coll", "end"), ("a", "output")]
+    assert calls == [(name, hook, wave) for wave in (1, 2) for name, hook in per_wave]
+    assert guard.processor.errors.total == 2  # the raising begin_wave, twice; the step ran
+    assert [r.wave for r in guard.records] == [1, 2]
+    batch = guard_pb2.Batch()
+    guard.processor.fill_batch(batch, True)
+    assert batch.guard_errors_total == 2 + 5 and batch.heartbeat.last_wave == 2
+
+
+def test_decorators_are_a_leaf_and_the_facade_needs_no_processor():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import guard.incidents; "
+        "print(sorted(m for m in sys.modules if m.startswith('guard')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['guard', 'guard.decorators', 'guard.incidents']"
