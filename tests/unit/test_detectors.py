@@ -354,3 +354,46 @@ def test_deferred_token_detectors_report_on_their_thread_with_the_wave_they_saw(
     # the 4-gram 5555 is seen 8 times at token 11; a period-1 loop needs min_span 32 tokens
     assert hits == [("a", 11, "ngram"), ("a", 32, "loop")]
     assert suite.deferred.queue == collections.deque()
+
+
+def test_row_check_is_read_after_sampling_and_never_waited_for_on_the_hot_path(tmp_path):
+    """Stand-in for an accelerator (none here): the copy's event says "not done" until the
+    test completes it. The suite must not wait for it (no synchronize) while the check is
+    young, reads it once the event is done, and names the NaN request of *its* wave."""
+
+    class Event:
+        def __init__(self):
+            self.done = False
+            self.waited = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = True
+            self.done = True
+
+    events = []
+
+    def copy(self, tensor):
+        events.append(Event())
+        return tensor.clone(), events[-1]
+
+    suite, sent, _ = make_suite(tmp_path)
+    suite._copies.copy = types.MethodType(copy, suite._copies)
+    runner = Runner(["a", "b"])
+    logits = torch.randn(2, 50)
+    logits[1, 3] = float("nan")
+    out = types.SimpleNamespace(req_ids=["a", "b"], sampled_token_ids=[[1], [2]])
+    suite.on_logits(5, runner, logits, None)
+    suite.on_output(5, runner, out)  # the copy is "in flight": not read, not waited for
+    assert sent == [] and not events[0].waited
+    events[0].done = True
+    suite.on_logits(6, runner, torch.randn(2, 50), None)
+    suite.on_output(6, runner, out)  # read after wave 6's sampling, reported as wave 5
+    (hit,) = [i for i in sent if i.type == "logits_finite"]
+    assert (hit.wave, hit.request_id) == (5, "b") and not events[0].waited
+    for wave in (7, 8, 9):  # checks that never complete: the oldest is waited for at 3 behind
+        suite.on_logits(wave, runner, torch.randn(2, 50), None)
+        suite.on_output(wave, runner, out)
+    assert [e.waited for e in events] == [False, True, False, False, False]
