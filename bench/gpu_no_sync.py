@@ -1,10 +1,11 @@
 """Proof on a CUDA device: the guarded logits path makes no device sync, and what it costs.
 
 Runs the logits detectors' per-wave work (one row reduction on the device, a non-blocking copy
-into a preallocated pinned buffer, an event) on CUDA logits of 256 × 152064, under
-`torch.cuda.set_sync_debug_mode("error")`: any operation that synchronises the device raises.
-The checks are read after a later "sampling" step (`DetectorSuite.resolve_ready`), as in the
-engine, and then checked outside the debug mode. Needs only torch (no vLLM); a few seconds.
+into a preallocated pinned buffer, an event) on CUDA logits of 256 × 152064, with
+`torch.cuda.set_sync_debug_mode("error")` on while the guard's code runs: any operation in it
+that synchronises the device raises. Between, a stand-in for the engine samples and copies the
+sampled ids to the host (the engine's own wait, as in `get_output`); the checks are read after
+it (`DetectorSuite.resolve_ready`), as in the engine. A NaN row in one wave must be reported. Needs only torch (no vLLM); a few seconds.
 Without CUDA it says so and exits 0.
 
     python bench/gpu_no_sync.py [--reqs 256] [--vocab 152064] [--waves 200]
@@ -62,18 +63,26 @@ def main(argv: list[str] | None = None) -> int:
     weight = torch.randn(args.vocab, 64, device=device)  # a stand-in for the sampling work
     torch.cuda.synchronize()
 
-    host_ns = []
+    host_ns, read_ns = [], []
     start_evt, end_evt = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.set_sync_debug_mode("error")
+    strict = "error"  # any synchronising call raises while the guard's code runs
     try:
         for wave in range(1, args.waves + 1):
             batch = bad if wave == args.waves // 2 else logits[wave % 2]
+            torch.cuda.set_sync_debug_mode(strict)
             t0 = time.perf_counter_ns()
             suite.on_logits(wave, runner, batch, None)  # the guarded step: reduce, copy, record
             host_ns.append(time.perf_counter_ns() - t0)
-            sampled = batch @ weight  # the engine's own work after the check
+            torch.cuda.set_sync_debug_mode("default")
+            # the engine's own work: sampling, and the copy of the sampled ids that its
+            # get_output waits for (that wait is the engine's, not the guard's)
+            sampled = (batch @ weight).argmax(dim=-1).cpu()
             del sampled
-            suite.resolve_ready()  # after sampling: reads checks whose copy has landed
+            torch.cuda.set_sync_debug_mode(strict)
+            t0 = time.perf_counter_ns()
+            suite.resolve_ready()  # after sampling: reads the checks whose copy has landed
+            read_ns.append(time.perf_counter_ns() - t0)
+            torch.cuda.set_sync_debug_mode("default")
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -90,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {torch.cuda.get_device_name()}; logits {args.reqs} x {args.vocab} float32")
     print(f"guarded waves under set_sync_debug_mode('error'): {args.waves}, no sync raised")
     print(f"host us per wave (on_logits): median {statistics.median(host_ns) / 1e3:.1f}")
+    print(f"host us per wave (reading checks): median {statistics.median(read_ns) / 1e3:.1f}")
     print(f"device us per wave (row reduction): median {statistics.median(times):.1f}")
     ok = len(nan_hits) == 1 and nan_hits[0].request_id == "req-7"
     print(f"NaN row found after sampling: {'yes, req-7' if ok else f'NO: {nan_hits}'}")
