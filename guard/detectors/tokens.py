@@ -143,7 +143,7 @@ class RepeatDetector:
         self.in_loop[sl] = loop_now
         self.in_ngram[sl] = state.hot > 0
         ngram_start = state.started & ~loop_now
-        if not loop_start.any() and not ngram_start.any():
+        if not _count(loop_start) and not _count(ngram_start):
             return []
         return self._findings(sl, rows, state, loop_start, ngram_start)
 
@@ -161,7 +161,7 @@ class RepeatDetector:
         # n-gram counts: the newest n-gram enters its request's table, the oldest leaves
         size, grams, places = self._size, self._grams, self._places
         valid = total >= size
-        if not valid.any():
+        if not _count(valid):
             return
         key = (lag[:, :size].view(np.uint64) * self._powers).sum(axis=1, dtype=np.uint64)
         home = ((key * _HASH_MULT) >> self._home_shift).astype(np.intp)
@@ -178,16 +178,18 @@ class RepeatDetector:
         count = counts[sl, place] + ok
         counts[sl, place] = count
         hit = ok & (count == self.config.ngram_max_count)
-        if hit.any():
+        if _count(hit):
             state.hot += hit
             first = hit & (state.hot == 1) & ~state.was_ngram
-            if first.any():
+            if _count(first):
                 state.started |= first
+                if state.block is None:
+                    state.block = np.zeros((len(first), size), dtype=np.int64)
                 state.block[first] = lag[first, :size][:, ::-1]
         seen = total - size + 1  # n-grams so far, the newest included
         ring = (seen - 1) % grams
         leaving = valid & (seen > grams)
-        if leaving.any():
+        if _count(leaving):
             old = self.gram_place[sl, ring]
             left = counts[sl, old] - leaving
             counts[sl, old] = left
@@ -236,19 +238,22 @@ class _Rows:
         self.hot = detector.hot[slots]
         self.was_ngram = detector.in_ngram[slots]
         self.started = np.zeros(len(slots), dtype=bool)
-        self.block = np.zeros((len(slots), detector._size), dtype=np.int64)
+        self.block: np.ndarray | None = None  # the n-grams that start an episode, when any
 
     def take(self, index: np.ndarray) -> _Rows:
         part = _Rows(None, self.slots[index])
-        for name in _Rows.__slots__:
-            if name != "slots":
-                setattr(part, name, getattr(self, name)[index])
+        for name in _ROW_ARRAYS:
+            setattr(part, name, getattr(self, name)[index])
+        part.block = None if self.block is None else self.block[index]
         return part
 
     def put(self, index: np.ndarray, part: _Rows) -> None:
-        for name in _Rows.__slots__:
-            if name != "slots":
-                getattr(self, name)[index] = getattr(part, name)
+        for name in _ROW_ARRAYS:
+            getattr(self, name)[index] = getattr(part, name)
+        if part.block is not None:
+            if self.block is None:
+                self.block = np.zeros((len(self.slots), part.block.shape[1]), dtype=np.int64)
+            self.block[index] = part.block
 
     def store(self, detector: RepeatDetector) -> None:
         slots = self.slots
@@ -256,6 +261,10 @@ class _Rows:
         detector.run[slots] = self.run
         detector.total[slots] = self.total
         detector.hot[slots] = self.hot
+
+
+_ROW_ARRAYS = ("hot", "lag", "run", "started", "total", "was_ngram")
+_count = np.count_nonzero  # truth of a bool array: much cheaper than .any() on small arrays
 
 
 def find_loop(
