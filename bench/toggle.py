@@ -148,6 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--detectors", choices=("all", "none"), default="all", help="sampling detectors in 'on'"
     )
+    parser.add_argument(
+        "--token-detectors",
+        choices=("thread", "inline"),
+        default="thread",
+        help="where the token detectors run: the detector thread (as shipped) or inline on the "
+        "engine thread (for comparison)",
+    )
     args = parser.parse_args(argv)
 
     os.environ.update(
@@ -173,6 +180,16 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
 
     from guard.decorators import is_guarded, unwrap
 
+    if args.token_detectors == "inline":  # before the engine builds the detectors
+        from guard.detectors import host
+
+        shipped = host.DetectorSuite
+
+        def inline_suite(*a, **kw):
+            kw["defer_tokens"] = False
+            return shipped(*a, **kw)
+
+        host.DetectorSuite = inline_suite
     guard = {"sidecar": sidecar.address, "engine": "toggle"}
     if args.detectors == "none":
         guard["detectors"] = DETECTORS_OFF
@@ -199,6 +216,7 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     inside = _time_detectors()
     whole = _time_guard()
+
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} #{i}" for i in range(args.requests)]
 
     def one_round(mode: str) -> tuple[float, float, int, list[list[int]]]:

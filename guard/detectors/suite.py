@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -78,21 +79,28 @@ class Deferred:
         )
         self._thread.start()
 
-    def drain(self) -> None:
-        with self.lock:
-            queue = self.queue
-            while queue:
-                item = queue.popleft()
+    def drain(self, yield_between: bool = False) -> None:
+        queue = self.queue
+        while queue:
+            with self.lock:
+                try:
+                    item = queue.popleft()
+                except IndexError:
+                    return
                 try:
                     self._run(item)
                 except Exception:  # noqa: BLE001 - a detector must not stop the others
                     self._on_error("detectors_deferred")
+            if yield_between:
+                # hand the GIL over between waves: an engine thread back from a kernel
+                # waits at most one wave's work, not a whole batch of them
+                time.sleep(0)
 
     def _loop(self) -> None:
         while not self._stopping:
             self._wake.wait(0.05)
             self._wake.clear()
-            self.drain()
+            self.drain(yield_between=True)
 
     def close(self) -> None:
         self._stopping = True
