@@ -51,19 +51,8 @@ class PendingCheck:
             self.event.synchronize()
 
 
-# on CPU the logits are host memory already: numpy reads them in place, without a trip
-# through torch's dispatcher (which costs tens of µs per op inside a CPU engine)
-_NUMPY_DTYPES = (torch.float32, torch.float64, torch.float16)
-
-
 def row_max(logits: torch.Tensor) -> torch.Tensor:
     """Per-row max (NaN and +Inf propagate; an all -Inf row stays -Inf)."""
-    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
-        return torch.from_numpy(np.maximum.reduce(logits.numpy(), axis=-1))
-    return _row_max_torch(logits)
-
-
-def _row_max_torch(logits: torch.Tensor) -> torch.Tensor:
     return logits.amax(dim=-1)
 
 
@@ -75,24 +64,6 @@ def health_stats(logits: torch.Tensor, rows: int = STATS_ROWS) -> torch.Tensor:
 
     A sample of rows keeps the cost flat in the batch size; the statistics are for drift.
     """
-    if logits.device.type == "cpu" and logits.dtype in _NUMPY_DTYPES:
-        return _health_stats_numpy(logits[:rows].numpy())
-    return _health_stats_torch(logits, rows)
-
-
-def _health_stats_numpy(values: np.ndarray) -> torch.Tensor:
-    values = values.astype(np.float32, copy=False)
-    values = values[np.isfinite(values).all(axis=-1)]
-    if values.size == 0:
-        return torch.tensor([float("nan"), float("nan")])
-    max_abs = float(np.abs(values).max())
-    shifted = values - values.max(axis=-1, keepdims=True)
-    logp = shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-    entropy = float(-(np.exp(logp) * logp).sum(axis=-1).mean())
-    return torch.tensor([max_abs, entropy])
-
-
-def _health_stats_torch(logits: torch.Tensor, rows: int) -> torch.Tensor:
     values = logits[:rows].float()
     finite = torch.isfinite(values).all(dim=-1)
     values = values[finite]

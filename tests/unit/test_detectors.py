@@ -39,24 +39,6 @@ def test_row_max_finds_nan_pos_inf_and_all_neg_inf_rows_but_passes_masked_rows()
     assert evidence == {"nan": 1, "pos_inf": 0, "neg_inf": 0, "width": 50}
 
 
-def test_the_cpu_numpy_path_and_the_device_torch_path_agree():
-    """On CPU the row check and the statistics read the logits with numpy; on a device with
-    torch. Both give the same answers (the torch path is run here on CPU tensors)."""
-    logits = torch.randn(10, 300) * 5
-    logits[2, 9] = float("nan")
-    logits[4, :] = float("-inf")
-    logits[6, 1] = float("inf")
-    fast, slow = checks.row_max(logits), checks._row_max_torch(logits)
-    assert checks.bad_rows(fast) == checks.bad_rows(slow) == [2, 4, 6]
-    finite = ~torch.isnan(slow)
-    assert torch.equal(fast[finite], slow[finite])
-    clean = torch.randn(8, 300) * 3
-    assert torch.allclose(
-        checks.health_stats(clean), checks._health_stats_torch(clean, 8), rtol=1e-5
-    )
-    assert checks.health_stats(logits).isnan().tolist() == [False, False]
-
-
 def test_rows_map_to_requests_on_the_verify_path():
     # request a has 2 drafts (3 rows), b has 0 (1 row), c has 1 (2 rows)
     mapping = checks.rows_to_requests([1, 3, 5], ["a", "b", "c"], [3, 1, 2])
