@@ -43,43 +43,44 @@ GUARD_OPS = tuple(f"{LIBRARY}::{name}" for _, name in COMPILED_METHODS.values())
 # the library, and each wrapped communicator method's bare function (one communicator class
 # per platform carries these rows)
 _state: dict[str, Any] = {"library": None, "bare": {}}
-# group name -> (GroupCoordinator, its communicator's bare method): resolved once per group
+# (method, group name) -> (GroupCoordinator, its communicator's bare method): resolved once
 _targets: dict[tuple[str, str], tuple[Any, Callable[..., Any]]] = {}
 
 
 def _target(method: str, group_name: str) -> tuple[Any, Callable[..., Any]]:
-    found = _targets.get((method, group_name))
-    if found is None:
-        from vllm.distributed import parallel_state
+    from vllm.distributed import parallel_state
 
-        ref = parallel_state._groups.get(group_name)
-        group = ref() if ref is not None else None
-        if group is None:
-            raise ValueError(f"ascend_guard::{method}: no live group {group_name!r}")
-        bare = _state["bare"][method]
+    ref = parallel_state._groups.get(group_name)
+    group = ref() if ref is not None else None
+    if group is None:
+        raise ValueError(f"ascend_guard::{method}: no live group {group_name!r}")
+    bare = _state["bare"][method]
 
-        def call(coordinator: Any, *args: Any) -> Any:
-            return bare(coordinator.device_communicator, *args)
+    def call(coordinator: Any, *args: Any) -> Any:
+        return bare(coordinator.device_communicator, *args)
 
-        found = _targets[(method, group_name)] = (group, call)
+    found = _targets[(method, group_name)] = (group, call)
     return found
 
 
+# The kernels run once per collective of a compiled graph, after a dispatcher crossing that
+# already costs about as much as the eager wrapper: one dict lookup, then the tracker's flat
+# single-tensor path (`run_tensor`).
 def _all_reduce_kernel(tensor: Any, group_name: str) -> None:
-    group, call = _target("all_reduce", group_name)
+    group, call = _targets.get(("all_reduce", group_name)) or _target("all_reduce", group_name)
     tracker = collectives._tracker
     if tracker is None:
         call(group, tensor)
     else:
-        tracker.run("all_reduce", call, group, (tensor,), {}, collectives.first_arg)
+        tracker.run_tensor("all_reduce", call, group, tensor)
 
 
 def _all_gather_kernel(tensor: Any, dim: int, group_name: str) -> Any:
-    group, call = _target("all_gather", group_name)
+    group, call = _targets.get(("all_gather", group_name)) or _target("all_gather", group_name)
     tracker = collectives._tracker
     if tracker is None:
         return call(group, tensor, dim)
-    return tracker.run("all_gather", call, group, (tensor, dim), {}, collectives.first_arg)
+    return tracker.run_tensor("all_gather", call, group, tensor, dim)
 
 
 def define_ops() -> bool:

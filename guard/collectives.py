@@ -300,6 +300,51 @@ class CollectiveTracker:
                 self.errors += 1
         return result
 
+    def run_tensor(
+        self, op: str, fn: Callable[..., Any], group: Any, tensor: Any, *rest: Any
+    ) -> Any:
+        """`run(op, fn, group, (tensor, *rest), {}, first_arg)` flattened for the guard ops'
+        kernels in compiled graphs (one tensor, counted by its nbytes): same numbering, timing
+        and aggregates. Only the steady state is inline (a known group of >1 rank, in the wave
+        in progress, its stat row open, not slow); anything else takes `run`. Keep in step
+        with `run` and `_record`."""
+        meta = getattr(group, META_ATTR, None)
+        if (
+            self._depth
+            or self.capturing is not None
+            or self.before_call is not None
+            or meta is None
+            or meta.world_size < 2
+        ):
+            return self.run(op, fn, group, (tensor, *rest), {}, first_arg)
+        stat = self._stats.get((op, meta.label))
+        if stat is None or self._wave_source() != self.wave:
+            return self.run(op, fn, group, (tensor, *rest), {}, first_arg)
+        meta.seq = seq = meta.seq + 1
+        start = time.perf_counter_ns()
+        self.current = (op, meta.label, meta.backend, seq, start)
+        self._depth = 1
+        try:
+            result = fn(group, tensor, *rest)
+        finally:
+            host_ns = time.perf_counter_ns() - start
+            self._depth = 0
+            self.current = None
+        if host_ns >= self._slow_ns:  # rare: _record adds the call and its slow-call row
+            try:
+                self._record(op, meta, seq, start, host_ns, tensor)
+            except Exception:  # noqa: BLE001
+                self.errors += 1
+            return result
+        stat[0] += 1
+        stat[1] += tensor.nbytes
+        stat[2] += host_ns
+        if host_ns > stat[3]:
+            stat[3] = host_ns
+        stat[5] = seq
+        self._wait_ns += host_ns
+        return result
+
     def _meta(self, group: Any) -> GroupMeta:
         meta = getattr(group, META_ATTR, None)
         if meta is None:
