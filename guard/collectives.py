@@ -313,6 +313,7 @@ class CollectiveTracker:
             self._depth
             or self.capturing is not None
             or self.before_call is not None
+            or getattr(self, "record", None) is not None  # issue 17's record: run writes it
             or meta is None
             or meta.world_size < 2
         ):
