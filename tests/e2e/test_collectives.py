@@ -20,12 +20,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from tests.support.http import get_json
 from tests.support.metrics import value
 from tests.support.ports import free_port
 from tests.support.sidecar import SidecarProcess
@@ -76,12 +75,7 @@ class Deployment:
             raise
 
     def get(self, path: str) -> tuple[int, dict]:
-        url = f"http://127.0.0.1:{self.health_port}{path}"
-        try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
+        return get_json(f"http://127.0.0.1:{self.health_port}{path}")
 
     def metrics(self) -> str:
         return self.sidecar.metrics_text()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.http import get_json
 from tests.support.metrics import value
 from tests.support.ports import free_port
 from tests.support.sidecar import SidecarProcess
@@ -101,15 +102,7 @@ class Deployment:
         self.guarded_tokens: list[list[int]] = []
 
     def get(self, path: str) -> tuple[int, dict]:
-        import urllib.error
-        import urllib.request
-
-        url = f"http://127.0.0.1:{self.health_port}{path}"
-        try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
+        return get_json(f"http://127.0.0.1:{self.health_port}{path}")
 
     def stop(self) -> None:
         self.server.stop()

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests.support.http import get_json
 from tests.support.metrics import samples, value
 from tests.support.ports import free_port
 from tests.support.sidecar import SidecarProcess
@@ -188,12 +189,7 @@ class GuardedServer:
         return Counters(self.server.metrics_text(), self.sidecar.metrics_text(), self.tp)
 
     def live(self) -> dict[str, Any]:
-        url = f"http://127.0.0.1:{self.health_port}/live/{ENGINE}"
-        try:
-            with urllib.request.urlopen(url, timeout=5) as resp:
-                return json.loads(resp.read())
-        except urllib.error.HTTPError as exc:  # 503 (a hang verdict) still has the body
-            return json.loads(exc.read())
+        return get_json(f"http://127.0.0.1:{self.health_port}/live/{ENGINE}")[1]
 
     def settle(self, timeout: float = 60.0) -> Counters:
         """Counters once every request of the phase is done on both sides.
