@@ -10,6 +10,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -108,6 +109,33 @@ class VllmServer:
         )  # fmt: skip
         with urllib.request.urlopen(req, timeout=120) as resp:
             return json.loads(resp.read())
+
+    def complete_streamed(
+        self, prompt: Any, max_tokens: int, on_first_token: Callable[[], None], **params: Any
+    ) -> dict[str, Any]:
+        """`complete` over a stream: `on_first_token` runs once the engine is decoding it.
+
+        Returns the shape `complete` does (id, choices[0].token_ids), so `token_ids` reads both.
+        """
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True, "stream": True, **params}  # fmt: skip
+        req = urllib.request.Request(
+            f"{self.base}/v1/completions", data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )  # fmt: skip
+        response_id, tokens = "", []
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            for line in resp:
+                text = line.decode().strip()
+                if not text.startswith("data: ") or text == "data: [DONE]":
+                    continue
+                chunk = json.loads(text[len("data: ") :])
+                response_id = chunk["id"]
+                delta = chunk["choices"][0].get("token_ids") or []
+                if delta and not tokens:
+                    on_first_token()
+                tokens += delta
+        return {"id": response_id, "choices": [{"token_ids": tokens}]}
 
     def complete_many(
         self, prompts: list[str], max_tokens: int = 16, **params: Any
