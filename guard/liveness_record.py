@@ -41,9 +41,11 @@ import time
 
 import structlog
 
+from telemetry import paths
+
 log = structlog.get_logger("ascend_guard.liveness_record")
 
-DEFAULT_DIR = "/dev/shm/ascend-guard"  # the sidecar's --liveness-dir default too
+DEFAULT_DIR = paths.DEFAULT_LIVENESS_DIR  # the sidecar's --liveness-dir default too
 MAGIC = 0x31564C4741  # "AGLV1", little-endian text
 VERSION = 1
 SIZE = 4096

@@ -158,7 +158,7 @@ def _parser() -> argparse.ArgumentParser:
         "--liveness-dir",
         default="",
         help="where the workers on this node keep their liveness records (default "
-        "/dev/shm/ascend-guard; the guard's liveness_dir)",
+        f"{paths.DEFAULT_LIVENESS_DIR}; the guard's liveness_dir)",
     )
     side.add_argument("--tls-cert", default="", help="PEM certificate: TLS on gRPC and HTTP")
     side.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from telemetry import paths
-from telemetry.http_client import Unreachable, get_json
+from telemetry.http_client import Unreachable, add_token_argument, get_json, refusal_hint, token_of
 from telemetry.table import render_table
 
 
@@ -31,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
         f"${paths.RUNTIME_DIR_ENV}/{paths.DISCOVERY_NAME}, else http://127.0.0.1:{paths.DEFAULT_HEALTH_PORT})",
     )  # fmt: skip
     parser.add_argument("--engine", default=None, help="only this engine")
+    add_token_argument(parser)
     parser.add_argument(
         "--expect-local", type=int, default=None, metavar="N",
         help="ranks this node should host (default: the whole TP x PP x DP world)",
@@ -62,13 +63,14 @@ def main(argv: Sequence[str]) -> int:
         return int(exc.code or 0) if exc.code in (0, None) else 2
     base = (args.live or paths.cli_health_url()).rstrip("/")
     try:
-        status, body = get_json(f"{base}/coverage")
+        status, body = get_json(f"{base}/coverage", token=token_of(args))
     except Unreachable as exc:
         print(f"ascend-guard doctor --live: {exc}; is the sidecar running with --health-port?",
               file=sys.stderr)  # fmt: skip
         return 2
     if status != 200:
-        print(f"ascend-guard doctor --live: {base}/coverage answered {status}", file=sys.stderr)
+        print(f"ascend-guard doctor --live: {base}/coverage answered {status}"
+              f"{refusal_hint(status)}", file=sys.stderr)  # fmt: skip
         return 2
     engines = [e for e in body.get("engines", []) if not args.engine or e["engine"] == args.engine]
     if args.json:

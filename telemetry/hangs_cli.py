@@ -9,11 +9,10 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import urllib.error
-import urllib.request
 
 from telemetry import paths
 from telemetry.hangs import RECOVERY, VERDICT
+from telemetry.http_client import Unreachable, add_token_argument, get_json, refusal_hint, token_of
 from telemetry.incidents import IncidentFilter, list_incidents
 from telemetry.query import QueryError, parse_time_ns
 from telemetry.store import connect
@@ -34,6 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="ask the running sidecar instead (without URL: the local one, from sidecar.json)",
     )  # fmt: skip
     hangs.add_argument("--json", action="store_true", help="one JSON object per line")
+    add_token_argument(hangs)
 
 
 def _clock(ns: int) -> str:
@@ -104,10 +104,12 @@ def run(args: argparse.Namespace) -> int:
 def _live(args: argparse.Namespace) -> int:
     url = args.live.rstrip("/") + "/hangs"
     try:
-        with urllib.request.urlopen(url, timeout=5) as resp:
-            body = json.loads(resp.read())
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        print(f"ascend-guard hangs: cannot read {url}: {exc}")
+        status, body = get_json(url, 5.0, token_of(args))
+    except Unreachable as exc:
+        print(f"ascend-guard hangs: {exc}")
+        return 1
+    if status != 200:
+        print(f"ascend-guard hangs: {url} answered {status}{refusal_hint(status)}")
         return 1
     standing = [
         v for v in body.get("standing", []) if not args.engine or v["engine"] == args.engine

@@ -29,8 +29,13 @@ STORE_ENV = "ASCEND_GUARD_STORE"
 HEALTH_PORT_ENV = "ASCEND_GUARD_HEALTH_PORT"
 # where a pod's probe reaches a sidecar that is not on its loopback (DaemonSet: the node's IP)
 HEALTH_URL_ENV = "ASCEND_GUARD_HEALTH_URL"
+# the bearer token the CLI sends to a sidecar started with --token-file (same file)
+TOKEN_FILE_ENV = "ASCEND_GUARD_TOKEN_FILE"
 
 DEFAULT_RUNTIME_DIR = "/run/ascend-guard"
+# the workers' liveness records (guard/liveness_record.py): shared memory, so a frozen or
+# GIL-holding worker's last phase stays readable by the sidecar on the same node
+DEFAULT_LIVENESS_DIR = "/dev/shm/ascend-guard"
 DEFAULT_STATE_DIR = "/var/lib/ascend-guard"
 SOCKET_NAME = "guard.sock"
 DISCOVERY_NAME = "sidecar.json"

@@ -14,7 +14,7 @@ import os
 import urllib.parse
 
 from telemetry import paths
-from telemetry.http_client import Unreachable, get_json
+from telemetry.http_client import Unreachable, add_token_argument, get_json, refusal_hint, token_of
 
 ENGINE_ENV = "ASCEND_GUARD_ENGINE"  # = guard.config.ENGINE_ENV (telemetry imports no guard)
 
@@ -35,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         f"sidecar's from sidecar.json, else http://127.0.0.1:{paths.DEFAULT_HEALTH_PORT})",
     )  # fmt: skip
     ready.add_argument("--timeout", type=float, default=2.0, help="seconds per request")
+    add_token_argument(ready)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -53,9 +54,13 @@ def run(args: argparse.Namespace) -> int:
     base = (args.sidecar or paths.cli_health_url()).rstrip("/")
     url = f"{base}/ready/{urllib.parse.quote(args.engine, safe='')}"
     try:
-        status, body = get_json(url, args.timeout)
+        status, body = get_json(url, args.timeout, token_of(args))
     except Unreachable as exc:
         print(f"ready (sidecar not reachable, so readiness follows vLLM alone: {exc})")
+        return 0
+    if status in (401, 403):
+        print(f"ready (the sidecar refused the probe with {status}, so readiness follows vLLM "
+              f"alone){refusal_hint(status)}")  # fmt: skip
         return 0
     if status == 503:
         stopped = [

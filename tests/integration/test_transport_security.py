@@ -6,6 +6,7 @@ reaching a sidecar through each."""
 from __future__ import annotations
 
 import json
+import os
 import ssl
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import grpc
 import pytest
 
 from guard.streamer import Streamer
+from telemetry import paths
 from telemetry.proto import guard_pb2
 from telemetry.transport import ClientSecurity
 from tests.support.certs import TestCA
@@ -317,3 +319,37 @@ def test_the_worker_config_names_an_unusable_transport_file(tmp_path):
     with pytest.raises(GuardConfigError, match="the file is empty"):
         parse_config({"transport": {"token_file": str(empty)}})
     assert parse_config({"transport": {"token_file": token_file(tmp_path)}}).transport.token_file
+
+
+def test_the_cli_sends_the_token_to_a_protected_sidecar(started, tmp_path):
+    """`hangs --live`, `doctor --live` and `ready` against a sidecar that wants a token: without
+    it each says it was refused and what to do; with `--token-file` (or its env) each reads."""
+    sidecar = started("--token-file", token_file(tmp_path))
+    live = f"http://127.0.0.1:{sidecar.health_port}"
+
+    def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+        environ = {k: v for k, v in os.environ.items() if k != paths.TOKEN_FILE_ENV}
+        return subprocess.run(
+            [sys.executable, "-m", "telemetry.cli", *args],
+            env={**environ, **(env or {})}, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    refused = cli("hangs", "--live", live)
+    assert refused.returncode == 1 and "answered 401" in refused.stdout, refused
+    assert "--token-file" in refused.stdout
+    with_token = cli("hangs", "--live", live, "--token-file", token_file(tmp_path))
+    assert with_token.returncode == 0, with_token
+    assert "no hang verdict stands" in with_token.stdout
+
+    doctor = cli("doctor", "--live", live)
+    assert doctor.returncode == 2 and "answered 401" in doctor.stderr, doctor
+    doctor = cli("doctor", "--live", live, env={paths.TOKEN_FILE_ENV: token_file(tmp_path)})
+    assert "answered 401" not in doctor.stdout + doctor.stderr, doctor
+    assert "no rank connected" in doctor.stdout, doctor
+
+    ready = cli("ready", "--engine", "e", "--sidecar", live)
+    assert ready.returncode == 0 and "refused the probe with 401" in ready.stdout, ready
+    ready = cli("ready", "--engine", "e", "--sidecar", live, "--token-file", token_file(tmp_path))
+    assert ready.returncode == 0 and ready.stdout.startswith("ready: "), ready
+    bad = cli("ready", "--engine", "e", "--sidecar", live, "--token-file", str(tmp_path / "none"))
+    assert "--token-file" in bad.stdout and "cannot read it" in bad.stdout, bad
