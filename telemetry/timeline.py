@@ -330,7 +330,11 @@ def _flows(
             continue
         entries = [(rw, colls[(rw.rank.id, rw.wave)]) for rw in members]
         last_rw, last = min(entries, key=lambda e: (e[1].wait_ns, -e[1].first_arrival_ns))
-        waiting = [(rw, c) for rw, c in entries if c.wait_ns - last.wait_ns >= min_wait_ns]
+        waiting = [
+            (rw, c)
+            for rw, c in entries
+            if rw is not last_rw and c.wait_ns - last.wait_ns >= min_wait_ns
+        ]
         if not waiting:
             continue
         host: dict[tuple[str, str], int] = defaultdict(int)
