@@ -534,6 +534,9 @@ def write_timeline(timeline: Timeline, path: str | os.PathLike) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as out:
             json.dump(timeline.trace, out, separators=(",", ":"))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # as open() would have made it, not mkstemp's 0600
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

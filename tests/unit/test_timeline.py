@@ -11,6 +11,7 @@ machine cannot do. `check_trace_events` below encodes the rules the viewers rely
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -377,6 +378,9 @@ def test_cli_writes_the_file_and_says_how_to_open_it(store_path, tmp_path, capsy
     events = len(trace["traceEvents"])
     assert f"{events} events" in line
     assert not list(tmp_path.glob(".wave.json.*"))  # the temporary file was renamed
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as any file the user writes
 
 
 def test_cli_since_engine_and_stdout(store_path, capsys):
