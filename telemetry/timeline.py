@@ -54,7 +54,7 @@ from telemetry.spans import Span, collective_spans, incident_span, wave_spans
 from telemetry.store import RankRow
 
 DEFAULT_MIN_WAIT_NS = 1_000_000  # below 1 ms the wait is scheduling noise, not a straggler
-DEFAULT_MAX_RANK_WAVES = 100_000  # about 30-60 MB of JSON; the viewers slow down beyond it
+DEFAULT_MAX_RANK_WAVES = 20_000  # ~30 MB of JSON, ~3 s (bench/timeline.py); viewers slow beyond
 WAVE_TRACK = "waves"
 SLOW_TRACK = "slow calls"
 NO_RANK_PROCESS = "incidents (no rank)"
@@ -272,29 +272,48 @@ def _lanes(slices: list[_Slice]) -> dict[int, int]:
     return out
 
 
+# what a rank's process name already says: left out of each slice's arguments
+_PROCESS_ATTRS = frozenset(
+    schema.attr(k) for k in ("run_id", "engine", "dp", "tp", "pp", "node", "pid")
+)
+_PREFIX = schema.attr("")
+_COLLECTIVE_IMPLIED = frozenset(("op", "group", "host_ns"))
+_COLLECTIVE_OPTIONAL = frozenset(("device_ns", "replayed"))
+
+
 def _span_args(span: Span) -> dict[str, Any]:
-    args: dict[str, Any] = {"trace_id": span.trace_hex, "span_id": span.span_hex, "span": span.name}
+    """The span's ids and its own attributes (names without the `ascend_guard.` prefix)."""
+    args: dict[str, Any] = {"trace_id": span.trace_hex, "span_id": span.span_hex}
     if span.parent_id is not None:
         args["parent_span_id"] = span.parent_hex
-    args.update(span.attributes)
+    for key, value in span.attributes.items():
+        if key not in _PROCESS_ATTRS:
+            args[key.removeprefix(_PREFIX)] = value
     return args
 
 
 def _rank_slices(pid: int, rw: _RankWave, coll: RankCollectives | None) -> list[_Slice]:
     out = []
     for span in rw.spans:
-        if span.name == "rank":
+        args = _span_args(span)
+        if span.name == "rank":  # the rank's span of the wave: `trace` names it "rank"
             name, cat = f"wave {rw.wave}", "wave"
+            args["span"] = "rank"
         else:
             name, cat = span.name, "phase"
-        out.append(_Slice(pid, WAVE_TRACK, name, cat, span.start_ns, span.end_ns, _span_args(span)))
+        out.append(_Slice(pid, WAVE_TRACK, name, cat, span.start_ns, span.end_ns, args))
     if coll is None:
         return out
     for span in coll.spans:
         op = span.attributes.get(schema.attr("collective.op"), span.name)
         group = span.attributes.get(schema.attr("collective.group"), "")
         backend = span.attributes.get(schema.attr("collective.backend"), "")
-        args = _span_args(span)
+        args = {}
+        for key, value in _span_args(span).items():
+            key = key.removeprefix("collective.")
+            # op and group name the thread, host_ns is the slice's length; zeros say nothing
+            if key not in _COLLECTIVE_IMPLIED and not (key in _COLLECTIVE_OPTIONAL and not value):
+                args[key] = value
         args.update(first_arrival_ns=coll.first_arrival_ns, wave_wait_ns=coll.wait_ns)
         if coll.injected_ns:
             args["injected_delay_ns"] = coll.injected_ns
@@ -464,7 +483,7 @@ def build_timeline(conn: sqlite3.Connection, query: TimelineQuery) -> Timeline:
                 **{k.removeprefix("incident."): v for k, v in event.items()}}  # fmt: skip
         events.append(
             {"name": span.name, "cat": "incident", "ph": "i", "s": "p", "ts": _us(span.start_ns - base),
-             "pid": pid, "tid": pid * _TID_STRIDE, "args": args}
+             "pid": pid, "tid": pid * _TID_STRIDE + 1, "args": args}
         )  # fmt: skip
     if orphans:
         events.append(_meta("process_name", orphan_pid, 0, name=NO_RANK_PROCESS))

@@ -303,7 +303,7 @@ def test_wait_arrows_go_from_the_late_rank_to_the_ones_that_waited(store_path):
             at = _ns(event["ts"])
             (enclosing,) = [s for s in slices[(event["pid"], event["tid"])] if s[0] < at < s[1]]
             assert enclosing[2]["name"] == "collective:all_reduce"
-            assert enclosing[2]["args"]["ascend_guard.wave"] == SLOW_WAVE
+            assert enclosing[2]["args"]["wave"] == SLOW_WAVE
     # a looser threshold finds nothing more, a strict one draws arrows in every wave
     assert _timeline(store_path, first_wave=1, last_wave=4, min_wait_ns=90 * MS).flows == 0
     assert _timeline(store_path, first_wave=1, last_wave=4, min_wait_ns=0).flows == 4 * (TP - 1)
@@ -341,11 +341,7 @@ def test_since_window_and_the_cap_keep_the_newest(tmp_path):
     assert within.rank_waves == 2 * TP  # waves 2 and 3 start at +400 and +600 ms
     capped = _timeline(path, since_ns=start, max_rank_waves=TP)
     assert (capped.rank_waves, capped.matched_rank_waves) == (TP, 4 * TP)
-    waves = {
-        e["args"]["ascend_guard.wave"]
-        for e in capped.trace["traceEvents"]
-        if e.get("cat") == "wave"
-    }
+    waves = {e["args"]["wave"] for e in capped.trace["traceEvents"] if e.get("cat") == "wave"}
     assert waves == {4}
     assert _timeline(path, since_ns=start, engine="other").rank_waves == 0
 
