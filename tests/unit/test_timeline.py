@@ -433,3 +433,20 @@ def test_cli_waves_of_two_runs_need_run(tmp_path, capsys):
     labels = {e["args"]["labels"] for e in json.loads(out.read_text())["traceEvents"]
               if e["name"] == "process_labels"}  # fmt: skip
     assert labels == {"run run-b"}
+
+
+def test_slice_arguments_carry_the_wave_counts_not_the_coordinates(store_path):
+    trace = _timeline(store_path, first_wave=2, last_wave=2).trace
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    wave = next(e for e in slices if e["cat"] == "wave" and e["pid"] == SLOW_TP + 1)
+    assert wave["name"] == f"wave {SLOW_WAVE}" and wave["args"]["span"] == "rank"
+    assert (wave["args"]["num_reqs"], wave["args"]["decode_tokens"]) == (2, 2)
+    assert not {"run_id", "engine", "tp", "node", "pid"} & set(wave["args"])
+    reduce = next(e for e in slices if e["name"] == "collective:all_reduce" and e["pid"] == 1)
+    assert (reduce["args"]["calls"], reduce["args"]["bytes"]) == (5, 5 * 4096)
+    assert reduce["args"]["backend"] == "hccl" and "op" not in reduce["args"]
+    late = next(e for e in slices if e["name"] == "collective:all_reduce" and e["pid"] == 2)
+    assert late["args"]["injected_delay_ns"] == LATE_MS * MS
+    slow = [e for e in slices if e["cat"] == "slow_call"]
+    assert sorted(e["pid"] for e in slow) == [1, 3]
+    assert all(_ns(e["dur"]) == LATE_MS * MS and e["name"] == "slow all_reduce tp #7" for e in slow)
