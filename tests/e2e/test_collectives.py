@@ -231,6 +231,9 @@ def test_timeline_of_the_drill_shows_rank_0_waiting_for_rank_1(dep: Deployment, 
         return enclosing
 
     waited, late = bound(end), bound(start)
+    drill = {(tp_of[e["pid"]], e["name"]): round(e["dur"] / 1000, 3) for e in events
+             if e["ph"] == "X" and e["args"].get("wave") == DRILL_WAVE}  # fmt: skip
+    print(f"drill wave {DRILL_WAVE}, slice ms by (tp, name): {sorted(drill.items())}")
     assert waited["name"] == late["name"] and waited["name"].startswith("collective:")
     assert waited["dur"] - late["dur"] >= DRILL_DELAY_S * 0.9e6, (waited, late)
 
