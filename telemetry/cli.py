@@ -9,7 +9,7 @@ import re
 import sys
 from collections.abc import Sequence
 
-from telemetry import build_info, hangs_cli, logs, paths, ready_cli, schema
+from telemetry import build_info, hangs_cli, logs, paths, ready_cli, schema, timeline_cli
 from telemetry.incidents import IncidentFilter, list_incidents
 from telemetry.query import (
     QueryError,
@@ -229,6 +229,7 @@ def _parser() -> argparse.ArgumentParser:
     trace.add_argument("--store", default=paths.cli_store(), help=paths.CLI_STORE_HELP)
     hangs_cli.add_parser(sub)
     ready_cli.add_parser(sub)
+    timeline_cli.add_parser(sub)
     return parser
 
 
@@ -482,6 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "doctor": _cmd_doctor,
         "hangs": hangs_cli.run,
         "ready": ready_cli.run,
+        "timeline": timeline_cli.run,
     }
     try:
         return handlers[args.command](args)

@@ -198,6 +198,46 @@ def test_fire_drill_shows_rank_1_as_straggler_by_the_injected_delay(dep: Deploym
     assert dep.get(f"/live/{ENGINE}")[0] == 200
 
 
+def test_timeline_of_the_drill_shows_rank_0_waiting_for_rank_1(dep: Deployment, tmp_path) -> None:
+    """`ascend-guard timeline` of the drilled waves (telemetry/timeline.py): the wait arrow
+    of the drill wave goes from the delayed rank 1 to rank 0, and rank 0's collective slice
+    that the arrow ends on is longer than rank 1's by about the delay."""
+    out = tmp_path / "drill.json"
+    waves = f"{DRILL_WAVE - 1}..{DRILL_WAVE + 1}"
+    deadline = time.monotonic() + 20
+    while True:  # the store is written a moment after /skew judged the wave
+        said = dep.cli("timeline", "--waves", waves, "--engine", ENGINE, "-o", str(out))
+        trace = json.loads(out.read_text()) if out.exists() else {"traceEvents": []}
+        events = trace["traceEvents"]
+        flows = [e for e in events if e["ph"] in ("s", "f")]
+        if any(e["ph"] == "s" and e["args"]["wave"] == DRILL_WAVE for e in flows):
+            break
+        assert time.monotonic() < deadline, said
+        time.sleep(0.5)
+    assert said.startswith("timeline: 2 rank(s), 3 wave(s)"), said
+    tp_of = {e["pid"]: int(e["args"]["name"].split(" tp")[1].split()[0])
+             for e in events if e["name"] == "process_name"}  # fmt: skip
+    drill_flows = [e for e in flows if e["ph"] == "s" and e["args"]["wave"] == DRILL_WAVE]
+    (start,) = drill_flows
+    (end,) = [e for e in flows if e["ph"] == "f" and e["id"] == start["id"]]
+    assert (tp_of[start["pid"]], tp_of[end["pid"]]) == (1, 0)
+    assert start["args"]["waited_ns"] >= DRILL_DELAY_S * 0.9e9, start["args"]
+
+    def bound(event: dict) -> dict:
+        (enclosing,) = [
+            e for e in events if e["ph"] == "X" and e["pid"] == event["pid"]
+            and e["tid"] == event["tid"] and e["ts"] < event["ts"] < e["ts"] + e["dur"]
+        ]  # fmt: skip
+        return enclosing
+
+    waited, late = bound(end), bound(start)
+    drill = {(tp_of[e["pid"]], e["name"]): round(e["dur"] / 1000, 3) for e in events
+             if e["ph"] == "X" and e["args"].get("wave") == DRILL_WAVE}  # fmt: skip
+    print(f"drill wave {DRILL_WAVE}, slice ms by (tp, name): {sorted(drill.items())}")
+    assert waited["name"] == late["name"] and waited["name"].startswith("collective:")
+    assert waited["dur"] - late["dur"] >= DRILL_DELAY_S * 0.9e6, (waited, late)
+
+
 def _settled(dep: Deployment, *, watchdog: bool, timeout: float = 20.0) -> tuple[list, list, str]:
     """(`/hangs` history, store rows, /metrics) once they agree: every verdict recovered and
     stored, the metrics counted them, rank 0's watchdog report stored (when it waited in a
