@@ -54,9 +54,18 @@ def to_columns(batch: guard_pb2.Batch) -> None:
     del batch.waves[:]
 
 
-def validate_batch(batch: guard_pb2.Batch, *, rank_known: bool = False, v1: bool = False) -> int:
+def validate_batch(
+    batch: guard_pb2.Batch,
+    *,
+    rank_known: bool = False,
+    v1: bool = False,
+    dropped: list[tuple[str, str]] | None = None,
+) -> int:
     """Check one batch; return its number of wave records. `rank_known`: an earlier batch of
-    the stream named the rank (wire v2 sends it once). `v1`: name fields as `waves[i].x`."""
+    the stream named the rank (wire v2 sends it once). `v1`: name fields as `waves[i].x`.
+    `dropped`: a bad incident or probe reading is removed from the batch and noted there as
+    (`incident` | `probe`, what is wrong) instead of refusing the whole batch (each stands on
+    its own; nothing else refers to it). Without it, any bad item refuses the batch."""
     if batch.HasField("rank"):
         _validate_rank(batch.rank)
     elif not rank_known:
@@ -85,28 +94,41 @@ def validate_batch(batch: guard_pb2.Batch, *, rank_known: bool = False, v1: bool
         raise InvalidBatch(
             f"batch.incidents: {len(batch.incidents)} incidents, at most {MAX_INCIDENTS_PER_BATCH}"
         )
-    for index, incident in enumerate(batch.incidents):
-        _validate_incident(f"incidents[{index}]", incident)
+    _check_each(batch.incidents, "incident", _validate_incident, dropped)
     if len(batch.probes) > MAX_PROBES_PER_BATCH:
         raise InvalidBatch(
             f"batch.probes: {len(batch.probes)} readings, at most {MAX_PROBES_PER_BATCH}"
         )
-    for index, probe in enumerate(batch.probes):
-        if not probe.name or len(probe.name) > MAX_TEXT:
-            raise InvalidBatch(
-                f"probes[{index}].name: {probe.name!r} must be 1-{MAX_TEXT} characters"
-            )
-        if probe.value != probe.value:
-            raise InvalidBatch(f"probes[{index}].value: NaN")
-        for key, value in probe.labels.items():
-            if len(key) > MAX_TEXT or len(value) > MAX_TEXT:
-                raise InvalidBatch(
-                    f"probes[{index}].labels[{_short(key)}]: longer than {MAX_TEXT} characters"
-                )
+    _check_each(batch.probes, "probe", _validate_probe, dropped)
     for type_, total in batch.detector_hits_total.items():
         if not type_ or len(type_) > MAX_TEXT or total > INT64_MAX:
             raise InvalidBatch(f"detector_hits_total[{_short(type_)}]: {total} not storable")
     return waves
+
+
+def _check_each(entries, kind: str, check, dropped: list[tuple[str, str]] | None) -> None:
+    """Run `check(where, entry)` on each entry; with `dropped`, remove the bad ones."""
+    bad: list[int] = []
+    for index, entry in enumerate(entries):
+        try:
+            check(f"{kind}s[{index}]", entry)
+        except InvalidBatch as exc:
+            if dropped is None:
+                raise
+            bad.append(index)
+            dropped.append((kind, str(exc)))
+    for index in reversed(bad):
+        del entries[index]
+
+
+def _validate_probe(where: str, probe: guard_pb2.ProbeValue) -> None:
+    if not probe.name or len(probe.name) > MAX_TEXT:
+        raise InvalidBatch(f"{where}.name: {_short(probe.name)} must be 1-{MAX_TEXT} characters")
+    if probe.value != probe.value:
+        raise InvalidBatch(f"{where}.value: NaN")
+    for key, value in probe.labels.items():
+        if len(key) > MAX_TEXT or len(value) > MAX_TEXT:
+            raise InvalidBatch(f"{where}.labels[{_short(key)}]: longer than {MAX_TEXT} characters")
 
 
 def _short(text: str, limit: int = 40) -> str:
