@@ -367,7 +367,13 @@ def run_verdict(args, work: Path) -> dict:
             if proc.poll() is None:
                 os.kill(proc.pid, signal.SIGCONT)
                 proc.terminate()
-                proc.wait(10)
+                try:
+                    proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    # seen on land-9's tree as well: a stand-in rank resumed from SIGSTOP
+                    # sometimes does not end on SIGTERM (its streamer's stop does not return)
+                    proc.kill()
+                    proc.wait(10)
         for proc in floods:
             if proc.poll() is None:
                 proc.kill()
