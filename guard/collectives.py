@@ -511,12 +511,14 @@ class CollectiveTracker:
         """Add finished waves' aggregates, and the current collective to the heartbeat."""
         self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()
         finished = self.finished
+        items = []
         while finished:
             try:
-                item = finished.popleft()
+                items.append(finished.popleft())
             except IndexError:
                 break
-            _add_wave(batch.collective_waves.add(), item)
+        if items:
+            add_waves(batch.collective_columns, items)
         if with_heartbeat:
             current = self.current
             replaying = self.in_replay
@@ -541,25 +543,65 @@ class CollectiveTracker:
                     hb.collective_graph_holds = replaying.graph.holds()
 
 
-def _add_wave(msg: guard_pb2.CollectiveWave, item: FinishedWave) -> None:
-    msg.wave = item.wave
-    msg.first_arrival_unix_nano = item.first_arrival_unix_nano
-    msg.wait_ns = item.wait_ns
-    msg.slow_calls_dropped = item.slow_calls_dropped
-    msg.injected_delay_ns = item.injected_delay_ns
-    msg.replay_device_ns = item.replay_device_ns
-    for (op, group), stat in item.stats.items():
-        calls, nbytes, host_ns, max_ns, first_seq, last_seq, backend, dtype, replayed = stat
-        msg.stats.add(
-            op=op, group=group, backend=backend, dtype=dtype, calls=calls, bytes=nbytes,
-            host_ns=host_ns, max_host_ns=max_ns, first_seq=first_seq, last_seq=last_seq,
-            replayed=replayed,
-        )  # fmt: skip
-    for op, group, backend, dtype, seq, nbytes, start, host_ns in item.slow_calls:
-        msg.slow_calls.add(
-            op=op, group=group, backend=backend, dtype=dtype, seq=seq, bytes=nbytes,
-            start_unix_nano=start, host_ns=host_ns,
-        )  # fmt: skip
+def add_waves(cols: guard_pb2.CollectiveColumns, items: list[FinishedWave]) -> None:
+    """Append finished waves to a batch's collective columns (wire v3): Python lists first,
+    then one `extend` per column; (op, group, backend, dtype) once per batch in `keys`."""
+    keys: dict[tuple[str, str, str, str], int] = {}
+    waves, arrivals, waits, dropped, injected, replay = [], [], [], [], [], []
+    wave_index, key_index, calls, nbytes, host, max_host, first, last, replayed = (
+        [], [], [], [], [], [], [], [], []
+    )  # fmt: skip
+    slow_rows: list[int] = []
+    row = len(cols.wave)
+    for item in items:
+        waves.append(item.wave)
+        arrivals.append(item.first_arrival_unix_nano)
+        waits.append(item.wait_ns)
+        dropped.append(item.slow_calls_dropped)
+        injected.append(item.injected_delay_ns)
+        replay.append(item.replay_device_ns)
+        for (op, group), stat in item.stats.items():
+            n, b, h, m, f, last_seq, backend, dtype, r = stat
+            key = (op, group, backend, dtype)
+            index = keys.get(key)
+            if index is None:
+                index = keys[key] = len(cols.keys)
+                cols.keys.add(op=op, group=group, backend=backend, dtype=dtype)
+            wave_index.append(row)
+            key_index.append(index)
+            calls.append(n)
+            nbytes.append(b)
+            host.append(h)
+            max_host.append(m)
+            first.append(f)
+            last.append(last_seq)
+            replayed.append(r)
+        for op, group, backend, dtype, seq, size, start, host_ns in item.slow_calls:
+            cols.slow_calls.add(
+                op=op, group=group, backend=backend, dtype=dtype, seq=seq, bytes=size,
+                start_unix_nano=start, host_ns=host_ns,
+            )  # fmt: skip
+            slow_rows.append(row)
+        row += 1
+    cols.wave.extend(waves)
+    cols.first_arrival_unix_nano.extend(arrivals)
+    cols.wait_ns.extend(waits)
+    cols.slow_calls_dropped.extend(dropped)
+    cols.injected_delay_ns.extend(injected)
+    cols.replay_device_ns.extend(replay)
+    stats = cols.stats
+    stats.wave_index.extend(wave_index)
+    stats.key.extend(key_index)
+    stats.calls.extend(calls)
+    stats.bytes.extend(nbytes)
+    stats.host_ns.extend(host)
+    stats.max_host_ns.extend(max_host)
+    stats.first_seq.extend(first)
+    stats.last_seq.extend(last)
+    stats.device_ns.extend([0] * len(calls))  # no per-stat device time measured yet
+    stats.replayed.extend(replayed)
+    if slow_rows:
+        cols.slow_call_wave_index.extend(slow_rows)
 
 
 def _describe_group_generic(group: Any) -> GroupMeta:

@@ -60,7 +60,7 @@ WAVE_COLUMNS = tuple(
 )
 if WaveTuple._fields != WAVE_COLUMNS:  # pragma: no cover - caught by every test run
     raise ImportError(f"WaveTuple fields {WaveTuple._fields} differ from WaveRecord {WAVE_COLUMNS}")
-WIRE_VERSION = 2
+WIRE_VERSION = 3  # telemetry/schema.py WIRE_VERSION
 
 
 class HeartbeatState(NamedTuple):

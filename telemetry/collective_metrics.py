@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import threading
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
+from telemetry.collective_columns import array, key_rows, last_seq_by_group
 from telemetry.labels import MAX_LABEL_VALUES, OVERFLOW, BoundedValues  # noqa: F401
 from telemetry.metrics import RANK_LABELS
 from telemetry.replica import REPLICA_LABELS
@@ -36,31 +39,42 @@ class CollectiveCounts:
         self._slow: dict[tuple, int] = {}
         self._seq: dict[tuple, int] = {}  # (*rank labels, group) -> last seq
 
-    def add(self, labels: tuple[str, str, str, str], waves) -> None:
+    def add(self, labels: tuple[str, str, str, str], cols) -> None:
+        """Sum one batch's `CollectiveColumns` per key (numpy over the columns)."""
         # summed under the raw wire values first; bounded label values once per key per batch
         ops: dict[tuple, list] = {}
         slow: dict[tuple, int] = {}
-        seqs: dict[str, int] = {}
-        for cw in waves:
-            for stat in cw.stats:
-                key = (stat.op, stat.group, stat.backend)
-                sums = ops.get(key)
-                if sums is None:
-                    ops[key] = [stat.calls, stat.bytes, stat.host_ns, stat.max_host_ns]
+        keys = key_rows(cols)
+        if keys:
+            stats = cols.stats
+            calls = array(stats, "calls")
+            nbytes = array(stats, "bytes")
+            host = array(stats, "host_ns")
+            max_host = array(stats, "max_host_ns")
+            for k, rows in keys:
+                entry = cols.keys[k]
+                key = (entry.op, entry.group, entry.backend)
+                if rows is None:
+                    sums = [int(calls.sum()), int(nbytes.sum()), int(host.sum())]
+                    last = len(max_host) - 1
                 else:
-                    sums[0] += stat.calls
-                    sums[1] += stat.bytes
-                    sums[2] += stat.host_ns
-                    sums[3] = stat.max_host_ns  # the latest wave's
-                group = key[1]
-                if stat.last_seq > seqs.get(group, 0):
-                    seqs[group] = stat.last_seq
-            for call in cw.slow_calls:
-                key = (call.op, call.group, call.backend)
-                slow[key] = slow.get(key, 0) + 1
+                    sums = [int(calls[rows].sum()), int(nbytes[rows].sum()), int(host[rows].sum())]
+                    last = int(rows[-1])
+                known = ops.get(key)
+                if known is None:
+                    ops[key] = [*sums, int(max_host[last]), last]
+                else:  # the same (op, group, backend) with another dtype
+                    for i in range(3):
+                        known[i] += sums[i]
+                    if last > known[4]:  # the latest wave's
+                        known[3], known[4] = int(max_host[last]), last
+        seqs = last_seq_by_group(cols, keys)
+        for call in cols.slow_calls:
+            key = (call.op, call.group, call.backend)
+            slow[key] = slow.get(key, 0) + 1
         value = self._value
         with self._lock:
-            for (op, group, backend), (calls, nbytes, host_ns, max_ns) in ops.items():
+            for (op, group, backend), (calls, nbytes, host_ns, max_ns, _) in ops.items():
                 full = (*labels, value(op), value(group), value(backend))
                 sums = self._ops.get(full)
                 if sums is None:
@@ -139,6 +153,71 @@ class CollectiveCounts:
         yield last_seq
 
 
+_SKEW_BOUNDS = np.array(SKEW_BUCKETS)
+
+
+class SkewHistograms:
+    """`ascend_guard_wave_skew_seconds` and `..._arrival_skew_seconds` per PP stage of a
+    replica, fed with one array of aligned waves at a time (a custom Collector: bucket counts
+    by `searchsorted`, no `observe` per wave). Same names, labels and buckets as before."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        # stage labels -> (bucket counts [2, buckets + 1], sums [2])
+        self._series: dict[tuple, tuple[np.ndarray, np.ndarray]] = {}
+
+    def add(self, labels: tuple[str, str, str], skew: np.ndarray, arrival: np.ndarray) -> None:
+        nb = len(SKEW_BUCKETS) + 1
+        counts = np.stack(
+            (
+                np.bincount(np.searchsorted(_SKEW_BOUNDS, skew), minlength=nb),
+                np.bincount(np.searchsorted(_SKEW_BOUNDS, arrival), minlength=nb),
+            )
+        )
+        sums = np.array((skew.sum(), arrival.sum()))
+        with self._lock:
+            series = self._series.get(labels)
+            if series is None:
+                self._series[labels] = (counts, sums)
+            else:
+                series[0][...] += counts
+                series[1][...] += sums
+
+    def forget(self, engine: str) -> int:
+        with self._lock:
+            gone = [key for key in self._series if key[0] == engine]
+            for key in gone:
+                del self._series[key]
+        return len(gone) * 2
+
+    def collect(self):
+        with self._lock:
+            series = {k: (c.copy(), s.copy()) for k, (c, s) in self._series.items()}
+        families = (
+            HistogramMetricFamily(
+                "ascend_guard_wave_skew_seconds",
+                "Per wave: how much longer the most-waiting rank spent in collectives than the "
+                "least-waiting one (the time the ranks waited for the slowest).",
+                labels=STAGE_LABELS,
+            ),
+            HistogramMetricFamily(
+                "ascend_guard_wave_arrival_skew_seconds",
+                "Per wave: spread of the ranks' arrival at the wave's first collective.",
+                labels=STAGE_LABELS,
+            ),
+        )
+        bounds = [*(floatToGoString(b) for b in SKEW_BUCKETS), "+Inf"]
+        for key, (counts, sums) in series.items():
+            for row, family in enumerate(families):
+                cumulative = np.cumsum(counts[row])
+                family.add_metric(
+                    key,
+                    list(zip(bounds, (int(c) for c in cumulative), strict=True)),
+                    float(sums[row]),
+                )
+        yield from families
+
+
 class CollectiveMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
@@ -146,21 +225,9 @@ class CollectiveMetrics:
         # calls, bytes, seconds, max_seconds, slow_calls, last_seq: summed per batch
         self.counts = CollectiveCounts(self.label_value)
         r.register(self.counts)
-        self.skew = Histogram(
-            "ascend_guard_wave_skew_seconds",
-            "Per wave: how much longer the most-waiting rank spent in collectives than the "
-            "least-waiting one (the time the ranks waited for the slowest).",
-            STAGE_LABELS,
-            buckets=SKEW_BUCKETS,
-            registry=r,
-        )
-        self.arrival_skew = Histogram(
-            "ascend_guard_wave_arrival_skew_seconds",
-            "Per wave: spread of the ranks' arrival at the wave's first collective.",
-            STAGE_LABELS,
-            buckets=SKEW_BUCKETS,
-            registry=r,
-        )
+        # wave skew and arrival skew: bucket counts per batch of aligned waves (numpy)
+        self.skew = SkewHistograms()
+        r.register(self.skew)
         self.straggler_waves = Counter(
             "ascend_guard_straggler_waves",
             "Waves in which this rank was the one the others waited for (skew over threshold).",

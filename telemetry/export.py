@@ -32,6 +32,7 @@ from opentelemetry.proto.resource.v1 import resource_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 from prometheus_client import CollectorRegistry, Counter
 
+from telemetry.collective_columns import columns_of, to_waves
 from telemetry.pipeline import STAGE_EXPORT, Drops, Item
 from telemetry.spans import Span, collective_spans, incident_span, rank_end_ns, wave_spans
 from telemetry.store import RankRow
@@ -145,7 +146,7 @@ class OtlpExporter:
     def write(self, items: Sequence[Item]) -> None:
         now = time.monotonic()
         for item in items:
-            if not item.records and not item.batch.collective_waves:
+            if not item.records and not len(columns_of(item.batch).wave):
                 continue
             self._mark_slow(item)
             with self._lock:
@@ -230,9 +231,10 @@ class OtlpExporter:
                     kept += 1
                 else:
                     sampled_out += 1
-            for cw in item.batch.collective_waves:
-                if cw.wave in keep_waves or (run_id, cw.wave) in marked:
-                    spans += collective_spans(rank, cw)
+            coll = columns_of(item.batch)
+            keep_waves.update(w for w in coll.wave if (run_id, w) in marked)
+            for cw in to_waves(coll, keep_waves):
+                spans += collective_spans(rank, cw)
         if kept:
             self.decisions.labels("exported").inc(kept)
         if sampled_out:

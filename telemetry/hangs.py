@@ -36,6 +36,7 @@ from typing import Any
 import structlog
 
 from guard.liveness_record import RecordReader, RecordView
+from telemetry.collective_columns import columns_of, last_seq_by_group
 from telemetry.collective_metrics import CollectiveMetrics
 from telemetry.proto import guard_pb2
 from telemetry.replica import RankKey, Replica, rank_key, replica_of
@@ -179,6 +180,7 @@ class HangDetector:
         rank = batch.rank
         now = self._clock()
         key = replica_of(engine, rank)
+        seqs_done = last_seq_by_group(columns_of(batch))  # per batch, over the columns
         with self._lock:
             ranks = self._ranks.setdefault(key, {})
             state = ranks.get(rank_key(rank))
@@ -190,10 +192,9 @@ class HangDetector:
             if now - state.heard_at() > self._silence_limit(state) or not state.speaking_since:
                 state.speaking_since = now  # back from a silence: give it time to catch up
             state.last_seen = now
-            for cw in batch.collective_waves:
-                for stat in cw.stats:
-                    if stat.last_seq > state.seq_done.get(stat.group, 0):
-                        state.seq_done[stat.group] = stat.last_seq
+            for group, seq in seqs_done.items():
+                if seq > state.seq_done.get(group, 0):
+                    state.seq_done[group] = seq
             if batch.HasField("heartbeat"):
                 hb = batch.heartbeat
                 if state.heartbeat_at:

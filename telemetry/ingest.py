@@ -148,8 +148,11 @@ class IngestService:
                 v1 = bool(batch.waves)
                 if v1:
                     to_columns(batch)
+                dropped: list[tuple[str, str]] = []
                 try:
-                    records = validate_batch(batch, rank_known=view is not None, v1=v1)
+                    records = validate_batch(
+                        batch, rank_known=view is not None, v1=v1, dropped=dropped
+                    )
                     if view is not None and batch.HasField("rank") and batch.rank != view.rank:
                         raise InvalidBatch(
                             "batch.rank: differs from the rank this stream named first; "
@@ -158,6 +161,8 @@ class IngestService:
                 except InvalidBatch as exc:
                     self.drops.add(STAGE_INGEST, "invalid", len(batch.wave_columns.wave))
                     self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "invalid", str(exc))
+                for kind, problem in dropped:  # the rest of the batch goes on
+                    self._drop_item(context, kind, problem)
                 if view is None:
                     problem = self.check_engine and self.check_engine(
                         self.engines.label(batch.rank.engine or "default"), batch.rank
@@ -188,6 +193,14 @@ class IngestService:
             "ingest_refused", reason, reason=reason, detail=message[:500], peer=context.peer()
         )
         context.abort(code, message)
+
+    def _drop_item(self, context: grpc.ServicerContext, kind: str, problem: str) -> None:
+        """One bad incident or probe reading dropped from an otherwise valid batch."""
+        reason = f"invalid_{kind}"
+        self.metrics.rejected.labels(reason).inc()
+        self._refusal_log(
+            "ingest_item_dropped", reason, reason=reason, detail=problem[:500], peer=context.peer()
+        )
 
     def _register(self, stream_id: int, rank: guard_pb2.RankInfo) -> RankView:
         engine = self.engines.label(rank.engine or "default")

@@ -55,7 +55,8 @@ class SidecarMetrics:
         )
         self.rejected = Counter(
             "ascend_guard_ingest_rejected",
-            "Messages the sidecar refused, by reason.",
+            "Messages the sidecar refused, by reason; invalid_probe and invalid_incident count one "
+            "bad probe reading or incident dropped from a batch whose other records were kept.",
             ("reason",),
             registry=r,
         )

@@ -12,7 +12,7 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from telemetry.proto import guard_pb2
 
-WIRE_VERSION = 2
+WIRE_VERSION = 3
 
 # field names in field-number order
 WAVE_FIELDS: tuple[str, ...] = tuple(
@@ -23,6 +23,20 @@ COLLECTIVE_STAT_FIELDS: tuple[str, ...] = tuple(
 )
 RANK_FIELDS: tuple[str, ...] = tuple(
     f.name for f in sorted(guard_pb2.RankInfo.DESCRIPTOR.fields, key=lambda f: f.number)
+)
+
+# collective aggregates as columns (wire v3, `CollectiveColumns`): the per-wave scalars of
+# CollectiveWave, the numeric fields of CollectiveStat, and its strings (a per-batch key)
+COLLECTIVE_WAVE_COLUMNS: tuple[str, ...] = tuple(
+    f.name
+    for f in sorted(guard_pb2.CollectiveWave.DESCRIPTOR.fields, key=lambda f: f.number)
+    if f.type != FieldDescriptor.TYPE_MESSAGE
+)
+COLLECTIVE_KEY_FIELDS: tuple[str, ...] = tuple(
+    f.name for f in sorted(guard_pb2.CollectiveKey.DESCRIPTOR.fields, key=lambda f: f.number)
+)
+COLLECTIVE_STAT_COLUMNS: tuple[str, ...] = tuple(
+    name for name in COLLECTIVE_STAT_FIELDS if name not in COLLECTIVE_KEY_FIELDS
 )
 
 # the column index of each wave field, for code that reads columns by position

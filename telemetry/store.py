@@ -19,7 +19,7 @@ Tables (integer keys throughout; strings live once, in the dimension tables):
                        dtype, bytes, start_ns, host_ns
     incidents          telemetry/incidents.py (hang verdicts are the view `hang_verdicts`)
 
-`columns` holds the batch's `WaveColumns` (or its `CollectiveWave`s) in the proto's own packed
+`columns` holds the batch's `WaveColumns` (or its `CollectiveColumns`) in the proto's own packed
 encoding, zlib-compressed: the proto stays the one schema of a wave, a block costs one row
 insert however many waves it holds, and a wave with 2 collective stats takes about 50 bytes on
 disk (bench/README.md). Blocks live in rowid tables on 4 KiB pages: a WITHOUT ROWID table (or
@@ -49,6 +49,7 @@ from pathlib import Path
 import numpy as np
 import structlog
 
+from telemetry.collective_columns import columns_of, to_waves
 from telemetry.pipeline import STAGE_STORE, Item
 from telemetry.proto import guard_pb2
 from telemetry.traces import wave_trace_key
@@ -197,14 +198,47 @@ def decode_waves(blob: bytes) -> guard_pb2.WaveColumns:
     return guard_pb2.WaveColumns.FromString(zlib.decompress(blob))
 
 
-def encode_collectives(waves) -> bytes:
-    holder = guard_pb2.Batch()
-    holder.collective_waves.extend(waves)
-    return zlib.compress(holder.SerializeToString(), 1)
+# A collective block is a `Batch` holding only the batch's `collective_columns` (field 32; wire
+# v3): written as that field's tag and length before the columns' own encoding, so nothing is
+# copied into a holder message. A block written from v2 messages (`collective_waves`) decodes
+# to columns the same way.
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
 
 
-def decode_collectives(blob: bytes):
-    return guard_pb2.Batch.FromString(zlib.decompress(blob)).collective_waves
+_COLUMNS_FIELD = guard_pb2.Batch.DESCRIPTOR.fields_by_name["collective_columns"].number
+_COLUMNS_TAG = _varint(_COLUMNS_FIELD << 3 | 2)  # wire type 2: length-delimited
+
+
+def encode_collectives(cols: guard_pb2.CollectiveColumns) -> bytes:
+    payload = cols.SerializeToString()
+    return zlib.compress(_COLUMNS_TAG + _varint(len(payload)) + payload, 1)
+
+
+def decode_collectives(blob: bytes) -> guard_pb2.CollectiveColumns:
+    """A collective block's columns (a block of v2 `collective_waves` converted)."""
+    return columns_of(guard_pb2.Batch.FromString(zlib.decompress(blob)))
+
+
+def collective_block_row(rank_id: int, cols: guard_pb2.CollectiveColumns) -> tuple:
+    """The `collective_blocks` row of one batch's collective columns."""
+    numbers = np.array(cols.wave, dtype=np.int64)  # validated: at most 2^63 - 1
+    arrivals = np.array(cols.first_arrival_unix_nano, dtype=np.int64)
+    arrivals = arrivals[arrivals > 0]
+    start = int(arrivals.min()) if arrivals.size else time.time_ns()
+    return (
+        rank_id,
+        int(numbers.min()),
+        int(numbers.max()),
+        start,
+        len(numbers),
+        encode_collectives(cols),
+    )
 
 
 def wave_block_row(rank_id: int, cols: guard_pb2.WaveColumns) -> tuple:
@@ -311,29 +345,30 @@ class Store:
         with self._lock:
             for item in items:
                 batch = item.batch
-                if not item.records and not batch.collective_waves:
+                cols = columns_of(batch)
+                if not item.records and not len(cols.wave):
                     continue
                 rank_id = self.rank_id(item.source.rank, item.source.engine)
                 if item.records:
                     wave_rows.append(wave_block_row(rank_id, batch.wave_columns))
-                if batch.collective_waves:
-                    coll_rows.append(self._collective_row(rank_id, batch.collective_waves))
-                    for cw in batch.collective_waves:
-                        for call in cw.slow_calls:
-                            slow_rows.append(
-                                (
-                                    rank_id,
-                                    call.group,
-                                    call.seq,
-                                    cw.wave,
-                                    call.op,
-                                    call.backend,
-                                    call.dtype,
-                                    call.bytes,
-                                    call.start_unix_nano,
-                                    call.host_ns,
-                                )
+                if len(cols.wave):
+                    coll_rows.append(collective_block_row(rank_id, cols))
+                    numbers = cols.wave
+                    for call, row in zip(cols.slow_calls, cols.slow_call_wave_index, strict=True):
+                        slow_rows.append(
+                            (
+                                rank_id,
+                                call.group,
+                                call.seq,
+                                numbers[row],
+                                call.op,
+                                call.backend,
+                                call.dtype,
+                                call.bytes,
+                                call.start_unix_nano,
+                                call.host_ns,
                             )
+                        )
             if not (wave_rows or coll_rows or slow_rows):
                 self._conn.commit()
                 return
@@ -354,13 +389,6 @@ class Store:
                 )
         if time.monotonic() - self._last_prune >= self._prune_every_s:
             self.prune()
-
-    @staticmethod
-    def _collective_row(rank_id: int, waves) -> tuple:
-        numbers = [cw.wave for cw in waves]
-        arrivals = [cw.first_arrival_unix_nano for cw in waves if cw.first_arrival_unix_nano]
-        start = min(arrivals) if arrivals else time.time_ns()
-        return (rank_id, min(numbers), max(numbers), start, len(numbers), encode_collectives(waves))
 
     # -- retention --------------------------------------------------------------------------
     def used_bytes(self) -> int:
@@ -457,15 +485,26 @@ def wave_blocks(
         yield rank_id, decode_waves(blob)
 
 
-def collective_waves(conn: sqlite3.Connection, rank_id: int, wave: int) -> list:
-    """The collective records of one rank in one wave."""
-    out = []
+def collective_blocks(
+    conn: sqlite3.Connection, rank_id: int, first_wave: int, last_wave: int
+) -> Iterator[guard_pb2.CollectiveColumns]:
+    """The collective columns of one rank's blocks that hold waves in [first, last]."""
     for (blob,) in conn.execute(
         "SELECT columns FROM collective_blocks WHERE rank = ? AND first_wave <= ? "
         "AND last_wave >= ?",
-        (rank_id, wave, wave),
+        (rank_id, last_wave, first_wave),
     ):
-        out += [cw for cw in decode_collectives(blob) if cw.wave == wave]
+        yield decode_collectives(blob)
+
+
+def collective_waves(
+    conn: sqlite3.Connection, rank_id: int, wave: int
+) -> list[guard_pb2.CollectiveWave]:
+    """The collective records of one rank in one wave (as `CollectiveWave` messages, made
+    from the stored columns)."""
+    out: list[guard_pb2.CollectiveWave] = []
+    for cols in collective_blocks(conn, rank_id, wave, wave):
+        out += to_waves(cols, (wave,))
     return out
 
 

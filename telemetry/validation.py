@@ -3,20 +3,34 @@
 Everything that reaches the store and the spans has passed here, so no writer can fail on a
 value (an integer SQLite cannot hold, a string too long to keep): a bad record is refused with
 its stream, and never spoils a batch of other ranks' records. Wave columns are checked per
-column against the ranges in `telemetry/schema.py` (derived from the proto), with `min`/`max`
-running in C over the packed values rather than a Python loop per record.
+column against the ranges in `telemetry/schema.py` (derived from the proto), as numpy
+comparisons over the packed values rather than a Python loop per record; collective columns
+(wire v3) the same way. A v2 batch's `collective_waves` messages are checked as messages (the
+error names `collective_waves[i]...`) and then moved into columns.
 """
 
 from __future__ import annotations
 
+import numpy as np
+from google.protobuf.descriptor import FieldDescriptor
+
+from telemetry.collective_columns import columns_of
 from telemetry.proto import guard_pb2
-from telemetry.schema import INT64_MAX, MAX_DURATION_NS, WAVE_FIELDS, WAVE_RANGES
+from telemetry.schema import (
+    COLLECTIVE_STAT_COLUMNS,
+    COLLECTIVE_WAVE_COLUMNS,
+    INT64_MAX,
+    MAX_DURATION_NS,
+    WAVE_FIELDS,
+    WAVE_RANGES,
+)
 
 MAX_RANK = 65_535
 MAX_TEXT = 128
 MAX_WAVES_PER_BATCH = 100_000
 MAX_COLLECTIVE_WAVES_PER_BATCH = 100_000
 MAX_STATS_PER_WAVE = 1024
+MAX_COLLECTIVE_KEYS = 4096  # distinct (op, group, backend, dtype) in one batch
 MAX_PROBES_PER_BATCH = 10_000
 MAX_INCIDENTS_PER_BATCH = 10_000
 MAX_SUMMARY = 1024
@@ -40,9 +54,18 @@ def to_columns(batch: guard_pb2.Batch) -> None:
     del batch.waves[:]
 
 
-def validate_batch(batch: guard_pb2.Batch, *, rank_known: bool = False, v1: bool = False) -> int:
+def validate_batch(
+    batch: guard_pb2.Batch,
+    *,
+    rank_known: bool = False,
+    v1: bool = False,
+    dropped: list[tuple[str, str]] | None = None,
+) -> int:
     """Check one batch; return its number of wave records. `rank_known`: an earlier batch of
-    the stream named the rank (wire v2 sends it once). `v1`: name fields as `waves[i].x`."""
+    the stream named the rank (wire v2 sends it once). `v1`: name fields as `waves[i].x`.
+    `dropped`: a bad incident or probe reading is removed from the batch and noted there as
+    (`incident` | `probe`, what is wrong) instead of refusing the whole batch (each stands on
+    its own; nothing else refers to it). Without it, any bad item refuses the batch."""
     if batch.HasField("rank"):
         _validate_rank(batch.rank)
     elif not rank_known:
@@ -56,39 +79,56 @@ def validate_batch(batch: guard_pb2.Batch, *, rank_known: bool = False, v1: bool
         value = getattr(batch, name)
         if value > INT64_MAX:
             raise InvalidBatch(f"batch.{name}: {value} exceeds {INT64_MAX}")
-    if len(batch.collective_waves) > MAX_COLLECTIVE_WAVES_PER_BATCH:
-        raise InvalidBatch(
-            f"batch.collective_waves: {len(batch.collective_waves)} records, "
-            f"at most {MAX_COLLECTIVE_WAVES_PER_BATCH}"
-        )
-    for index, cw in enumerate(batch.collective_waves):
-        _validate_collective_wave(f"collective_waves[{index}]", cw)
+    if batch.collective_waves:  # wire v2: messages, checked as such, then made columns
+        if len(batch.collective_waves) > MAX_COLLECTIVE_WAVES_PER_BATCH:
+            raise InvalidBatch(
+                f"batch.collective_waves: {len(batch.collective_waves)} records, "
+                f"at most {MAX_COLLECTIVE_WAVES_PER_BATCH}"
+            )
+        for index, cw in enumerate(batch.collective_waves):
+            _validate_collective_wave(f"collective_waves[{index}]", cw)
+        columns_of(batch)
+    if batch.HasField("collective_columns"):
+        _validate_collective_columns(batch.collective_columns)
     if len(batch.incidents) > MAX_INCIDENTS_PER_BATCH:
         raise InvalidBatch(
             f"batch.incidents: {len(batch.incidents)} incidents, at most {MAX_INCIDENTS_PER_BATCH}"
         )
-    for index, incident in enumerate(batch.incidents):
-        _validate_incident(f"incidents[{index}]", incident)
+    _check_each(batch.incidents, "incident", _validate_incident, dropped)
     if len(batch.probes) > MAX_PROBES_PER_BATCH:
         raise InvalidBatch(
             f"batch.probes: {len(batch.probes)} readings, at most {MAX_PROBES_PER_BATCH}"
         )
-    for index, probe in enumerate(batch.probes):
-        if not probe.name or len(probe.name) > MAX_TEXT:
-            raise InvalidBatch(
-                f"probes[{index}].name: {probe.name!r} must be 1-{MAX_TEXT} characters"
-            )
-        if probe.value != probe.value:
-            raise InvalidBatch(f"probes[{index}].value: NaN")
-        for key, value in probe.labels.items():
-            if len(key) > MAX_TEXT or len(value) > MAX_TEXT:
-                raise InvalidBatch(
-                    f"probes[{index}].labels[{_short(key)}]: longer than {MAX_TEXT} characters"
-                )
+    _check_each(batch.probes, "probe", _validate_probe, dropped)
     for type_, total in batch.detector_hits_total.items():
         if not type_ or len(type_) > MAX_TEXT or total > INT64_MAX:
             raise InvalidBatch(f"detector_hits_total[{_short(type_)}]: {total} not storable")
     return waves
+
+
+def _check_each(entries, kind: str, check, dropped: list[tuple[str, str]] | None) -> None:
+    """Run `check(where, entry)` on each entry; with `dropped`, remove the bad ones."""
+    bad: list[int] = []
+    for index, entry in enumerate(entries):
+        try:
+            check(f"{kind}s[{index}]", entry)
+        except InvalidBatch as exc:
+            if dropped is None:
+                raise
+            bad.append(index)
+            dropped.append((kind, str(exc)))
+    for index in reversed(bad):
+        del entries[index]
+
+
+def _validate_probe(where: str, probe: guard_pb2.ProbeValue) -> None:
+    if not probe.name or len(probe.name) > MAX_TEXT:
+        raise InvalidBatch(f"{where}.name: {_short(probe.name)} must be 1-{MAX_TEXT} characters")
+    if probe.value != probe.value:
+        raise InvalidBatch(f"{where}.value: NaN")
+    for key, value in probe.labels.items():
+        if len(key) > MAX_TEXT or len(value) > MAX_TEXT:
+            raise InvalidBatch(f"{where}.labels[{_short(key)}]: longer than {MAX_TEXT} characters")
 
 
 def _short(text: str, limit: int = 40) -> str:
@@ -112,9 +152,14 @@ def _validate_rank(rank: guard_pb2.RankInfo) -> None:
             raise InvalidBatch(f"rank.{coord}_rank: {value} is not below {coord}_size {size}")
 
 
+_UNSIGNED_WAVE_FIELDS = {
+    f.name
+    for f in guard_pb2.WaveRecord.DESCRIPTOR.fields
+    if f.type in (FieldDescriptor.TYPE_UINT64, FieldDescriptor.TYPE_UINT32)
+}
 # columns whose proto type already bounds them to what the store holds need no check
 _CHECKED = tuple(
-    (name, lo, hi)
+    (name, lo, hi, np.uint64 if name in _UNSIGNED_WAVE_FIELDS else np.int64)
     for name, (lo, hi) in WAVE_RANGES.items()
     if (lo, hi) not in ((0, 2**32 - 1), (0, 1))
 )
@@ -134,11 +179,13 @@ def _validate_waves(cols: guard_pb2.WaveColumns, v1: bool) -> int:
             raise InvalidBatch(
                 f"wave_columns.{name}: {len(getattr(cols, name))} values, wave has {n}"
             )
-    for name, lo, hi in _CHECKED:
-        col = getattr(cols, name)
-        if min(col) >= lo and max(col) <= hi:
+    for name, lo, hi, kind in _CHECKED:
+        values = np.array(getattr(cols, name), dtype=kind)
+        bad = np.flatnonzero((values < lo) | (values > hi))
+        if not bad.size:
             continue
-        index, value = next((i, v) for i, v in enumerate(col) if not lo <= v <= hi)
+        index = int(bad[0])
+        value = int(values[index])
         where = f"waves[{index}].{name}" if v1 else f"wave_columns.{name}[{index}]"
         if name == "wave" and value == 0:
             raise InvalidBatch(f"{where}: must be 1 or more")
@@ -199,6 +246,90 @@ def _validate_collective_wave(where: str, cw: guard_pb2.CollectiveWave) -> None:
                         f"{where}.{kind}[{index}].{name}: {len(value)} characters "
                         f"({_short(value)}), at most {MAX_TEXT}"
                     )
+
+
+# per-wave and per-stat columns that hold durations: never negative nor longer than a day
+# (they become span ends and metrics)
+_WAVE_DURATIONS = ("wait_ns", "injected_delay_ns")
+_STAT_DURATIONS = ("host_ns", "max_host_ns", "device_ns")
+
+
+def _first_outside(where: str, values: np.ndarray, lo: int, hi: int) -> None:
+    bad = np.flatnonzero((values < lo) | (values > hi))
+    if bad.size:
+        index = int(bad[0])
+        raise InvalidBatch(f"{where}[{index}]: {int(values[index])} is outside [{lo}, {hi}]")
+
+
+def _validate_collective_columns(cols: guard_pb2.CollectiveColumns) -> None:
+    """Wire v3 collective columns: equal lengths, indexes in range, values storable."""
+    where = "collective_columns"
+    n = len(cols.wave)
+    if n > MAX_COLLECTIVE_WAVES_PER_BATCH:
+        raise InvalidBatch(f"{where}.wave: {n} records, at most {MAX_COLLECTIVE_WAVES_PER_BATCH}")
+    for name in COLLECTIVE_WAVE_COLUMNS:
+        if len(getattr(cols, name)) != n:
+            raise InvalidBatch(f"{where}.{name}: {len(getattr(cols, name))} values, wave has {n}")
+    stats = cols.stats
+    m = len(stats.wave_index)
+    for name in ("key", *COLLECTIVE_STAT_COLUMNS):
+        if len(getattr(stats, name)) != m:
+            raise InvalidBatch(
+                f"{where}.stats.{name}: {len(getattr(stats, name))} values, wave_index has {m}"
+            )
+    if len(cols.slow_call_wave_index) != len(cols.slow_calls):
+        raise InvalidBatch(
+            f"{where}.slow_call_wave_index: {len(cols.slow_call_wave_index)} values, "
+            f"slow_calls has {len(cols.slow_calls)}"
+        )
+    if len(cols.keys) > MAX_COLLECTIVE_KEYS:
+        raise InvalidBatch(f"{where}.keys: {len(cols.keys)} entries, at most {MAX_COLLECTIVE_KEYS}")
+    if not n:
+        if m or cols.slow_calls:
+            raise InvalidBatch(f"{where}: stats or slow calls without a wave column")
+        return
+    _first_outside(f"{where}.wave", np.array(cols.wave, dtype=np.uint64), 1, INT64_MAX)
+    for name in _WAVE_DURATIONS:
+        values = np.array(getattr(cols, name), dtype=np.int64)
+        _first_outside(f"{where}.{name}", values, 0, MAX_DURATION_NS)
+    if m:
+        wave_index = np.array(stats.wave_index, dtype=np.int64)
+        _first_outside(f"{where}.stats.wave_index", wave_index, 0, n - 1)
+        _first_outside(
+            f"{where}.stats.key", np.array(stats.key, dtype=np.int64), 0, len(cols.keys) - 1
+        )
+        per_wave = int(np.bincount(wave_index).max())
+        if per_wave > MAX_STATS_PER_WAVE:
+            raise InvalidBatch(
+                f"{where}.stats: {per_wave} entries in one wave, at most {MAX_STATS_PER_WAVE}"
+            )
+        for name in _STAT_DURATIONS:
+            values = np.array(getattr(stats, name), dtype=np.int64)
+            _first_outside(f"{where}.stats.{name}", values, 0, MAX_DURATION_NS)
+    for index, key in enumerate(cols.keys):
+        if key.ByteSize() > MAX_TEXT:
+            _check_text(f"{where}.keys[{index}]", key)
+    if cols.slow_calls:
+        _first_outside(
+            f"{where}.slow_call_wave_index",
+            np.array(cols.slow_call_wave_index, dtype=np.int64),
+            0,
+            n - 1,
+        )
+        for j, call in enumerate(cols.slow_calls):
+            _check_int64(f"{where}.slow_calls[{j}]", call, ("seq", "bytes"))
+            _check_duration(f"{where}.slow_calls[{j}]", call, ("host_ns",))
+            if call.ByteSize() > MAX_TEXT:
+                _check_text(f"{where}.slow_calls[{j}]", call)
+
+
+def _check_text(where: str, entry) -> None:
+    for name in ("op", "group", "backend", "dtype"):
+        value = getattr(entry, name)
+        if len(value) > MAX_TEXT:
+            raise InvalidBatch(
+                f"{where}.{name}: {len(value)} characters ({_short(value)}), at most {MAX_TEXT}"
+            )
 
 
 def _check_duration(where: str, message, fields: tuple[str, ...]) -> None:

@@ -133,6 +133,7 @@ def main() -> int:
     saved = (torch.cuda.Event.synchronize, torch.cuda.synchronize)
     ours = []
     seen_in_graph = 0
+    from telemetry.collective_columns import to_waves
     from telemetry.proto import guard_pb2
 
     for n in range(1, WAVES + 1):
@@ -165,7 +166,7 @@ def main() -> int:
         finally:
             torch.cuda.Event.synchronize, torch.cuda.synchronize = saved
         check(batch.heartbeat.collective_op == "", f"wave {n}: nothing current after the step")
-        (msg,) = batch.collective_waves
+        (msg,) = to_waves(batch.collective_columns)
         (stat,) = msg.stats
         check((stat.calls, stat.replayed, stat.bytes) == (2, 2, 2 * nbytes), f"wave {n}: counts")
         check((stat.first_seq, stat.last_seq) == (2 * n - 1, 2 * n), f"wave {n}: seq")

@@ -191,6 +191,66 @@ class CollectiveWave(_message.Message):
     replay_device_ns: int
     def __init__(self, wave: _Optional[int] = ..., first_arrival_unix_nano: _Optional[int] = ..., wait_ns: _Optional[int] = ..., stats: _Optional[_Iterable[_Union[CollectiveStat, _Mapping]]] = ..., slow_calls: _Optional[_Iterable[_Union[CollectiveCall, _Mapping]]] = ..., slow_calls_dropped: _Optional[int] = ..., injected_delay_ns: _Optional[int] = ..., replay_device_ns: _Optional[int] = ...) -> None: ...
 
+class CollectiveKey(_message.Message):
+    __slots__ = ("op", "group", "backend", "dtype")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    group: str
+    backend: str
+    dtype: str
+    def __init__(self, op: _Optional[str] = ..., group: _Optional[str] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
+
+class CollectiveStatColumns(_message.Message):
+    __slots__ = ("wave_index", "key", "calls", "bytes", "host_ns", "max_host_ns", "first_seq", "last_seq", "device_ns", "replayed")
+    WAVE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_NS_FIELD_NUMBER: _ClassVar[int]
+    MAX_HOST_NS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_NS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    wave_index: _containers.RepeatedScalarFieldContainer[int]
+    key: _containers.RepeatedScalarFieldContainer[int]
+    calls: _containers.RepeatedScalarFieldContainer[int]
+    bytes: _containers.RepeatedScalarFieldContainer[int]
+    host_ns: _containers.RepeatedScalarFieldContainer[int]
+    max_host_ns: _containers.RepeatedScalarFieldContainer[int]
+    first_seq: _containers.RepeatedScalarFieldContainer[int]
+    last_seq: _containers.RepeatedScalarFieldContainer[int]
+    device_ns: _containers.RepeatedScalarFieldContainer[int]
+    replayed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, wave_index: _Optional[_Iterable[int]] = ..., key: _Optional[_Iterable[int]] = ..., calls: _Optional[_Iterable[int]] = ..., bytes: _Optional[_Iterable[int]] = ..., host_ns: _Optional[_Iterable[int]] = ..., max_host_ns: _Optional[_Iterable[int]] = ..., first_seq: _Optional[_Iterable[int]] = ..., last_seq: _Optional[_Iterable[int]] = ..., device_ns: _Optional[_Iterable[int]] = ..., replayed: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CollectiveColumns(_message.Message):
+    __slots__ = ("wave", "first_arrival_unix_nano", "wait_ns", "stats", "slow_calls", "slow_calls_dropped", "injected_delay_ns", "replay_device_ns", "keys", "slow_call_wave_index")
+    WAVE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_ARRIVAL_UNIX_NANO_FIELD_NUMBER: _ClassVar[int]
+    WAIT_NS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    SLOW_CALLS_FIELD_NUMBER: _ClassVar[int]
+    SLOW_CALLS_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    INJECTED_DELAY_NS_FIELD_NUMBER: _ClassVar[int]
+    REPLAY_DEVICE_NS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    SLOW_CALL_WAVE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    wave: _containers.RepeatedScalarFieldContainer[int]
+    first_arrival_unix_nano: _containers.RepeatedScalarFieldContainer[int]
+    wait_ns: _containers.RepeatedScalarFieldContainer[int]
+    stats: CollectiveStatColumns
+    slow_calls: _containers.RepeatedCompositeFieldContainer[CollectiveCall]
+    slow_calls_dropped: _containers.RepeatedScalarFieldContainer[int]
+    injected_delay_ns: _containers.RepeatedScalarFieldContainer[int]
+    replay_device_ns: _containers.RepeatedScalarFieldContainer[int]
+    keys: _containers.RepeatedCompositeFieldContainer[CollectiveKey]
+    slow_call_wave_index: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, wave: _Optional[_Iterable[int]] = ..., first_arrival_unix_nano: _Optional[_Iterable[int]] = ..., wait_ns: _Optional[_Iterable[int]] = ..., stats: _Optional[_Union[CollectiveStatColumns, _Mapping]] = ..., slow_calls: _Optional[_Iterable[_Union[CollectiveCall, _Mapping]]] = ..., slow_calls_dropped: _Optional[_Iterable[int]] = ..., injected_delay_ns: _Optional[_Iterable[int]] = ..., replay_device_ns: _Optional[_Iterable[int]] = ..., keys: _Optional[_Iterable[_Union[CollectiveKey, _Mapping]]] = ..., slow_call_wave_index: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class Incident(_message.Message):
     __slots__ = ("schema_version", "id", "type", "severity", "wave", "request_id", "time_unix_nano", "summary", "evidence_json", "actions", "occurrence", "suppressed")
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -237,7 +297,7 @@ class ProbeValue(_message.Message):
     def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., value: _Optional[float] = ...) -> None: ...
 
 class Batch(_message.Message):
-    __slots__ = ("rank", "waves", "heartbeat", "dropped_total", "guard_errors_total", "seq", "incidents", "detector_hits_total", "probes", "collective_waves", "wire_version", "wave_columns")
+    __slots__ = ("rank", "waves", "heartbeat", "dropped_total", "guard_errors_total", "seq", "incidents", "detector_hits_total", "probes", "collective_waves", "wire_version", "wave_columns", "collective_columns")
     class DetectorHitsTotalEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -257,6 +317,7 @@ class Batch(_message.Message):
     COLLECTIVE_WAVES_FIELD_NUMBER: _ClassVar[int]
     WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAVE_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     rank: RankInfo
     waves: _containers.RepeatedCompositeFieldContainer[WaveRecord]
     heartbeat: Heartbeat
@@ -269,7 +330,8 @@ class Batch(_message.Message):
     collective_waves: _containers.RepeatedCompositeFieldContainer[CollectiveWave]
     wire_version: int
     wave_columns: WaveColumns
-    def __init__(self, rank: _Optional[_Union[RankInfo, _Mapping]] = ..., waves: _Optional[_Iterable[_Union[WaveRecord, _Mapping]]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., dropped_total: _Optional[int] = ..., guard_errors_total: _Optional[int] = ..., seq: _Optional[int] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., detector_hits_total: _Optional[_Mapping[str, int]] = ..., probes: _Optional[_Iterable[_Union[ProbeValue, _Mapping]]] = ..., collective_waves: _Optional[_Iterable[_Union[CollectiveWave, _Mapping]]] = ..., wire_version: _Optional[int] = ..., wave_columns: _Optional[_Union[WaveColumns, _Mapping]] = ...) -> None: ...
+    collective_columns: CollectiveColumns
+    def __init__(self, rank: _Optional[_Union[RankInfo, _Mapping]] = ..., waves: _Optional[_Iterable[_Union[WaveRecord, _Mapping]]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., dropped_total: _Optional[int] = ..., guard_errors_total: _Optional[int] = ..., seq: _Optional[int] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., detector_hits_total: _Optional[_Mapping[str, int]] = ..., probes: _Optional[_Iterable[_Union[ProbeValue, _Mapping]]] = ..., collective_waves: _Optional[_Iterable[_Union[CollectiveWave, _Mapping]]] = ..., wire_version: _Optional[int] = ..., wave_columns: _Optional[_Union[WaveColumns, _Mapping]] = ..., collective_columns: _Optional[_Union[CollectiveColumns, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("batches", "waves")

@@ -13,7 +13,6 @@ import sys
 import threading
 import time
 
-import grpc
 import pytest
 
 from guard.spool import IncidentSpool
@@ -143,23 +142,23 @@ def test_sidecar_killed_while_incidents_flow_loses_none_and_stores_none_twice(si
     assert count == len(sent)  # stored once each, although some were sent twice
 
 
-def test_invalid_incident_is_refused_naming_the_field(sidecars):
+def test_invalid_incident_is_dropped_alone_naming_the_field(sidecars):
+    """A bad incident is dropped and counted on its own; the rest of its batch is kept."""
     sidecar = sidecars()
     bad = batch(1)
     bad.incidents.add(schema_version=1, id="x", type="logits_finite", severity="fatal")
-    with pytest.raises(grpc.RpcError) as info:
-        raw_call(sidecar.address, [bad.SerializeToString()])
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "incidents[0].severity: 'fatal'" in info.value.details()
+    assert raw_call(sidecar.address, [bad.SerializeToString()]).waves == 1
     future = batch(2)
     future.incidents.add(schema_version=9, id="y", type="t", severity="info")
-    with pytest.raises(grpc.RpcError) as info:
-        raw_call(sidecar.address, [future.SerializeToString()])
-    assert "incidents[0].schema_version: 9 is not supported" in info.value.details()
+    assert raw_call(sidecar.address, [future.SerializeToString()]).waves == 1
     text = sidecar.wait_for(
-        lambda t: value(t, "ascend_guard_ingest_rejected_total", reason="invalid") == 2
+        lambda t: value(t, "ascend_guard_ingest_rejected_total", reason="invalid_incident") == 2
     )
+    assert value(text, "ascend_guard_ingest_rejected_total", reason="invalid") == 0
     assert value(text, "ascend_guard_incidents_total") == 0
+    log = sidecar.log()
+    assert "incidents[0].severity: 'fatal'" in log
+    assert "incidents[0].schema_version: 9 is not supported" in log
 
 
 def test_probe_values_become_gauges_and_unknown_probes_are_counted(sidecars):

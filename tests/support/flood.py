@@ -2,7 +2,8 @@
 
 Batches are made by the real worker streamer (`Streamer._make_batch`, wire v2 columns, the rank
 in the first batch only), with what `guard/collectives.py` adds for a TP rank of a small model:
-one `CollectiveWave` per wave with 2 stats (all_reduce and all_gather on group tp). They go
+per wave 2 collective stats (all_reduce and all_gather on group tp), as wire v3 collective
+columns built by the tracker's own `add_waves`. They go
 over one real gRPC client stream, as the worker's streamer sends them.
 
     python -m tests.support.flood ADDRESS --tp 0 --tp-size 4 --records 100000 [--rate 12500]
@@ -22,6 +23,7 @@ import time
 
 import grpc
 
+from guard.collectives import FinishedWave, add_waves
 from guard.streamer import HeartbeatState, Streamer, WaveTuple
 from telemetry.proto import guard_pb2
 
@@ -30,39 +32,28 @@ BATCH = 256
 
 
 def _filler(tp: int):
+    """What the worker's collective tracker adds for a TP rank: per wave an all_reduce (2
+    calls) and an all_gather on group tp, handed over as `FinishedWave`s and written into the
+    batch's collective columns by the tracker's own `add_waves` (wire v3)."""
+
     def fill(batch: guard_pb2.Batch, with_heartbeat: bool) -> None:
         cols = batch.wave_columns
+        items = []
         for wave, start, execute in zip(
             cols.wave, cols.start_unix_nano, cols.execute_ns, strict=True
         ):
             wait = 40_000 + (wave * 7919 + tp) % 60_000
-            cw = batch.collective_waves.add(
-                wave=wave, first_arrival_unix_nano=start + execute // 3, wait_ns=wait
-            )
-            cw.stats.add(
-                op="all_reduce",
-                group="tp",
-                backend="hccl",
-                dtype="bfloat16",
-                calls=2,
-                bytes=2 * 8192,
-                host_ns=wait - 10_000,
-                max_host_ns=wait // 2,
-                first_seq=3 * wave - 2,
-                last_seq=3 * wave - 1,
-            )
-            cw.stats.add(
-                op="all_gather",
-                group="tp",
-                backend="hccl",
-                dtype="bfloat16",
-                calls=1,
-                bytes=4 * 32000,
-                host_ns=10_000,
-                max_host_ns=10_000,
-                first_seq=3 * wave,
-                last_seq=3 * wave,
-            )
+            stats = {
+                ("all_reduce", "tp"): [
+                    2, 2 * 8192, wait - 10_000, wait // 2, 3 * wave - 2, 3 * wave - 1,
+                    "hccl", "bfloat16", 0,
+                ],
+                ("all_gather", "tp"): [
+                    1, 4 * 32000, 10_000, 10_000, 3 * wave, 3 * wave, "hccl", "bfloat16", 0,
+                ],
+            }  # fmt: skip
+            items.append(FinishedWave(wave, start + execute // 3, wait, stats, [], 0, 0))
+        add_waves(batch.collective_columns, items)
 
     return fill
 

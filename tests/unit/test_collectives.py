@@ -20,6 +20,7 @@ from guard.collectives import (
     tensor_size,
     wrap_collective,
 )
+from telemetry.collective_columns import to_waves
 from telemetry.proto import guard_pb2
 
 
@@ -159,8 +160,9 @@ def test_slow_calls_are_kept_one_by_one_up_to_the_cap(tracker, coordinator_cls):
     batch = guard_pb2.Batch()
     tracker.finished.extend([wave])
     tracker.fill_batch(batch, with_heartbeat=False)
-    assert batch.collective_waves[0].slow_calls[0].seq == 1
-    assert batch.collective_waves[0].slow_calls_dropped == 1
+    msg = to_waves(batch.collective_columns)[0]  # wire v3: columns, read back as a wave
+    assert msg.slow_calls[0].seq == 1
+    assert msg.slow_calls_dropped == 1
 
 
 def test_collective_errors_pass_through_and_guard_errors_are_contained(tracker, coordinator_cls):

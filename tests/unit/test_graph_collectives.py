@@ -22,6 +22,7 @@ from ascend_runtime.collective_binding import bind_group_coordinator
 from ascend_runtime.graph_collectives import captured, graph_wrapper
 from guard.collectives import CollectivesConfig, CollectiveTracker, install_tracker
 from guard.watchdog import CollectiveWatchdog
+from telemetry.collective_columns import to_waves
 from telemetry.proto import guard_pb2
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
@@ -179,7 +180,7 @@ def test_full_graph_per_batch_size_and_the_wire(parts, npu):
     tracker.end_wave(5)
     batch = guard_pb2.Batch()
     tracker.fill_batch(batch, with_heartbeat=True)
-    (msg,) = batch.collective_waves
+    (msg,) = to_waves(batch.collective_columns)
     (stat,) = msg.stats
     assert (stat.op, stat.calls, stat.replayed, stat.bytes) == (
         "all_reduce", 1 + 2 * layers, 1 + 2 * layers, (1 + 2 * layers) * 4 * HIDDEN * 4,

@@ -15,6 +15,7 @@ from structlog.testing import capture_logs
 from guard.streamer import WAVE_COLUMNS, HeartbeatState, Streamer, WaveTuple
 from telemetry import schema
 from telemetry import store as store_mod
+from telemetry.collective_columns import from_waves
 from telemetry.crossrank import CrossRankView
 from telemetry.ingest import IngestService, _Refused
 from telemetry.metrics import SidecarMetrics
@@ -167,8 +168,11 @@ def test_a_wave_number_past_int64_is_refused_naming_it_and_spoils_nothing_else(t
             "collective_waves[0].stats[0].op: 5000 characters",
         ),
         (
-            lambda b: b.probes.add(name="kv_cache_bytes", labels={"k": "v" * 300}),
-            "probes[0].labels['k']",
+            lambda b: from_waves(
+                [guard_pb2.CollectiveWave(wave=1), guard_pb2.CollectiveWave(wave=2, wait_ns=-3)],
+                b.collective_columns,
+            ),
+            "collective_columns.wait_ns[1]: -3 is outside",
         ),
         (
             lambda b: b.wave_columns.execute_ns.__setitem__(0, -5),
@@ -186,6 +190,25 @@ def test_unstorable_values_are_refused_at_validation(tmp_path, spoil, fragment):
     assert fragment in ctx.details
     path.flush()
     assert store_mod.count_waves(store_mod.connect(path.path, readonly=True)) == 0
+
+
+def test_a_bad_probe_or_incident_is_dropped_alone_and_counted(tmp_path):
+    path = Path_(tmp_path)
+    batches = streamer_batches(0, range(1, 65))
+    first = batches[0]
+    first.probes.add(name="kv_cache_bytes", labels={"k": "v" * 300})
+    first.incidents.add(schema_version=1, id="bad", type="logits_finite", severity="fatal")
+    first.incidents.add(schema_version=1, id="good", type="logits_finite", severity="error")
+    ctx = path.send(batches)
+    assert ctx.code is None  # the rest of the batch, and the stream, go on
+    items = path.queue.take(0, max_items=10**6)
+    assert [i.id for i in items[0].batch.incidents] == ["good"]
+    assert not items[0].batch.probes
+    path.writer.write(items)
+    assert store_mod.count_waves(store_mod.connect(path.path, readonly=True)) == 64
+    assert path.sample("ascend_guard_ingest_rejected_total", reason="invalid_probe") == 1
+    assert path.sample("ascend_guard_ingest_rejected_total", reason="invalid_incident") == 1
+    assert path.sample("ascend_guard_ingest_rejected_total", reason="invalid") == 0
 
 
 def test_bad_utf8_is_refused_as_malformed(tmp_path):
