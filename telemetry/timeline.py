@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from telemetry import build_info, schema, store
+from telemetry.collective_columns import to_waves
 from telemetry.query import QueryError
 from telemetry.spans import Span, collective_spans, incident_span, wave_spans
 from telemetry.store import RankRow
@@ -137,15 +138,8 @@ def read_collectives(
     out: dict[int, RankCollectives] = {}
     if not waves:
         return out
-    rows = conn.execute(
-        "SELECT columns FROM collective_blocks WHERE rank = ? AND last_wave >= ? "
-        "AND first_wave <= ?",
-        (rank.id, min(waves), max(waves)),
-    )
-    for (blob,) in rows:
-        for cw in store.decode_collectives(blob):
-            if cw.wave not in waves:
-                continue
+    for cols in store.collective_blocks(conn, rank.id, min(waves), max(waves)):
+        for cw in to_waves(cols, waves):
             entry = out.setdefault(cw.wave, RankCollectives())
             # a rank may hand in one wave in two parts (collectives after sample_tokens)
             if cw.first_arrival_unix_nano and (
