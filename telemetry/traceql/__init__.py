@@ -1,0 +1,16 @@
+"""A TraceQL subset over the record store (docs/traceql.md): parse, search, metrics."""
+
+from telemetry.traceql.metrics import Series, metrics_range
+from telemetry.traceql.parser import TraceQLError, TraceQLParseError, parse
+from telemetry.traceql.search import SpanSet, TraceMatch, search
+
+__all__ = [
+    "Series",
+    "SpanSet",
+    "TraceMatch",
+    "TraceQLError",
+    "TraceQLParseError",
+    "metrics_range",
+    "parse",
+    "search",
+]
