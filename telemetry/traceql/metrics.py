@@ -26,11 +26,14 @@ from telemetry.traceql.plan import uses_trace_level
 from telemetry.traceql.search import CandidatePass, TraceView, _trace_id, run_pipeline
 from telemetry.traceql.source import (
     WAVE_KINDS,
+    BlockCache,
     BlockTable,
+    CollectiveTable,
     SpanTable,
     block_template,
-    collective_spans_in_range,
+    collective_waves_in_range,
     incident_spans,
+    load_trace_cached,
     wave_range,
 )
 
@@ -167,14 +170,13 @@ def metrics_range(
         _scan_fast(finder, collector, lo, hi)
     else:
         finder.scan(lo, hi)
+        cache = BlockCache(conn)
         for _, key, wave in finder.candidates(parsed):
-            from telemetry.query import load_trace
-
-            spans = load_trace(conn, _trace_id(key, wave))
+            spans = load_trace_cached(conn, _trace_id(key, wave), cache)
             if not spans:
                 continue
             spans = sorted(spans, key=lambda s: (s.start_ns, s.name))
-            view = TraceView(spans)
+            view = TraceView(spans, finder.nodes)
             sets, _ = run_pipeline(parsed, view)
             rows = sorted({r for members, _ in sets for r in members})
             rows = [r for r in rows if lo <= spans[r].start_ns < hi]
@@ -203,16 +205,18 @@ def _scan_fast(finder: CandidatePass, collector: _Collector, lo: int, hi: int) -
             keep = mask_of(plan.expr, table) & table.exists
             keep &= (table.start >= lo) & (table.start < hi)
             collector.add(table, np.flatnonzero(keep), table.start)
-    spans = []
     for rank_id, kinds in plan.kinds.items():
         if "collective" in kinds:
             waves = wave_range(conn, rank_id, lo, hi)
-            if waves is not None:
-                spans += collective_spans_in_range(conn, finder.ranks[rank_id], *waves)
-    if plan.incidents:
-        spans += incident_spans(conn, lo, hi - 1)
+            if waves is None:
+                continue
+            for records in collective_waves_in_range(conn, rank_id, *waves):
+                table = CollectiveTable(finder.ranks[rank_id], records)
+                keep = mask_of(plan.expr, table) & (table.start >= lo) & (table.start < hi)
+                collector.add(table, np.flatnonzero(keep), table.start)
+    spans = incident_spans(conn, lo, hi - 1) if plan.incidents else []
     spans = [s for s in spans if lo <= s.start_ns < hi]
     if spans:
-        table = SpanTable(spans)
+        table = SpanTable(spans, nodes=finder.nodes)
         starts = np.array([s.start_ns for s in spans], np.int64)
         collector.add(table, np.flatnonzero(mask_of(plan.expr, table)), starts)

@@ -20,7 +20,6 @@ from collections.abc import Iterable
 import numpy as np
 
 from telemetry import store
-from telemetry.query import load_trace
 from telemetry.spans import Span
 from telemetry.traceql import ast, fields
 from telemetry.traceql.columns import _scalar_cmp, mask_of, value_of
@@ -28,11 +27,15 @@ from telemetry.traceql.parser import TraceQLError, parse
 from telemetry.traceql.plan import LeafPlan, leaves, plan_leaf
 from telemetry.traceql.source import (
     WAVE_KINDS,
+    BlockCache,
     BlockTable,
+    CollectiveTable,
     SpanTable,
     block_template,
-    collective_spans_in_range,
+    collective_waves_in_range,
     incident_spans,
+    load_trace_cached,
+    node_map,
     wave_range,
 )
 from telemetry.traces import format_trace_id, wave_trace_key
@@ -134,6 +137,7 @@ class CandidatePass:
         self.conn = conn
         self.ranks = {r.id: r for r in store.ranks(conn)}
         self.keys = {r.id: wave_trace_key(r.run_id, r.dp) for r in self.ranks.values()}
+        self.nodes = node_map(self.ranks.values())
         self.plans = [plan_leaf(leaf, list(self.ranks.values())) for leaf in leaves(query.spanset)]
         self.sets = {id(p.leaf): Candidates() for p in self.plans}
         self.blocks_read = 0
@@ -181,7 +185,7 @@ class CandidatePass:
         spans = [s for s in spans if lo <= s.start_ns < hi]
         if not spans:
             return
-        table = SpanTable(spans)
+        table = SpanTable(spans, nodes=self.nodes)
         for plan in plans:
             rows = np.flatnonzero(mask_of(plan.expr, table))
             by_key: dict[int, list[int]] = {}
@@ -201,8 +205,16 @@ class CandidatePass:
             waves = wave_range(self.conn, rank_id, lo, hi)
             if waves is None:
                 continue
-            spans = list(collective_spans_in_range(self.conn, rank, *waves))
-            self._add_spans(spans, plans, lo, hi)
+            for records in collective_waves_in_range(self.conn, rank_id, *waves):
+                self.blocks_read += 1
+                table = CollectiveTable(rank, records)
+                in_window = (table.start >= lo) & (table.start < hi)
+                for plan in plans:
+                    rows = np.flatnonzero(mask_of(plan.expr, table) & in_window)
+                    if len(rows):
+                        self.sets[id(plan.leaf)].add(
+                            self.keys[rank_id], table.waves[rows], table.start[rows]
+                        )
 
     def _scan_incidents(self, lo: int, hi: int) -> None:
         plans = [p for p in self.plans if p.incidents]
@@ -231,8 +243,9 @@ def windows(start_ns: int, end_ns: int, first_ns: int = FIRST_WINDOW_NS):
 class TraceView:
     """One trace's spans with their tree, for evaluating a query on it."""
 
-    def __init__(self, spans: list[Span]) -> None:
+    def __init__(self, spans: list[Span], nodes: dict | None = None) -> None:
         self.spans = spans
+        self.nodes = nodes
         index = {s.span_id: i for i, s in enumerate(spans)}
         self.parent = [index.get(s.parent_id) if s.parent_id is not None else None for s in spans]
         roots = [s for s in spans if s.parent_id is None]
@@ -243,10 +256,10 @@ class TraceView:
             "rootName": self.root_name,
             "traceDuration": self.duration_ns,
         }
-        self.table = SpanTable(spans, self.context)
+        self.table = SpanTable(spans, self.context, nodes)
 
     def sub_table(self, rows: list[int]) -> SpanTable:
-        return SpanTable([self.spans[i] for i in rows], self.context)
+        return SpanTable([self.spans[i] for i in rows], self.context, self.nodes)
 
     def ancestors(self, i: int) -> Iterable[int]:
         seen = set()
@@ -375,13 +388,17 @@ def _trace_id(key: int, wave: int) -> str:
 
 
 def match_trace(
-    query: ast.Query, spans: list[Span], trace_id: str, spans_per_spanset: int | None
+    query: ast.Query,
+    spans: list[Span],
+    trace_id: str,
+    spans_per_spanset: int | None,
+    nodes: dict | None = None,
 ) -> TraceMatch | None:
     """The query's result on one trace's spans (None: no spanset is left)."""
     if not spans:
         return None
     spans = sorted(spans, key=lambda s: (s.start_ns, s.name))
-    view = TraceView(spans)
+    view = TraceView(spans, nodes)
     sets, selected = run_pipeline(query, view)
     if not sets:
         return None
@@ -419,6 +436,7 @@ def search(
     if limit < 1:
         raise TraceQLError(f"limit: {limit} must be 1 or more")
     finder = CandidatePass(conn, parsed)
+    cache = BlockCache(conn)
     done: set[tuple[int, int]] = set()
     out: list[TraceMatch] = []
     for lo, hi in windows(start_ns, end_ns):
@@ -428,7 +446,8 @@ def search(
                 continue
             done.add((key, wave))
             trace_id = _trace_id(key, wave)
-            found = match_trace(parsed, load_trace(conn, trace_id), trace_id, spans_per_spanset)
+            spans = load_trace_cached(conn, trace_id, cache)
+            found = match_trace(parsed, spans, trace_id, spans_per_spanset, finder.nodes)
             if found is not None:
                 out.append(found)
                 if len(out) >= limit:

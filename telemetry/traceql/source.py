@@ -1,7 +1,8 @@
 """The store as TraceQL reads it: tables over wave blocks, collective and incident spans.
 
-The one place that knows how collectives are stored is `rank_collective_spans` /
-`collective_spans_in_range` below (issue 9c changes the storage; adapt here).
+The one place that knows how collectives are stored is the "collectives" section below
+(`rank_collective_spans`, `collective_waves_in_range`, `CollectiveTable`, and
+`BlockCache.collective_blocks`); issue 9c changes that storage, so adapt there.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from collections.abc import Iterator
 import numpy as np
 
 from telemetry import schema, store
-from telemetry.incidents import IncidentFilter, list_incidents
+from telemetry.incidents import IncidentFilter, incidents_of_wave, list_incidents
 from telemetry.spans import Span, collective_spans, incident_span, wave_spans
 from telemetry.traceql import ast, fields
 from telemetry.traceql.columns import ABSENT
+from telemetry.traces import format_trace_id, split_trace_id
 
 WAVE_KINDS = ("wave", "rank", "execute_model", "sample_tokens")
 ALL_KINDS = (*WAVE_KINDS, "collective", "incident")
@@ -23,28 +25,183 @@ _WAVE_KEYS = {schema.attr(f): f for f in schema.WAVE_FIELDS}
 
 
 # -- collectives: the one adapter -------------------------------------------------------------
-def rank_collective_spans(conn: sqlite3.Connection, rank: store.RankRow, wave: int) -> list[Span]:
+def rank_collective_spans(
+    conn: sqlite3.Connection, rank: store.RankRow, wave: int, cache: BlockCache | None = None
+) -> list[Span]:
     """The collective spans of one rank in one wave."""
+    if cache is None:
+        waves = store.collective_waves(conn, rank.id, wave)
+    else:
+        waves = [cw for cw in cache.collective_blocks(rank.id, wave) if cw.wave == wave]
     out: list[Span] = []
-    for cw in store.collective_waves(conn, rank.id, wave):
+    for cw in waves:
         out += collective_spans(rank, cw)
     return out
 
 
-def collective_spans_in_range(
-    conn: sqlite3.Connection, rank: store.RankRow, first_wave: int, last_wave: int
-) -> Iterator[Span]:
-    """The collective spans of one rank's waves first_wave..last_wave (blocks read once each,
-    not a look-up per wave)."""
+def collective_waves_in_range(
+    conn: sqlite3.Connection, rank_id: int, first_wave: int, last_wave: int
+) -> Iterator[list]:
+    """The stored collective records of one rank's waves first_wave..last_wave, a block at a
+    time (each block read once, not a look-up per wave)."""
     rows = conn.execute(
         "SELECT columns FROM collective_blocks WHERE rank = ? AND last_wave >= ? "
         "AND first_wave <= ?",
-        (rank.id, first_wave, last_wave),
+        (rank_id, first_wave, last_wave),
     )
     for (blob,) in rows:
-        for cw in store.decode_collectives(blob):
-            if first_wave <= cw.wave <= last_wave:
-                yield from collective_spans(rank, cw)
+        yield [cw for cw in store.decode_collectives(blob) if first_wave <= cw.wave <= last_wave]
+
+
+class CollectiveTable:
+    """The collective spans of some collective records as columns, one row per (wave, stat),
+    without building them (the same values telemetry/spans.py `collective_spans` gives:
+    a unit test holds the two together)."""
+
+    def __init__(self, rank: store.RankRow, waves: list) -> None:
+        self.rank = rank
+        self.rows = [(cw, stat) for cw in waves for stat in cw.stats]
+        self.n = len(self.rows)
+        self.start = np.fromiter(
+            (cw.first_arrival_unix_nano for cw, _ in self.rows), np.int64, self.n
+        )
+        self.waves = np.fromiter((cw.wave for cw, _ in self.rows), np.int64, self.n)
+        self._cache: dict = {}
+        rank_values = {
+            schema.ATTR_RUN: rank.run_id,
+            schema.ATTR_ENGINE: rank.engine,
+            schema.ATTR_DP: rank.dp,
+            schema.ATTR_TP: rank.tp,
+            schema.ATTR_PP: rank.pp,
+        }
+        self._constants = {
+            k: v for k, v in rank_values.items() if k in fields.kind_keys()["collective"]
+        }
+
+    def _stat(self, name: str) -> np.ndarray:
+        if name not in self._cache:
+            values = [getattr(stat, name) for _, stat in self.rows]
+            if values and isinstance(values[0], str):
+                out = np.empty(self.n, object)
+                out[:] = values
+            else:
+                out = np.array(values, np.int64)
+            self._cache[name] = out
+        return self._cache[name]
+
+    def column(self, field):
+        if isinstance(field, ast.Intrinsic):
+            name = field.name
+            if name == "name":
+                names = np.empty(self.n, object)
+                names[:] = [fields.COLLECTIVE_PREFIX + op for op in self._stat("op")]
+                return names, True
+            if name == "duration":
+                return self._stat("host_ns"), True
+            return _span_constant(name)
+        key = fields.attribute_key(field.name)
+        if field.scope in (None, "span"):
+            stat = key.removeprefix(schema.attr("collective."))
+            if stat != key and stat in schema.COLLECTIVE_STAT_FIELDS:
+                return self._stat(stat), True
+            if key == schema.ATTR_WAVE:
+                return self.waves, True
+            if key in self._constants:
+                return self._constants[key], True
+        if field.scope in (None, "resource"):
+            value = fields.resource_attributes(self.rank.node).get(field.name, ABSENT)
+            if value is not ABSENT:
+                return value, True
+        return None, False
+
+
+def _span_constant(name: str):
+    """Intrinsics with one value on every span we build."""
+    if name == "status":
+        return fields.SPAN_STATUS, True
+    if name == "kind":
+        return fields.SPAN_KIND, True
+    if name == "statusMessage":
+        return "", True
+    if name == "rootServiceName":
+        return fields.SERVICE_NAME, True
+    raise ValueError(f"trace-level {name} is not known per block")  # the planner relaxes it
+
+
+class BlockCache:
+    """Decoded wave and collective blocks, kept for one search: neighbouring traces share their
+    blocks, so each is decoded once however many of its waves are loaded."""
+
+    def __init__(self, conn: sqlite3.Connection, size: int = 256) -> None:
+        self.conn = conn
+        self._size = size
+        self._waves: dict[int, tuple] = {}
+        self._collectives: dict[int, list] = {}
+
+    def _keep(self, cache: dict, key: int, value):
+        if len(cache) >= self._size:
+            cache.pop(next(iter(cache)))
+        cache[key] = value
+        return value
+
+    def wave_blocks(self, rank_id: int, wave: int) -> list[tuple]:
+        """(columns, {wave: index}) of the rank's blocks that hold `wave`."""
+        out = []
+        for (rowid,) in self.conn.execute(
+            "SELECT rowid FROM wave_blocks WHERE rank = ? AND first_wave <= ? AND last_wave >= ?",
+            (rank_id, wave, wave),
+        ):
+            block = self._waves.get(rowid)
+            if block is None:
+                (blob,) = self.conn.execute(
+                    "SELECT columns FROM wave_blocks WHERE rowid = ?", (rowid,)
+                ).fetchone()
+                cols = store.decode_waves(blob)
+                block = self._keep(
+                    self._waves, rowid, (cols, {w: i for i, w in enumerate(cols.wave)})
+                )
+            out.append(block)
+        return out
+
+    def collective_blocks(self, rank_id: int, wave: int) -> list:
+        out: list = []
+        for (rowid,) in self.conn.execute(
+            "SELECT rowid FROM collective_blocks WHERE rank = ? AND first_wave <= ? "
+            "AND last_wave >= ?",
+            (rank_id, wave, wave),
+        ):
+            block = self._collectives.get(rowid)
+            if block is None:
+                (blob,) = self.conn.execute(
+                    "SELECT columns FROM collective_blocks WHERE rowid = ?", (rowid,)
+                ).fetchone()
+                block = self._keep(self._collectives, rowid, list(store.decode_collectives(blob)))
+            out += block
+        return out
+
+
+def load_trace_cached(conn: sqlite3.Connection, trace_id: str, cache: BlockCache) -> list[Span]:
+    """Every span of one wave trace, as telemetry/query.py `load_trace` builds them (same
+    builders, same filters; a unit test compares the two), with blocks shared through `cache`."""
+    text = trace_id.strip().lower()
+    key, wave = split_trace_id(int(text, 16))
+    spans: list[Span] = []
+    runs = set()
+    for rank in store.ranks_of_trace_key(conn, key):
+        runs.add(rank.run_id)
+        for cols, index in cache.wave_blocks(rank.id, wave):
+            if wave in index:
+                spans += wave_spans(rank, cols, index[wave])
+        spans += rank_collective_spans(conn, rank, wave, cache)
+    seen = set()
+    for run_id in runs or {""}:
+        for row in incidents_of_wave(conn, run_id, wave):
+            if row["trace_id"] == text and row["id"] not in seen:
+                seen.add(row["id"])
+                spans.append(incident_span(row))
+    spans = [s for s in spans if format_trace_id(s.trace_id) == text]
+    spans.sort(key=lambda s: (s.start_ns, s.name))
+    return spans
 
 
 def wave_range(
@@ -72,15 +229,22 @@ def _trace_level(field) -> bool:
 class SpanTable:
     """Columns over built spans (a loaded trace, or spans with no block table)."""
 
-    def __init__(self, spans: list[Span], trace: dict | None = None) -> None:
+    def __init__(
+        self, spans: list[Span], trace: dict | None = None, nodes: dict | None = None
+    ) -> None:
         self.spans = spans
         self.n = len(spans)
         self._trace = trace or {}
-        self._nodes = {
-            (s.dp, s.tp, s.pp): s.attributes.get(schema.ATTR_NODE)
-            for s in spans
-            if s.name == "rank"
-        }
+        # (run, engine, dp, tp, pp) -> node: the store's ranks, else the rank spans at hand
+        self._nodes = (
+            nodes
+            if nodes is not None
+            else {
+                _rank_key(s, s.tp, s.pp): s.attributes.get(schema.ATTR_NODE)
+                for s in spans
+                if s.name == "rank"
+            }
+        )
         self._cache: dict = {}
 
     def column(self, field):
@@ -120,10 +284,19 @@ class SpanTable:
 
     def _resource(self, span: Span) -> dict:
         node = span.attributes.get(schema.ATTR_NODE)
-        if node is None:
+        if node is None:  # the wave root is tp0 pp0's
             tp, pp = (span.tp, span.pp) if span.tp is not None else (0, 0)
-            node = self._nodes.get((span.dp if span.dp is not None else 0, tp, pp))
+            node = self._nodes.get(_rank_key(span, tp, pp))
         return fields.resource_attributes(node)
+
+
+def _rank_key(span: Span, tp, pp) -> tuple:
+    return (span.run_id, span.engine, span.dp if span.dp is not None else 0, tp, pp)
+
+
+def node_map(ranks) -> dict:
+    """(run, engine, dp, tp, pp) -> node of the store's ranks, for `resource.host.name`."""
+    return {(r.run_id, r.engine, r.dp, r.tp, r.pp): r.node for r in ranks}
 
 
 def _pack(values: list):
@@ -186,15 +359,7 @@ class BlockTable:
                 return self.kind, True
             if name == "duration":
                 return self.end - self.start, True
-            if name == "status":
-                return fields.SPAN_STATUS, True
-            if name == "kind":
-                return fields.SPAN_KIND, True
-            if name == "statusMessage":
-                return "", True
-            if name == "rootServiceName":
-                return fields.SERVICE_NAME, True
-            raise ValueError(f"trace-level {name} is not known per block")  # planner relaxes it
+            return _span_constant(name)
         key = fields.attribute_key(field.name)
         if field.scope in (None, "span") and key in self._template.attributes:
             wave_field = _WAVE_KEYS.get(key)

@@ -376,3 +376,44 @@ def test_wrong_query_shapes_are_errors(conn):
         metrics_range(conn, "{ } | rate()", START, END, 0)
     with pytest.raises(TraceQLError, match="limit"):
         search(conn, "{ }", START, END, limit=0)
+
+
+def test_collective_tables_agree_with_the_span_builder(conn):
+    from telemetry.spans import collective_spans
+    from telemetry.traceql.source import CollectiveTable, collective_waves_in_range, node_map
+
+    fields = [parse(f"{{ {f} != nil }}").spanset.expr.left for f in
+              ["name", "duration", ".tp", ".dp", ".pp", ".wave", ".run", ".engine", ".op",
+               ".group", ".bytes", ".calls", ".host_ns", ".max_host_ns", ".first_seq",
+               ".last_seq", ".device_ns", ".replayed", ".backend", ".dtype", ".num_reqs",
+               "resource.host.name", "resource.service.name"]]  # fmt: skip
+    checked = 0
+    for rank in store_mod.ranks(conn):
+        for records in collective_waves_in_range(conn, rank.id, 1, WAVES):
+            spans = [s for cw in records for s in collective_spans(rank, cw)]
+            nodes = node_map(store_mod.ranks(conn))
+            table, built = CollectiveTable(rank, records), SpanTable(spans, nodes=nodes)
+            assert list(table.start) == [s.start_ns for s in spans]
+            assert list(table.waves) == [s.wave for s in spans]
+            for field in fields:
+                tv, tp = table.column(field)
+                sv, sp = built.column(field)
+                tp = np.broadcast_to(tp, (table.n,))
+                assert list(tp) == list(np.broadcast_to(sp, (built.n,))), field
+                tv = np.broadcast_to(np.asarray(tv, dtype=object), (table.n,))
+                sv = np.broadcast_to(np.asarray(sv, dtype=object), (built.n,))
+                assert [v for v, p in zip(tv, tp, strict=True) if p] == [
+                    v for v, p in zip(sv, tp, strict=True) if p
+                ], field
+            checked += len(spans)
+    assert checked == 2 * 2 * WAVES
+
+
+def test_cached_trace_loading_builds_what_load_trace_builds(conn):
+    from telemetry.traceql.source import BlockCache, load_trace_cached
+
+    cache = BlockCache(conn, size=2)  # small: blocks are dropped and read again
+    for wave in [*range(1, WAVES + 1), 5, 1, WAVES]:
+        expected = load_trace(conn, _tid(wave))
+        assert load_trace_cached(conn, _tid(wave), cache) == expected
+        assert len(expected) == 11 + (wave == 5)  # the incident of wave 5
