@@ -30,6 +30,30 @@ _NUMPY_OPS = {
 _FLIP = {"=": "=", "!=": "!=", ">": "<", ">=": "<=", "<": ">", "<=": ">="}
 
 
+class Coded:
+    """A column of few distinct values (op, group, span name...): the values once, and a code
+    per row. Comparisons run once per distinct value."""
+
+    def __init__(self, values: list) -> None:
+        index: dict = {}
+        self.codes = np.fromiter(
+            (index.setdefault(v, len(index)) for v in values), np.int64, len(values)
+        )
+        self.levels = list(index)
+
+    @classmethod
+    def relabel(cls, other: Coded, levels: list) -> Coded:
+        """The same rows with each distinct value replaced (levels in `other`'s order)."""
+        out = cls([])
+        out.codes, out.levels = other.codes, list(levels)
+        return out
+
+    def decode(self) -> np.ndarray:
+        levels = np.empty(len(self.levels), object)
+        levels[:] = self.levels
+        return levels[self.codes]
+
+
 class Table(Protocol):
     n: int
 
@@ -85,6 +109,11 @@ def compare(op: str, values, present, static: ast.Static, pattern=None):
             return present
         return False
     right = static.value
+    if isinstance(values, Coded):
+        hits = np.fromiter(
+            (_scalar_cmp(op, v, right, pattern) for v in values.levels), bool, len(values.levels)
+        )
+        return hits[values.codes] & present
     if isinstance(values, np.ndarray) and values.dtype != object:
         if pattern is not None or _array_category(values) != static_category(static):
             return False
@@ -124,7 +153,7 @@ def evaluate(expr: ast.FieldExpr, table: Table):
         if isinstance(right, ast.Static):
             if isinstance(left, ast.Static):  # two statics: a constant
                 return _scalar_cmp(op, left.value, right.value, expr.pattern)
-            values, present = value_of(left, table)
+            values, present = raw_value_of(left, table)
             return compare(op, values, present, right, expr.pattern)
         lv, lp = value_of(left, table)
         rv, rp = value_of(right, table)
@@ -139,14 +168,20 @@ def evaluate(expr: ast.FieldExpr, table: Table):
     raise TypeError(f"not a boolean expression: {expr}")
 
 
-def value_of(expr: ast.FieldExpr, table: Table):
-    """(values, present) of a field (or a static) over the table."""
+def raw_value_of(expr: ast.FieldExpr, table: Table):
+    """(values, present) of a field (or a static) over the table; values may be `Coded`."""
     if isinstance(expr, ast.Static):
         return expr.value, expr.type != "nil"
     if isinstance(expr, (ast.Intrinsic, ast.Attribute)):
         return table.column(expr)
     mask = evaluate(expr, table)
     return mask, True
+
+
+def value_of(expr: ast.FieldExpr, table: Table):
+    """(values, present) of a field (or a static) over the table: arrays or scalars."""
+    values, present = raw_value_of(expr, table)
+    return (values.decode() if isinstance(values, Coded) else values), present
 
 
 def mask_of(expr: ast.FieldExpr | None, table: Table) -> np.ndarray:

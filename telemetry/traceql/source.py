@@ -16,7 +16,7 @@ from telemetry import schema, store
 from telemetry.incidents import IncidentFilter, incidents_of_wave, list_incidents
 from telemetry.spans import Span, collective_spans, incident_span, wave_spans
 from telemetry.traceql import ast, fields
-from telemetry.traceql.columns import ABSENT
+from telemetry.traceql.columns import ABSENT, Coded
 from telemetry.traces import format_trace_id, split_trace_id
 
 WAVE_KINDS = ("wave", "rank", "execute_model", "sample_tokens")
@@ -78,12 +78,11 @@ class CollectiveTable:
             k: v for k, v in rank_values.items() if k in fields.kind_keys()["collective"]
         }
 
-    def _stat(self, name: str) -> np.ndarray:
+    def _stat(self, name: str):
         if name not in self._cache:
             values = [getattr(stat, name) for _, stat in self.rows]
             if values and isinstance(values[0], str):
-                out = np.empty(self.n, object)
-                out[:] = values
+                out = Coded(values)
             else:
                 out = np.array(values, np.int64)
             self._cache[name] = out
@@ -93,9 +92,10 @@ class CollectiveTable:
         if isinstance(field, ast.Intrinsic):
             name = field.name
             if name == "name":
-                names = np.empty(self.n, object)
-                names[:] = [fields.COLLECTIVE_PREFIX + op for op in self._stat("op")]
-                return names, True
+                ops = self._stat("op")
+                return Coded.relabel(
+                    ops, [fields.COLLECTIVE_PREFIX + op for op in ops.levels]
+                ), True
             if name == "duration":
                 return self._stat("host_ns"), True
             return _span_constant(name)

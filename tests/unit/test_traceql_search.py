@@ -16,6 +16,7 @@ from telemetry import store as store_mod
 from telemetry.query import load_trace
 from telemetry.spans import wave_spans
 from telemetry.traceql import TraceQLError, metrics_range, parse, search
+from telemetry.traceql.columns import value_of
 from telemetry.traceql.plan import plan_leaf
 from telemetry.traceql.search import CandidatePass
 from telemetry.traceql.source import BlockTable, SpanTable, block_template
@@ -301,8 +302,8 @@ def test_block_tables_agree_with_the_span_builder(conn):
             assert list(block.start[rows]) == [every[i].start_ns for i in idx]
             assert list((block.end - block.start)[rows]) == [every[i].duration_ns for i in idx]
             for field in fields:
-                bv, bp = block.column(field)
-                sv, sp = built.column(field)
+                bv, bp = value_of(field, block)
+                sv, sp = value_of(field, built)
                 bp = np.broadcast_to(bp, (block.n,))[rows]
                 sp = np.broadcast_to(sp, (built.n,))[idx]
                 assert list(bp) == list(sp), (kind, field)
@@ -396,8 +397,8 @@ def test_collective_tables_agree_with_the_span_builder(conn):
             assert list(table.start) == [s.start_ns for s in spans]
             assert list(table.waves) == [s.wave for s in spans]
             for field in fields:
-                tv, tp = table.column(field)
-                sv, sp = built.column(field)
+                tv, tp = value_of(field, table)
+                sv, sp = value_of(field, built)
                 tp = np.broadcast_to(tp, (table.n,))
                 assert list(tp) == list(np.broadcast_to(sp, (built.n,))), field
                 tv = np.broadcast_to(np.asarray(tv, dtype=object), (table.n,))
