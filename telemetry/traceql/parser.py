@@ -8,6 +8,7 @@ column and the offending token.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 from decimal import Decimal
@@ -109,6 +110,9 @@ _KEYWORDS = {
 GRAMMAR = _GRAMMAR.replace(
     "{keywords}", "\n".join(f"{name}.2: {_keyword(words)}" for name, words in _KEYWORDS.items())
 )
+
+MAX_QUERY_CHARS = 16 * 1024
+MAX_DEPTH = 128  # AST levels: the evaluator and printer recurse this deep
 
 _UNIT_NS = {
     "ns": 1,
@@ -405,6 +409,14 @@ def parse(text: str) -> ast.Query:
     """Parse one TraceQL query; raise TraceQLParseError naming where and what is wrong."""
     if not isinstance(text, str):
         raise TypeError("TraceQL query must be a string")
+    if len(text) > MAX_QUERY_CHARS:
+        raise TraceQLParseError(
+            f"the query is {len(text)} characters, more than {MAX_QUERY_CHARS}",
+            line=1,
+            column=1,
+            offset=0,
+            token=text[:20],
+        )
     try:
         tree = _parser().parse(text)
     except lark.UnexpectedToken as exc:
@@ -439,11 +451,44 @@ def parse(text: str) -> ast.Query:
             token="",
         ) from None
     try:
-        return _ToAst(text).transform(tree)
+        query = _ToAst(text).transform(tree)
     except lark.exceptions.VisitError as exc:
         if isinstance(exc.orig_exc, TraceQLParseError):
             raise exc.orig_exc from None
+        if isinstance(exc.orig_exc, RecursionError):
+            raise _too_deep(text) from None
         raise
+    except RecursionError:
+        raise _too_deep(text) from None
+    if _depth(query) > MAX_DEPTH:
+        raise _too_deep(text)
+    return query
+
+
+def _too_deep(text: str) -> TraceQLParseError:
+    line, column = _line_col(text, 0)
+    return TraceQLParseError(
+        f"the query nests more than {MAX_DEPTH} operators deep",
+        line=line,
+        column=column,
+        offset=0,
+        token=text[:20],
+    )
+
+
+def _depth(node) -> int:
+    """The depth of the AST, without recursion (the evaluator recurses that deep)."""
+    deepest, stack = 0, [(node, 1)]
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if dataclasses.is_dataclass(item) and not isinstance(item, type):
+            for f in dataclasses.fields(item):
+                value = getattr(item, f.name)
+                for child in value if isinstance(value, tuple) else (value,):
+                    if dataclasses.is_dataclass(child):
+                        stack.append((child, depth + 1))
+    return deepest
 
 
 def _line_col(text: str, offset: int) -> tuple[int, int]:

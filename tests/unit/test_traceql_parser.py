@@ -293,3 +293,22 @@ def test_every_example_in_the_docs_parses():
     assert len(examples) >= 10
     for example in examples:
         parse(example)
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ("{ " + " && ".join([".a = 1"] * 1000) + " }", "nests more than"),
+        ("{ " + "!" * 3000 + ".a = 1 }", "nests more than"),
+        (" && ".join(["{ .a = 1 }"] * 1000), "nests more than"),
+        ("{ .a = " + "1" * 20000 + " }", "characters, more than"),
+    ],
+)
+def test_huge_or_deep_queries_are_parse_errors_not_crashes(text, reason):
+    with pytest.raises(TraceQLParseError, match=reason):
+        parse(text)
+
+
+def test_deep_but_allowed_queries_parse():
+    parse("{ " + " && ".join([".a = 1"] * 100) + " }")
+    parse("(" * 500 + "{ .a = 1 }" + ")" * 500)
