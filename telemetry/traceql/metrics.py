@@ -18,7 +18,6 @@ import sqlite3
 
 import numpy as np
 
-from telemetry import store
 from telemetry.traceql import ast
 from telemetry.traceql.columns import mask_of, value_of
 from telemetry.traceql.parser import TraceQLError, parse
@@ -34,6 +33,7 @@ from telemetry.traceql.source import (
     collective_waves_in_range,
     incident_spans,
     load_trace_cached,
+    wave_blocks_in,
     wave_range,
 )
 
@@ -191,9 +191,7 @@ def _scan_fast(finder: CandidatePass, collector: _Collector, lo: int, hi: int) -
     (plan,) = finder.plans
     conn = finder.conn
     wave_ranks = [rid for rid, kinds in plan.kinds.items() if kinds & set(WAVE_KINDS)]
-    for rank_id, cols in store.wave_blocks(
-        conn, wave_ranks, since_ns=lo, until_ns=hi, min_step_ns=plan.min_step_ns
-    ):
+    for rank_id, cols in wave_blocks_in(conn, wave_ranks, lo, hi, plan.min_step_ns):
         rank = finder.ranks[rank_id]
         for kind in WAVE_KINDS:
             if kind not in plan.kinds[rank_id]:

@@ -36,6 +36,7 @@ from telemetry.traceql.source import (
     incident_spans,
     load_trace_cached,
     node_map,
+    wave_blocks_in,
     wave_range,
 )
 from telemetry.traces import format_trace_id, wave_trace_key
@@ -160,9 +161,7 @@ class CandidatePass:
         if not wanted:
             return
         min_step = None if None in bounds else min(bounds)
-        blocks = store.wave_blocks(
-            self.conn, list(wanted), since_ns=lo, until_ns=hi, min_step_ns=min_step
-        )
+        blocks = wave_blocks_in(self.conn, list(wanted), lo, hi, min_step)
         for rank_id, cols in blocks:
             self.blocks_read += 1
             rank = self.ranks[rank_id]

@@ -7,13 +7,15 @@ The one place that knows how collectives are stored is the "collectives" section
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import numpy as np
 
 from telemetry import schema, store
 from telemetry.incidents import IncidentFilter, incidents_of_wave, list_incidents
+from telemetry.proto import guard_pb2
 from telemetry.spans import Span, collective_spans, incident_span, wave_spans
 from telemetry.traceql import ast, fields
 from telemetry.traceql.columns import ABSENT, Coded
@@ -44,12 +46,19 @@ def collective_waves_in_range(
 ) -> Iterator[list]:
     """The stored collective records of one rank's waves first_wave..last_wave, a block at a
     time (each block read once, not a look-up per wave)."""
+    # newest first down the (rank, first_wave) key; a rank's blocks hold consecutive waves, so
+    # the first block that ends before first_wave ends the walk
     rows = conn.execute(
-        "SELECT columns FROM collective_blocks WHERE rank = ? AND last_wave >= ? "
-        "AND first_wave <= ?",
-        (rank_id, first_wave, last_wave),
+        "SELECT rowid, last_wave FROM collective_blocks WHERE rank = ? AND first_wave <= ? "
+        "ORDER BY first_wave DESC",
+        (rank_id, last_wave),
     )
-    for (blob,) in rows:
+    for rowid, block_last in rows:
+        if block_last < first_wave:
+            return
+        (blob,) = conn.execute(
+            "SELECT columns FROM collective_blocks WHERE rowid = ?", (rowid,)
+        ).fetchone()
         yield [cw for cw in store.decode_collectives(blob) if first_wave <= cw.wave <= last_wave]
 
 
@@ -128,6 +137,9 @@ def _span_constant(name: str):
     raise ValueError(f"trace-level {name} is not known per block")  # the planner relaxes it
 
 
+OVERLAP_LOOKBACK = 8  # blocks looked at before a wave, for a block holding it
+
+
 class BlockCache:
     """Decoded wave and collective blocks, kept for one search: neighbouring traces share their
     blocks, so each is decoded once however many of its waves are loaded."""
@@ -144,13 +156,22 @@ class BlockCache:
         cache[key] = value
         return value
 
+    def _holding(self, table: str, rank_id: int, wave: int) -> list[int]:
+        """Row ids of the rank's blocks holding `wave`: the few that start at or before it, read
+        down the (rank, first_wave) key (a `last_wave >= ?` filter would read every older
+        block). Blocks of a rank do not overlap unless a batch was re-cut and sent again, so
+        a few are enough."""
+        rows = self.conn.execute(
+            f"SELECT rowid, last_wave FROM {table} WHERE rank = ? AND first_wave <= ? "
+            f"ORDER BY first_wave DESC LIMIT {OVERLAP_LOOKBACK}",
+            (rank_id, wave),
+        )
+        return [rowid for rowid, last in rows if last >= wave]
+
     def wave_blocks(self, rank_id: int, wave: int) -> list[tuple]:
         """(columns, {wave: index}) of the rank's blocks that hold `wave`."""
         out = []
-        for (rowid,) in self.conn.execute(
-            "SELECT rowid FROM wave_blocks WHERE rank = ? AND first_wave <= ? AND last_wave >= ?",
-            (rank_id, wave, wave),
-        ):
+        for rowid in self._holding("wave_blocks", rank_id, wave):
             block = self._waves.get(rowid)
             if block is None:
                 (blob,) = self.conn.execute(
@@ -165,11 +186,7 @@ class BlockCache:
 
     def collective_blocks(self, rank_id: int, wave: int) -> list:
         out: list = []
-        for (rowid,) in self.conn.execute(
-            "SELECT rowid FROM collective_blocks WHERE rank = ? AND first_wave <= ? "
-            "AND last_wave >= ?",
-            (rank_id, wave, wave),
-        ):
+        for rowid in self._holding("collective_blocks", rank_id, wave):
             block = self._collectives.get(rowid)
             if block is None:
                 (blob,) = self.conn.execute(
@@ -204,16 +221,78 @@ def load_trace_cached(conn: sqlite3.Connection, trace_id: str, cache: BlockCache
     return spans
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockRow:
+    rowid: int
+    rank: int
+    first_wave: int
+    last_wave: int
+    start_ns: int
+    end_ns: int
+    max_step_ns: int
+
+
+def overlapping_blocks(
+    conn: sqlite3.Connection, rank_ids: Iterable[int], lo: int, hi: int
+) -> Iterator[BlockRow]:
+    """The wave blocks of these ranks that overlap [lo, hi], newest first, reading only those
+    (plus one per rank). A rank's blocks hold consecutive waves, so they follow each other in
+    time: walking its blocks back from `hi` by start time, the first that ends before `lo`
+    means no older one can reach it. (A `start_ns <= hi AND end_ns >= lo` filter would read
+    every older block, since only start_ns is indexed.)"""
+    wanted = set()
+    for rank_id in rank_ids:
+        first = conn.execute(
+            "SELECT start_ns FROM wave_blocks WHERE rank = ? ORDER BY first_wave LIMIT 1",
+            (rank_id,),
+        ).fetchone()
+        if first is not None and first[0] <= hi:
+            wanted.add(rank_id)
+    if not wanted:
+        return
+    rows = conn.execute(
+        "SELECT rowid, rank, first_wave, last_wave, start_ns, end_ns, max_step_ns "
+        "FROM wave_blocks WHERE start_ns <= ? ORDER BY start_ns DESC",
+        (hi,),
+    )
+    for row in rows:
+        if row[1] not in wanted:
+            continue
+        block = BlockRow(*row)
+        if block.end_ns < lo:
+            wanted.discard(block.rank)
+            if not wanted:
+                return
+            continue
+        yield block
+
+
+def wave_blocks_in(
+    conn: sqlite3.Connection,
+    rank_ids: Iterable[int],
+    lo: int,
+    hi: int,
+    min_step_ns: int | None = None,
+) -> Iterator[tuple[int, guard_pb2.WaveColumns]]:
+    """(rank id, columns) of the blocks overlapping [lo, hi] whose slowest step is at least
+    `min_step_ns`, newest first."""
+    for block in overlapping_blocks(conn, rank_ids, lo, hi):
+        if min_step_ns is not None and block.max_step_ns < min_step_ns:
+            continue
+        (blob,) = conn.execute(
+            "SELECT columns FROM wave_blocks WHERE rowid = ?", (block.rowid,)
+        ).fetchone()
+        yield block.rank, store.decode_waves(blob)
+
+
 def wave_range(
     conn: sqlite3.Connection, rank_id: int, since_ns: int, until_ns: int
 ) -> tuple[int, int] | None:
     """The waves a rank ran in [since, until] by the blocks' own bounds (no block decoded)."""
-    first, last = conn.execute(
-        "SELECT MIN(first_wave), MAX(last_wave) FROM wave_blocks WHERE rank = ? "
-        "AND end_ns >= ? AND start_ns <= ?",
-        (rank_id, since_ns, until_ns),
-    ).fetchone()
-    return None if first is None else (first, last)
+    blocks = list(overlapping_blocks(conn, [rank_id], since_ns, until_ns))
+    if not blocks:
+        return None
+    return min(b.first_wave for b in blocks), max(b.last_wave for b in blocks)
 
 
 def incident_spans(conn: sqlite3.Connection, since_ns: int, until_ns: int) -> list[Span]:
@@ -391,15 +470,3 @@ def block_template(rank: store.RankRow, cols, kind: str) -> Span | None:
         index = 0
     built = wave_spans(rank, cols, index, frozenset((kind,)))
     return built[0] if built else None
-
-
-def wave_blocks_in(
-    conn: sqlite3.Connection,
-    rank_ids: list[int],
-    since_ns: int,
-    until_ns: int,
-    min_step_ns: int | None,
-) -> Iterator[tuple[int, object]]:
-    yield from store.wave_blocks(
-        conn, rank_ids, since_ns=since_ns, until_ns=until_ns, min_step_ns=min_step_ns
-    )

@@ -418,3 +418,51 @@ def test_cached_trace_loading_builds_what_load_trace_builds(conn):
         expected = load_trace(conn, _tid(wave))
         assert load_trace_cached(conn, _tid(wave), cache) == expected
         assert len(expected) == 11 + (wave == 5)  # the incident of wave 5
+
+
+def test_block_walk_finds_exactly_the_overlapping_blocks(tmp_path):
+    """Walking back from the window's end reads the same blocks as the plain (full scan)
+    overlap filter, for ranks that run throughout, start late or stop early."""
+    import random
+
+    from telemetry.traceql.source import overlapping_blocks, wave_range
+
+    path = tmp_path / "walk.db"
+    items = []
+    for tp, waves in ((0, range(1, 61)), (1, range(20, 31)), (2, range(45, 61))):
+        for first in range(waves.start, waves.stop, 3):
+            numbers = range(first, min(first + 3, waves.stop))
+            items.append(
+                batch_item(
+                    rank_info(tp, tp_size=3),
+                    [wave_record(n, _start(n), _execute_ns(0, n)) for n in numbers],
+                )
+            )
+    write_store(path, items)
+    conn = store_mod.connect(path, readonly=True)
+    ids = [r.id for r in store_mod.ranks(conn)]
+    rng = random.Random(5)
+    for _ in range(200):
+        lo = _start(rng.randrange(-5, 66)) + rng.randrange(-STEP_NS, STEP_NS)
+        hi = lo + rng.randrange(0, 30 * STEP_NS)
+        want = rng.sample(ids, rng.randrange(1, 4))
+        got = sorted(b.rowid for b in overlapping_blocks(conn, want, lo, hi))
+        expected = [
+            rowid
+            for (rowid,) in conn.execute(
+                f"SELECT rowid FROM wave_blocks WHERE rank IN ({','.join('?' * len(want))}) "
+                "AND end_ns >= ? AND start_ns <= ? ORDER BY rowid",
+                (*want, lo, hi),
+            )
+        ]
+        assert got == expected, (lo, hi, want)
+        for rank_id in want:
+            bounds = conn.execute(
+                "SELECT MIN(first_wave), MAX(last_wave) FROM wave_blocks WHERE rank = ? "
+                "AND end_ns >= ? AND start_ns <= ?",
+                (rank_id, lo, hi),
+            ).fetchone()
+            assert wave_range(conn, rank_id, lo, hi) == (
+                None if bounds[0] is None else tuple(bounds)
+            )
+    conn.close()
