@@ -48,62 +48,77 @@ class Series:
 
 
 class _Collector:
-    """Matched spans' (start, value, group labels), gathered column-wise."""
+    """Matched spans' (start, value) per group of `by()` labels, gathered a block at a time:
+    a label that is one value over the block (a rank's coordinates) costs nothing per span."""
 
     def __init__(self, metric: ast.MetricsAggregate) -> None:
         self.metric = metric
-        self.starts: list[np.ndarray] = []
-        self.values: list[np.ndarray] = []
-        self.groups: list[list[tuple]] = []
+        self.groups: dict[tuple, list[tuple[np.ndarray, np.ndarray]]] = {}
 
-    def add(self, table, rows: np.ndarray, starts: np.ndarray) -> None:
+    def _values(self, table, rows: np.ndarray) -> np.ndarray:
+        n = len(rows)
+        if self.metric.field is None:
+            return np.zeros(n)
+        values, present = value_of(self.metric.field, table)
+        present = np.broadcast_to(present, (table.n,))[rows]
+        if isinstance(values, np.ndarray) and values.dtype.kind in "iuf":
+            out = values[rows].astype(float)
+        elif not isinstance(values, np.ndarray):
+            number = isinstance(values, (int, float, np.number)) and not isinstance(values, bool)
+            out = np.full(n, float(values) if number else np.nan)
+        else:
+            out = np.array(
+                [
+                    float(v) if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
+                    else np.nan
+                    for v in values[rows]
+                ],
+                float,
+            )  # fmt: skip
+        out[~present] = np.nan
+        if self.metric.field in _DURATION_FIELDS:
+            out /= 1e9
+        return out
+
+    def add(self, table, rows: np.ndarray, starts) -> None:
         if not len(rows):
             return
         n = len(rows)
-        self.starts.append(starts[rows] if np.ndim(starts) else np.full(n, starts))
-        if self.metric.field is not None:
-            values, present = value_of(self.metric.field, table)
-            values = np.broadcast_to(np.asarray(values, dtype=object), (table.n,))[rows]
-            present = np.broadcast_to(present, (table.n,))[rows]
-            numbers = np.array(
-                [
-                    float(v) if p and isinstance(v, (int, float, np.number)) else np.nan
-                    for v, p in zip(values, present, strict=False)
-                ],
-                float,
-            )
-            if self.metric.field in _DURATION_FIELDS:
-                numbers = numbers / 1e9
-            self.values.append(numbers)
-        else:
-            self.values.append(np.zeros(n))
-        labels = []
+        starts = starts[rows] if np.ndim(starts) else np.full(n, starts)
+        values = self._values(table, rows)
+        labels: list = []  # per by-field: one value for every row, or an array
+        constant = True
         for field in self.metric.by:
-            values, present = value_of(field, table)
-            values = np.broadcast_to(np.asarray(values, dtype=object), (table.n,))[rows]
+            column, present = value_of(field, table)
+            if not isinstance(column, np.ndarray) and np.ndim(present) == 0:
+                labels.append(_plain(column) if present else None)
+                continue
+            constant = False
+            column = np.broadcast_to(np.asarray(column, dtype=object), (table.n,))[rows]
             present = np.broadcast_to(present, (table.n,))[rows]
-            labels.append([_plain(v) if p else None for v, p in zip(values, present, strict=False)])
-        self.groups.append(list(zip(*labels, strict=False)) if labels else [()] * n)
+            labels.append([_plain(v) if p else None for v, p in zip(column, present, strict=True)])
+        if constant:
+            self.groups.setdefault(tuple(labels), []).append((starts, values))
+            return
+        keys = list(
+            zip(*(lab if isinstance(lab, list) else [lab] * n for lab in labels), strict=True)
+        )
+        members: dict[tuple, list[int]] = {}
+        for i, key in enumerate(keys):
+            members.setdefault(key, []).append(i)
+        for key, idx in members.items():
+            self.groups.setdefault(key, []).append((starts[idx], values[idx]))
 
     def series(self, start_ns: int, end_ns: int, step_ns: int) -> list[Series]:
         metric = self.metric
         base = start_ns - start_ns % step_ns
         steps = (end_ns - base) // step_ns + 1
-        if not self.starts:
-            return []
-        starts = np.concatenate(self.starts)
-        values = np.concatenate(self.values)
-        groups = [g for part in self.groups for g in part]
-        bucket = (starts - base) // step_ns
-        by_group: dict[tuple, list[int]] = {}
-        for i, group in enumerate(groups):
-            by_group.setdefault(group, []).append(i)
         out = []
         names = [str(f) for f in metric.by]
-        for group, idx in sorted(by_group.items(), key=lambda kv: repr(kv[0])):
-            idx = np.array(idx)
-            labels = dict(zip(names, group, strict=False))
-            b, v = bucket[idx], values[idx]
+        for group, parts in sorted(self.groups.items(), key=lambda kv: repr(kv[0])):
+            labels = dict(zip(names, group, strict=True))
+            b = (np.concatenate([p[0] for p in parts]) - base) // step_ns
+            v = np.concatenate([p[1] for p in parts])
             if metric.fn in ("rate", "count_over_time"):
                 counts = np.bincount(b, minlength=steps)[:steps]
                 scale = 1e9 / step_ns if metric.fn == "rate" else 1.0
@@ -115,7 +130,7 @@ class _Collector:
             order = np.argsort(b, kind="stable")
             b, v = b[order], v[order]
             cuts = np.flatnonzero(np.diff(b)) + 1
-            chunks = list(zip(np.split(b, cuts), np.split(v, cuts), strict=False)) if len(b) else []
+            chunks = list(zip(np.split(b, cuts), np.split(v, cuts), strict=True)) if len(b) else []
             if metric.fn == "quantile_over_time":
                 for q in metric.quantiles:
                     samples = [
