@@ -8,7 +8,8 @@ execute_model 65 ms): the rare slowness on-call searches look for. Then, over th
 
 - five typical searches (limit 20, spss 3), `--repeat` times each: p50 and p95 of each, and
   the p95 over all of them;
-- trace by id (`telemetry.query.load_trace`, the CLI's) of random waves;
+- trace by id of random waves: `telemetry.traceql.trace_spans` (the summary's figure) and the
+  CLI's `telemetry.query.load_trace`, which builds the same spans;
 - `query_range` of `quantile_over_time(duration, .99) by (.tp)` with a 60 s step;
 - store bytes per rank-wave (used pages / rank-waves).
 
@@ -35,7 +36,7 @@ from telemetry import store as store_mod  # noqa: E402
 from telemetry.pipeline import Item, RankSource  # noqa: E402
 from telemetry.proto import guard_pb2  # noqa: E402
 from telemetry.query import load_trace  # noqa: E402
-from telemetry.traceql import metrics_range, parse, search  # noqa: E402
+from telemetry.traceql import metrics_range, parse, search, trace_spans  # noqa: E402
 from telemetry.traces import format_trace_id, wave_trace_id  # noqa: E402
 from telemetry.validation import validate_batch  # noqa: E402
 
@@ -137,9 +138,7 @@ def main(argv=None) -> int:
         first, last = build(path, args.waves, args.ranks, args.span, args.batch)
     else:
         conn = store_mod.connect(path, readonly=True)
-        first, last = conn.execute(
-            "SELECT MIN(start_ns), MAX(end_ns) FROM wave_blocks"
-        ).fetchone()
+        first, last = conn.execute("SELECT MIN(start_ns), MAX(end_ns) FROM wave_blocks").fetchone()
         conn.close()
     conn = store_mod.connect(path, readonly=True)
     end = last + 10 * MS
@@ -179,13 +178,17 @@ def main(argv=None) -> int:
     rng = random.Random(3)
     ids = [format_trace_id(wave_trace_id(RUN, rng.randrange(1, args.waves + 1), 0))
            for _ in range(args.repeat * 5)]  # fmt: skip
-    trace_times = []
-    for trace_id in ids:
-        times, spans = _timed(lambda t=trace_id: load_trace(conn, t), 1)
-        assert len(spans) == 1 + args.ranks * 5, len(spans)
-        trace_times += times
-    trace_p95 = float(np.percentile(trace_times, 95))
-    print(f"trace by id: p50 {np.percentile(trace_times, 50):.1f} ms, p95 {trace_p95:.1f} ms")
+    p95 = {}
+    for label, load in (("CLI load_trace", load_trace), ("traceql.trace_spans", trace_spans)):
+        times = []
+        for trace_id in ids:
+            took, spans = _timed(lambda t=trace_id, f=load: f(conn, t), 1)
+            assert len(spans) == 1 + args.ranks * 5, len(spans)
+            times += took
+        p95[label] = float(np.percentile(times, 95))
+        print(f"trace by id ({label}): p50 {np.percentile(times, 50):.1f} ms, "
+              f"p95 {p95[label]:.1f} ms")  # fmt: skip
+    trace_p95 = p95["traceql.trace_spans"]
 
     repeat = max(3, args.repeat // 3)
     range_times, series = _timed(

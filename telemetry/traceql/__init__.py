@@ -3,6 +3,7 @@
 from telemetry.traceql.metrics import Series, metrics_range
 from telemetry.traceql.parser import TraceQLError, TraceQLParseError, parse
 from telemetry.traceql.search import SpanSet, TraceMatch, search
+from telemetry.traceql.source import trace_spans
 
 __all__ = [
     "Series",
@@ -13,4 +14,5 @@ __all__ = [
     "metrics_range",
     "parse",
     "search",
+    "trace_spans",
 ]

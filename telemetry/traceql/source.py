@@ -8,6 +8,7 @@ The one place that knows how collectives are stored is the "collectives" section
 from __future__ import annotations
 
 import dataclasses
+import re
 import sqlite3
 from collections.abc import Iterable, Iterator
 
@@ -19,6 +20,7 @@ from telemetry.proto import guard_pb2
 from telemetry.spans import Span, collective_spans, incident_span, wave_spans
 from telemetry.traceql import ast, fields
 from telemetry.traceql.columns import ABSENT, Coded
+from telemetry.traceql.parser import TraceQLError
 from telemetry.traces import format_trace_id, split_trace_id
 
 WAVE_KINDS = ("wave", "rank", "execute_model", "sample_tokens")
@@ -195,6 +197,15 @@ class BlockCache:
                 block = self._keep(self._collectives, rowid, list(store.decode_collectives(blob)))
             out += block
         return out
+
+
+def trace_spans(conn: sqlite3.Connection, trace_id: str) -> list[Span]:
+    """Every span of one trace by id (what telemetry/query.py `load_trace` returns; it reads
+    each rank's block down the (rank, first_wave) key instead of scanning older blocks)."""
+    text = trace_id.strip().lower()
+    if not re.fullmatch(r"[0-9a-f]{32}", text):
+        raise TraceQLError(f"trace id: {text!r} is not 32 hex digits")
+    return load_trace_cached(conn, text, BlockCache(conn, size=64))
 
 
 def load_trace_cached(conn: sqlite3.Connection, trace_id: str, cache: BlockCache) -> list[Span]:

@@ -466,3 +466,12 @@ def test_block_walk_finds_exactly_the_overlapping_blocks(tmp_path):
                 None if bounds[0] is None else tuple(bounds)
             )
     conn.close()
+
+
+def test_trace_spans_by_id(conn):
+    from telemetry.traceql import trace_spans
+
+    assert trace_spans(conn, _tid(5).upper()) == load_trace(conn, _tid(5))
+    assert trace_spans(conn, "0" * 31 + "1") == []
+    with pytest.raises(TraceQLError, match="trace id"):
+        trace_spans(conn, "xyz")
