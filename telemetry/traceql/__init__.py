@@ -1,0 +1,18 @@
+"""A TraceQL subset over the record store (docs/traceql.md): parse, search, metrics."""
+
+from telemetry.traceql.metrics import Series, metrics_range
+from telemetry.traceql.parser import TraceQLError, TraceQLParseError, parse
+from telemetry.traceql.search import SpanSet, TraceMatch, search
+from telemetry.traceql.source import trace_spans
+
+__all__ = [
+    "Series",
+    "SpanSet",
+    "TraceMatch",
+    "TraceQLError",
+    "TraceQLParseError",
+    "metrics_range",
+    "parse",
+    "search",
+    "trace_spans",
+]

@@ -1,0 +1,127 @@
+"""Which ranks, span kinds and blocks can hold a match, decided before any block is decoded.
+
+Each `{ }` filter of a query is planned on its own. For every rank and span kind the filter is
+evaluated with what is known without reading a block: the rank's coordinates, run, engine and
+node, the span kind's name and attribute keys (telemetry/traceql/fields.py). A rank or kind
+where the filter cannot be true is skipped, so `{ .tp = 1 }` reads tp1's blocks only and
+`{ .op = "all_reduce" }` reads collective blocks only. A `duration > X` conjunct skips wave
+blocks whose slowest step is shorter (wave_blocks.max_step_ns).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from telemetry import schema, store
+from telemetry.spans import is_root_rank
+from telemetry.traceql import ast, fields
+from telemetry.traceql.columns import ABSENT, UNKNOWN, Prefixed, lower_bounds, maybe
+from telemetry.traceql.source import ALL_KINDS, WAVE_KINDS
+
+_DURATION = ast.Intrinsic("duration")
+
+
+def relax(expr: ast.FieldExpr | None, positive: bool = True):
+    """The filter with trace-level comparisons (rootName, traceDuration: unknown per span)
+    replaced by what keeps every possible match: true, or false under a `!`."""
+    if expr is None:
+        return None
+    if isinstance(expr, ast.Logical):
+        return ast.Logical(expr.op, relax(expr.left, positive), relax(expr.right, positive))
+    if isinstance(expr, ast.Not):
+        return ast.Not(relax(expr.operand, not positive))
+    if isinstance(expr, ast.Comparison):
+        sides = (expr.left, expr.right)
+        if any(isinstance(s, ast.Intrinsic) and s.trace_level for s in sides):
+            return ast.Static(positive, "bool", "true" if positive else "false")
+    return expr
+
+
+def uses_trace_level(expr) -> bool:
+    if isinstance(expr, ast.Intrinsic):
+        return expr.trace_level
+    if isinstance(expr, ast.Comparison | ast.Logical):
+        return uses_trace_level(expr.left) or uses_trace_level(expr.right)
+    if isinstance(expr, ast.Not):
+        return uses_trace_level(expr.operand)
+    return False
+
+
+def _rank_values(rank: store.RankRow) -> dict:
+    return {
+        schema.ATTR_RUN: rank.run_id,
+        schema.ATTR_ENGINE: rank.engine,
+        schema.ATTR_DP: rank.dp,
+        schema.ATTR_TP: rank.tp,
+        schema.ATTR_PP: rank.pp,
+        schema.ATTR_NODE: rank.node,
+        schema.ATTR_PID: rank.pid,
+    }
+
+
+def _known(kind: str, rank: store.RankRow | None):
+    keys = fields.kind_keys()[kind]
+    values = _rank_values(rank) if rank is not None else {}
+    resource = fields.resource_attributes(rank.node if rank is not None else None)
+
+    def known(field):
+        if isinstance(field, ast.Intrinsic):
+            if field.name == "name":
+                if kind in WAVE_KINDS:
+                    return kind
+                prefix = (
+                    fields.COLLECTIVE_PREFIX if kind == "collective" else fields.INCIDENT_PREFIX
+                )
+                return Prefixed(prefix)
+            if field.name == "status":
+                return fields.SPAN_STATUS
+            if field.name == "kind":
+                return fields.SPAN_KIND
+            if field.name == "rootServiceName":
+                return fields.SERVICE_NAME
+            return UNKNOWN
+        key = fields.attribute_key(field.name)
+        if field.scope in (None, "span") and key in keys:
+            return values.get(key, UNKNOWN)
+        if field.scope in (None, "resource"):
+            if field.name == fields.RESOURCE_HOST:
+                return resource.get(field.name, UNKNOWN) if rank is not None else UNKNOWN
+            if field.name in resource:
+                return resource[field.name]
+        return ABSENT
+
+    return known
+
+
+@dataclasses.dataclass
+class LeafPlan:
+    """Where one `{ }` filter can match."""
+
+    leaf: ast.SpansetFilter
+    expr: ast.FieldExpr | None  # relaxed: what blocks are filtered with
+    kinds: dict[int, set[str]]  # rank id -> span kinds (wave kinds and "collective")
+    incidents: bool
+    min_step_ns: int | None
+
+
+def plan_leaf(leaf: ast.SpansetFilter, ranks: list[store.RankRow]) -> LeafPlan:
+    expr = relax(leaf.expr)
+    kinds: dict[int, set[str]] = {}
+    for rank in ranks:
+        possible = {
+            kind
+            for kind in ALL_KINDS
+            if kind != "incident"
+            and (kind != "wave" or is_root_rank(rank))  # the root comes from tp0 pp0's row
+            and (expr is None or maybe(expr, _known(kind, rank)) is not False)
+        }
+        if possible:
+            kinds[rank.id] = possible
+    incidents = expr is None or maybe(expr, _known("incident", None)) is not False
+    return LeafPlan(leaf, expr, kinds, incidents, lower_bounds(expr, _DURATION))
+
+
+def leaves(expr: ast.SpansetExpr) -> list[ast.SpansetFilter]:
+    if isinstance(expr, ast.SpansetFilter):
+        return [expr]
+    return leaves(expr.left) + leaves(expr.right)

@@ -1,0 +1,487 @@
+"""The store as TraceQL reads it: tables over wave blocks, collective and incident spans.
+
+The one place that knows how collectives are stored is the "collectives" section below
+(`rank_collective_spans`, `collective_waves_in_range`, `CollectiveTable`, and
+`BlockCache.collective_blocks`): it reads the wire-v3 collective columns through
+`store.decode_collectives` and `collective_columns.to_waves`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import sqlite3
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+
+from telemetry import schema, store
+from telemetry.collective_columns import to_waves
+from telemetry.incidents import IncidentFilter, incidents_of_wave, list_incidents
+from telemetry.proto import guard_pb2
+from telemetry.spans import Span, collective_spans, incident_span, wave_spans
+from telemetry.traceql import ast, fields
+from telemetry.traceql.columns import ABSENT, Coded
+from telemetry.traceql.parser import TraceQLError
+from telemetry.traces import format_trace_id, split_trace_id
+
+WAVE_KINDS = ("wave", "rank", "execute_model", "sample_tokens")
+ALL_KINDS = (*WAVE_KINDS, "collective", "incident")
+_WAVE_KEYS = {schema.attr(f): f for f in schema.WAVE_FIELDS}
+
+
+# -- collectives: the one adapter -------------------------------------------------------------
+def rank_collective_spans(
+    conn: sqlite3.Connection, rank: store.RankRow, wave: int, cache: BlockCache | None = None
+) -> list[Span]:
+    """The collective spans of one rank in one wave."""
+    if cache is None:
+        waves = store.collective_waves(conn, rank.id, wave)
+    else:
+        waves = [cw for cw in cache.collective_blocks(rank.id, wave) if cw.wave == wave]
+    out: list[Span] = []
+    for cw in waves:
+        out += collective_spans(rank, cw)
+    return out
+
+
+def collective_waves_in_range(
+    conn: sqlite3.Connection, rank_id: int, first_wave: int, last_wave: int
+) -> Iterator[list]:
+    """The stored collective records of one rank's waves first_wave..last_wave, a block at a
+    time (each block read once, not a look-up per wave)."""
+    # newest first down the (rank, first_wave) key; a rank's blocks hold consecutive waves, so
+    # the first block that ends before first_wave ends the walk
+    rows = conn.execute(
+        "SELECT rowid, last_wave FROM collective_blocks WHERE rank = ? AND first_wave <= ? "
+        "ORDER BY first_wave DESC",
+        (rank_id, last_wave),
+    )
+    for rowid, block_last in rows:
+        if block_last < first_wave:
+            return
+        (blob,) = conn.execute(
+            "SELECT columns FROM collective_blocks WHERE rowid = ?", (rowid,)
+        ).fetchone()
+        yield to_waves(store.decode_collectives(blob), range(first_wave, last_wave + 1))
+
+
+class CollectiveTable:
+    """The collective spans of some collective records as columns, one row per (wave, stat),
+    without building them (the same values telemetry/spans.py `collective_spans` gives:
+    a unit test holds the two together)."""
+
+    def __init__(self, rank: store.RankRow, waves: list) -> None:
+        self.rank = rank
+        self.rows = [(cw, stat) for cw in waves for stat in cw.stats]
+        self.n = len(self.rows)
+        self.start = np.fromiter(
+            (cw.first_arrival_unix_nano for cw, _ in self.rows), np.int64, self.n
+        )
+        self.waves = np.fromiter((cw.wave for cw, _ in self.rows), np.int64, self.n)
+        self._cache: dict = {}
+        rank_values = {
+            schema.ATTR_RUN: rank.run_id,
+            schema.ATTR_ENGINE: rank.engine,
+            schema.ATTR_DP: rank.dp,
+            schema.ATTR_TP: rank.tp,
+            schema.ATTR_PP: rank.pp,
+        }
+        self._constants = {
+            k: v for k, v in rank_values.items() if k in fields.kind_keys()["collective"]
+        }
+
+    def _stat(self, name: str):
+        if name not in self._cache:
+            values = [getattr(stat, name) for _, stat in self.rows]
+            if values and isinstance(values[0], str):
+                out = Coded(values)
+            else:
+                out = np.array(values, np.int64)
+            self._cache[name] = out
+        return self._cache[name]
+
+    def column(self, field):
+        if isinstance(field, ast.Intrinsic):
+            name = field.name
+            if name == "name":
+                ops = self._stat("op")
+                return Coded.relabel(
+                    ops, [fields.COLLECTIVE_PREFIX + op for op in ops.levels]
+                ), True
+            if name == "duration":
+                return self._stat("host_ns"), True
+            return _span_constant(name)
+        key = fields.attribute_key(field.name)
+        if field.scope in (None, "span"):
+            stat = key.removeprefix(schema.attr("collective."))
+            if stat != key and stat in schema.COLLECTIVE_STAT_FIELDS:
+                return self._stat(stat), True
+            if key == schema.ATTR_WAVE:
+                return self.waves, True
+            if key in self._constants:
+                return self._constants[key], True
+        if field.scope in (None, "resource"):
+            value = fields.resource_attributes(self.rank.node).get(field.name, ABSENT)
+            if value is not ABSENT:
+                return value, True
+        return None, False
+
+
+def _span_constant(name: str):
+    """Intrinsics with one value on every span we build."""
+    if name == "status":
+        return fields.SPAN_STATUS, True
+    if name == "kind":
+        return fields.SPAN_KIND, True
+    if name == "statusMessage":
+        return "", True
+    if name == "rootServiceName":
+        return fields.SERVICE_NAME, True
+    raise ValueError(f"trace-level {name} is not known per block")  # the planner relaxes it
+
+
+OVERLAP_LOOKBACK = 8  # blocks looked at before a wave, for a block holding it
+
+
+class BlockCache:
+    """Decoded wave and collective blocks, kept for one search: neighbouring traces share their
+    blocks, so each is decoded once however many of its waves are loaded."""
+
+    def __init__(self, conn: sqlite3.Connection, size: int = 256) -> None:
+        self.conn = conn
+        self._size = size
+        self._waves: dict[int, tuple] = {}
+        self._collectives: dict[int, list] = {}
+
+    def _keep(self, cache: dict, key: int, value):
+        if len(cache) >= self._size:
+            cache.pop(next(iter(cache)))
+        cache[key] = value
+        return value
+
+    def _holding(self, table: str, rank_id: int, wave: int) -> list[int]:
+        """Row ids of the rank's blocks holding `wave`: the few that start at or before it, read
+        down the (rank, first_wave) key (a `last_wave >= ?` filter would read every older
+        block). Blocks of a rank do not overlap unless a batch was re-cut and sent again, so
+        a few are enough."""
+        rows = self.conn.execute(
+            f"SELECT rowid, last_wave FROM {table} WHERE rank = ? AND first_wave <= ? "
+            f"ORDER BY first_wave DESC LIMIT {OVERLAP_LOOKBACK}",
+            (rank_id, wave),
+        )
+        return [rowid for rowid, last in rows if last >= wave]
+
+    def wave_blocks(self, rank_id: int, wave: int) -> list[tuple]:
+        """(columns, {wave: index}) of the rank's blocks that hold `wave`."""
+        out = []
+        for rowid in self._holding("wave_blocks", rank_id, wave):
+            block = self._waves.get(rowid)
+            if block is None:
+                (blob,) = self.conn.execute(
+                    "SELECT columns FROM wave_blocks WHERE rowid = ?", (rowid,)
+                ).fetchone()
+                cols = store.decode_waves(blob)
+                block = self._keep(
+                    self._waves, rowid, (cols, {w: i for i, w in enumerate(cols.wave)})
+                )
+            out.append(block)
+        return out
+
+    def collective_blocks(self, rank_id: int, wave: int) -> list:
+        out: list = []
+        for rowid in self._holding("collective_blocks", rank_id, wave):
+            block = self._collectives.get(rowid)
+            if block is None:
+                (blob,) = self.conn.execute(
+                    "SELECT columns FROM collective_blocks WHERE rowid = ?", (rowid,)
+                ).fetchone()
+                block = self._keep(
+                    self._collectives, rowid, to_waves(store.decode_collectives(blob))
+                )
+            out += block
+        return out
+
+
+def trace_spans(conn: sqlite3.Connection, trace_id: str) -> list[Span]:
+    """Every span of one trace by id (what telemetry/query.py `load_trace` returns; it reads
+    each rank's block down the (rank, first_wave) key instead of scanning older blocks)."""
+    text = trace_id.strip().lower()
+    if not re.fullmatch(r"[0-9a-f]{32}", text):
+        raise TraceQLError(f"trace id: {text!r} is not 32 hex digits")
+    return load_trace_cached(conn, text, BlockCache(conn, size=64))
+
+
+def load_trace_cached(conn: sqlite3.Connection, trace_id: str, cache: BlockCache) -> list[Span]:
+    """Every span of one wave trace, as telemetry/query.py `load_trace` builds them (same
+    builders, same filters; a unit test compares the two), with blocks shared through `cache`."""
+    text = trace_id.strip().lower()
+    key, wave = split_trace_id(int(text, 16))
+    spans: list[Span] = []
+    runs = set()
+    for rank in store.ranks_of_trace_key(conn, key):
+        runs.add(rank.run_id)
+        for cols, index in cache.wave_blocks(rank.id, wave):
+            if wave in index:
+                spans += wave_spans(rank, cols, index[wave])
+        spans += rank_collective_spans(conn, rank, wave, cache)
+    seen = set()
+    for run_id in runs or {""}:
+        for row in incidents_of_wave(conn, run_id, wave):
+            if row["trace_id"] == text and row["id"] not in seen:
+                seen.add(row["id"])
+                spans.append(incident_span(row))
+    spans = [s for s in spans if format_trace_id(s.trace_id) == text]
+    spans.sort(key=lambda s: (s.start_ns, s.name))
+    return spans
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRow:
+    rowid: int
+    rank: int
+    first_wave: int
+    last_wave: int
+    start_ns: int
+    end_ns: int
+    max_step_ns: int
+
+
+def overlapping_blocks(
+    conn: sqlite3.Connection, rank_ids: Iterable[int], lo: int, hi: int
+) -> Iterator[BlockRow]:
+    """The wave blocks of these ranks that overlap [lo, hi], newest first, reading only those
+    (plus one per rank). A rank's blocks hold consecutive waves, so they follow each other in
+    time: walking its blocks back from `hi` by start time, the first that ends before `lo`
+    means no older one can reach it. (A `start_ns <= hi AND end_ns >= lo` filter would read
+    every older block, since only start_ns is indexed.)"""
+    wanted = set()
+    for rank_id in rank_ids:
+        first = conn.execute(
+            "SELECT start_ns FROM wave_blocks WHERE rank = ? ORDER BY first_wave LIMIT 1",
+            (rank_id,),
+        ).fetchone()
+        if first is not None and first[0] <= hi:
+            wanted.add(rank_id)
+    if not wanted:
+        return
+    rows = conn.execute(
+        "SELECT rowid, rank, first_wave, last_wave, start_ns, end_ns, max_step_ns "
+        "FROM wave_blocks WHERE start_ns <= ? ORDER BY start_ns DESC",
+        (hi,),
+    )
+    for row in rows:
+        if row[1] not in wanted:
+            continue
+        block = BlockRow(*row)
+        if block.end_ns < lo:
+            wanted.discard(block.rank)
+            if not wanted:
+                return
+            continue
+        yield block
+
+
+def wave_blocks_in(
+    conn: sqlite3.Connection,
+    rank_ids: Iterable[int],
+    lo: int,
+    hi: int,
+    min_step_ns: int | None = None,
+) -> Iterator[tuple[int, guard_pb2.WaveColumns]]:
+    """(rank id, columns) of the blocks overlapping [lo, hi] whose slowest step is at least
+    `min_step_ns`, newest first."""
+    for block in overlapping_blocks(conn, rank_ids, lo, hi):
+        if min_step_ns is not None and block.max_step_ns < min_step_ns:
+            continue
+        (blob,) = conn.execute(
+            "SELECT columns FROM wave_blocks WHERE rowid = ?", (block.rowid,)
+        ).fetchone()
+        yield block.rank, store.decode_waves(blob)
+
+
+def wave_range(
+    conn: sqlite3.Connection, rank_id: int, since_ns: int, until_ns: int
+) -> tuple[int, int] | None:
+    """The waves a rank ran in [since, until] by the blocks' own bounds (no block decoded)."""
+    blocks = list(overlapping_blocks(conn, [rank_id], since_ns, until_ns))
+    if not blocks:
+        return None
+    return min(b.first_wave for b in blocks), max(b.last_wave for b in blocks)
+
+
+def incident_spans(conn: sqlite3.Connection, since_ns: int, until_ns: int) -> list[Span]:
+    rows = list_incidents(conn, IncidentFilter(since_ns=since_ns, limit=10**9))
+    return [incident_span(row) for row in rows if row["time_ns"] <= until_ns]
+
+
+# -- tables -----------------------------------------------------------------------------------
+def _trace_level(field) -> bool:
+    return isinstance(field, ast.Intrinsic) and field.trace_level
+
+
+class SpanTable:
+    """Columns over built spans (a loaded trace, or spans with no block table)."""
+
+    def __init__(
+        self, spans: list[Span], trace: dict | None = None, nodes: dict | None = None
+    ) -> None:
+        self.spans = spans
+        self.n = len(spans)
+        self._trace = trace or {}
+        # (run, engine, dp, tp, pp) -> node: the store's ranks, else the rank spans at hand
+        self._nodes = (
+            nodes
+            if nodes is not None
+            else {
+                _rank_key(s, s.tp, s.pp): s.attributes.get(schema.ATTR_NODE)
+                for s in spans
+                if s.name == "rank"
+            }
+        )
+        self._cache: dict = {}
+
+    def column(self, field):
+        if field not in self._cache:
+            self._cache[field] = self._column(field)
+        return self._cache[field]
+
+    def _column(self, field):
+        spans = self.spans
+        if isinstance(field, ast.Intrinsic):
+            name = field.name
+            if name == "name":
+                return _pack([s.name for s in spans])
+            if name == "duration":
+                return np.fromiter((s.end_ns - s.start_ns for s in spans), np.int64, self.n), True
+            if name == "status":
+                return fields.SPAN_STATUS, True
+            if name == "kind":
+                return fields.SPAN_KIND, True
+            if name == "statusMessage":
+                return "", True
+            if name == "rootServiceName":
+                return fields.SERVICE_NAME, True
+            value = self._trace.get(name)
+            return (value, value is not None)
+        key = fields.attribute_key(field.name)
+        values: list = []
+        if field.scope in (None, "span"):
+            values = [fields.span_attributes(s).get(key, ABSENT) for s in spans]
+        else:
+            values = [ABSENT] * self.n
+        if field.scope in (None, "resource"):
+            for i, span in enumerate(spans):
+                if values[i] is ABSENT:
+                    values[i] = self._resource(span).get(field.name, ABSENT)
+        return _pack(values)
+
+    def _resource(self, span: Span) -> dict:
+        node = span.attributes.get(schema.ATTR_NODE)
+        if node is None:  # the wave root is tp0 pp0's
+            tp, pp = (span.tp, span.pp) if span.tp is not None else (0, 0)
+            node = self._nodes.get(_rank_key(span, tp, pp))
+        return fields.resource_attributes(node)
+
+
+def _rank_key(span: Span, tp, pp) -> tuple:
+    return (span.run_id, span.engine, span.dp if span.dp is not None else 0, tp, pp)
+
+
+def node_map(ranks) -> dict:
+    """(run, engine, dp, tp, pp) -> node of the store's ranks, for `resource.host.name`."""
+    return {(r.run_id, r.engine, r.dp, r.tp, r.pp): r.node for r in ranks}
+
+
+def _pack(values: list):
+    """A list of values (ABSENT where missing) -> (values array, present array)."""
+    present = np.fromiter((v is not ABSENT for v in values), bool, len(values))
+    real = [v for v in values if v is not ABSENT]
+    filler = None
+    if real and all(isinstance(v, bool) for v in real):
+        dtype, filler = bool, False
+    elif real and all(isinstance(v, int) and not isinstance(v, bool) for v in real):
+        dtype, filler = np.int64, 0
+    elif real and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in real):
+        dtype, filler = np.float64, 0.0
+    if filler is not None:
+        try:
+            return np.array([filler if v is ABSENT else v for v in values], dtype), present
+        except OverflowError:
+            pass
+    out = np.empty(len(values), object)
+    out[:] = [None if v is ABSENT else v for v in values]
+    return out, present
+
+
+class BlockTable:
+    """The spans of one kind (wave, rank, execute_model, sample_tokens) of one stored block,
+    as columns, without building them. Attribute keys and constant values come from a span the
+    builder made for the block's first wave (so this follows telemetry/spans.py)."""
+
+    def __init__(self, rank: store.RankRow, cols, kind: str, template: Span) -> None:
+        self.rank, self.cols, self.kind = rank, cols, kind
+        self.n = len(cols.wave)
+        self._template = template
+        self._arrays: dict[str, np.ndarray] = {}
+        start = self.array("start_unix_nano")
+        if kind == "execute_model":
+            self.start, self.end = start, start + self.array("execute_ns")
+        elif kind == "sample_tokens":
+            self.start = start + self.array("sample_offset_ns")
+            self.end = self.start + self.array("sample_ns")
+        else:  # wave and rank: execute_model entry .. the later phase's end
+            execute_end = start + self.array("execute_ns")
+            sample_end = start + self.array("sample_offset_ns") + self.array("sample_ns")
+            sampled = self.array("sampled")
+            self.start = start
+            self.end = np.where(sampled, np.maximum(execute_end, sample_end), execute_end)
+        # rows that are spans of this kind at all
+        self.exists = self.array("sampled") if kind == "sample_tokens" else np.ones(self.n, bool)
+
+    def array(self, name: str) -> np.ndarray:
+        if name not in self._arrays:
+            column = getattr(self.cols, name)
+            dtype = bool if name in ("sampled", "dummy") else np.int64
+            self._arrays[name] = np.fromiter(column, dtype, self.n)
+        return self._arrays[name]
+
+    def column(self, field):
+        if isinstance(field, ast.Intrinsic):
+            name = field.name
+            if name == "name":
+                return self.kind, True
+            if name == "duration":
+                return self.end - self.start, True
+            return _span_constant(name)
+        key = fields.attribute_key(field.name)
+        if field.scope in (None, "span") and key in self._template.attributes:
+            wave_field = _WAVE_KEYS.get(key)
+            if wave_field is not None:
+                return self.array(wave_field), True
+            return self._template.attributes[key], True
+        if field.scope in (None, "resource"):
+            value = fields.resource_attributes(self.rank.node).get(field.name, ABSENT)
+            if value is not ABSENT:
+                return value, True
+        return None, False
+
+    def spans(self, rows: np.ndarray) -> list[Span]:
+        wanted = frozenset((self.kind,))
+        out: list[Span] = []
+        for i in rows:
+            out += wave_spans(self.rank, self.cols, int(i), wanted)
+        return out
+
+
+def block_template(rank: store.RankRow, cols, kind: str) -> Span | None:
+    """A span of `kind` the builder makes from this block (None: the block has none)."""
+    if kind == "sample_tokens":
+        hits = [i for i, s in enumerate(cols.sampled) if s]
+        if not hits:
+            return None
+        index = hits[0]
+    else:
+        index = 0
+    built = wave_spans(rank, cols, index, frozenset((kind,)))
+    return built[0] if built else None

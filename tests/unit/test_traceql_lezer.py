@@ -1,0 +1,86 @@
+"""Cross-check: the TraceQL queries of our tests and docs also parse with Grafana's own grammar,
+`@grafana/lezer-traceql` from npm (Apache-2.0), which Grafana's Tempo editor highlights errors
+with. Optional: it runs where Node is installed and the package is, e.g.
+
+    mkdir -p ~/.cache/ascend-guard/lezer && cd ~/.cache/ascend-guard/lezer && \\
+        npm install @grafana/lezer-traceql@1.0.0 @lezer/lr
+    ASCEND_GUARD_LEZER_DIR=~/.cache/ascend-guard/lezer pytest tests/unit/test_traceql_lezer.py
+
+The lezer grammar lacks two number forms Tempo's lexer takes (`.99`, `1e9`): those are
+written out (`0.99`, `1000000000`) before the check, and the test asserts that lezer fails on
+exactly them otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from telemetry.traceql import parse
+
+ROOT = Path(__file__).resolve().parents[2]
+CHECK = ROOT / "tests" / "support" / "lezer" / "check.mjs"
+LEZER = Path(os.environ.get("ASCEND_GUARD_LEZER_DIR", "~/.cache/ascend-guard/lezer")).expanduser()
+_LEADING_DOT = re.compile(r"(?<![\w.])\.(\d+)")
+_EXPONENT = re.compile(r"\b(\d+(?:\.\d+)?)[eE]([-+]?\d+)\b")
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("node") is None or not (LEZER / "node_modules/@grafana/lezer-traceql").is_dir(),
+    reason="needs node and @grafana/lezer-traceql (see the module docstring)",
+)
+
+
+def _queries() -> list[str]:
+    import tests.unit.test_traceql_search as search_tests
+    from bench import query as bench_query
+
+    text = (ROOT / "docs" / "traceql.md").read_text()
+    blocks = [b.split("```")[0] for b in text.split("```traceql\n")[1:]]
+    out = [line for block in blocks for line in block.splitlines() if line.strip()]
+    out += sorted(search_tests._PREDICATES)
+    out += list(bench_query.SEARCHES.values()) + [bench_query.QUERY_RANGE]
+    for name in dir(search_tests):
+        if name.startswith("test_"):
+            marks = getattr(getattr(search_tests, name), "pytestmark", [])
+            for mark in marks:
+                if mark.name == "parametrize" and mark.args[0] == "query":
+                    out += list(mark.args[1])
+    return out
+
+
+def _written_out(query: str) -> str:
+    query = _EXPONENT.sub(lambda m: str(int(float(m.group(0)))), query)
+    return _LEADING_DOT.sub(r"0.\1", query)
+
+
+def _lezer_errors(queries: list[str]) -> dict[str, int | None]:
+    proc = subprocess.run(
+        # --eval: the import resolves from cwd, where the package is installed
+        ["node", "--input-type=module", "--eval", CHECK.read_text()],
+        input=json.dumps(queries),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=LEZER,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return json.loads(proc.stdout)
+
+
+def test_our_queries_parse_with_grafanas_grammar():
+    queries = _queries()
+    assert len(queries) >= 20
+    for query in queries:
+        parse(query)  # ours first: every query here is valid for us
+    written = {q: _written_out(q) for q in queries}
+    errors = _lezer_errors(sorted(set(written.values()) | set(queries)))
+    assert {w: errors[w] for w in written.values() if errors[w] is not None} == {}
+    # lezer fails on the original only where a number form was written out
+    for query, out in written.items():
+        assert (errors[query] is None) == (query == out), query
