@@ -108,8 +108,8 @@ def logfmt(name: str, text: str) -> list[tuple[str, str]]:
             i += 1
             continue
         eq = text.find("=", i)
-        key = text[i:eq] if eq > 0 else text[i:]
-        if eq < 0 or not key or any(c.isspace() or c == '"' for c in key):
+        key = text[i:eq] if eq > i else text[i:].split()[0]
+        if eq <= i or any(c.isspace() or c == '"' for c in key):
             raise BadParameter(name, f"{text!r} is not logfmt (key=value pairs) near {key!r}")
         i = eq + 1
         if i < n and text[i] == '"':

@@ -505,3 +505,29 @@ def test_a_busy_query_port_stops_start_up(tmp_path, sock_dir):
                 tmp_path, address=f"unix://{sock_dir / 'guard.sock'}",
                 extra_args=("--query-port", str(port), "--query-host", "127.0.0.1"),
             )  # fmt: skip
+
+
+# -- the dashboard's data links ----------------------------------------------------------------
+def test_the_dashboards_wave_links_query_this_api(api):
+    """Each rank panel's data link, filled in as Grafana fills it for tp1's series, opens a
+    TraceQL search this API answers with tp1's waves (501 while the evaluator is absent)."""
+    from tests.unit.test_tempo_api_units import render_link, wave_links
+
+    now_ms = int(time.time() * 1000)
+    labels = {"engine": "eng", "dp": "0", "tp": str(SLOW_TP), "pp": "0"}
+    for title, link in wave_links():
+        (pane,) = render_link(link["url"], labels, now_ms - 600_000, now_ms + 60_000).values()
+        (query,) = pane["queries"]
+        start, end = int(pane["range"]["from"]) // 1000, int(pane["range"]["to"]) // 1000
+        code, _, body = api.get("/api/search", JSON, q=query["query"], limit="50", spss="10",
+                                start=str(start), end=str(end))  # fmt: skip
+        if not traceql_adapter.available():
+            assert code == 501, title
+            continue
+        assert code == 200, (title, body)
+        doc = json.loads(body)
+        jsonschema.validate(doc, SEARCH_SCHEMA)
+        assert len(doc["traces"]) == 30, title  # every wave of run-tempo ran on tp1
+        for trace in doc["traces"]:
+            for span in trace["spanSets"][0]["spans"]:
+                assert {"key": schema.ATTR_TP, "value": {"intValue": "1"}} in span["attributes"]
