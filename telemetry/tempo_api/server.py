@@ -368,6 +368,16 @@ def _handler(
     return TempoApiHandler
 
 
+def refused_counter(registry: CollectorRegistry) -> Counter:
+    return Counter(
+        "ascend_guard_query_api_refused",
+        "Requests the Tempo-compatible query API refused, by endpoint and reason "
+        "(bad_parameter, not_found, unauthorized, unknown_path, not_implemented, ...)",
+        ("endpoint", "reason"),
+        registry=registry,
+    )
+
+
 class TempoApiServer:
     """The query API on its own port, reading the store file read-only per request."""
 
@@ -382,13 +392,7 @@ class TempoApiServer:
         token: str | None = None,
         on_auth_refused: Callable[[], None] = lambda: None,
     ) -> None:
-        self.refused = Counter(
-            "ascend_guard_query_api_refused",
-            "Requests the Tempo-compatible query API refused, by endpoint and reason "
-            "(bad_parameter, not_found, unauthorized, unknown_path, not_implemented, ...)",
-            ("endpoint", "reason"),
-            registry=registry,
-        )
+        self.refused = refused_counter(registry)
         self._server = ThreadingHTTPServer(
             (host, port), _handler(store_path, token, self.refused, on_auth_refused)
         )
