@@ -21,10 +21,10 @@ import numpy as np
 
 from telemetry import schema, store
 from telemetry.query import load_trace
-from telemetry.spans import Span, rank_end_ns
+from telemetry.spans import Span
 from telemetry.tempo_api import otlp
 from telemetry.tempo_api.params import BadParameter
-from telemetry.traces import format_trace_id, wave_trace_id
+from telemetry.traces import format_trace_id, wave_trace_key
 
 FIRST_WINDOW_NS = 2 * 10**9
 MAX_TRACES_INSPECTED = 5000  # exact-pass cap per search (reported as inspectedTraces)
@@ -115,15 +115,16 @@ def legacy_search(
             rank_rows = [r for r in rank_rows if _text_match(getattr(r, field), value)]
     ranks = {r.id: r for r in rank_rows}
     result = Result([])
-    done: set[str] = set()
+    done: set[tuple[int, int]] = set()
     for candidates in _windows(conn, ranks, start_ns, end_ns, min_ns, result):
-        for _, text in candidates:
-            if text in done:
+        for _, key, wave in candidates:
+            if (key, wave) in done:
                 continue
-            done.add(text)
+            done.add((key, wave))
             if result.inspected_traces >= MAX_TRACES_INSPECTED:
                 return _newest_first(result)
             result.inspected_traces += 1
+            text = format_trace_id(key << 64 | wave)
             hit = _match(load_trace(conn, text), text, wanted, min_ns, max_ns, spss)
             if hit is not None:
                 result.hits.append(hit)
@@ -137,39 +138,49 @@ def _newest_first(result: Result) -> Result:
     return result
 
 
-def _windows(conn, ranks, start_ns, end_ns, min_ns, result) -> Iterator[list[tuple[int, str]]]:
-    """Per window, newest first: (start, trace id) of the waves that may match."""
+def _windows(conn, ranks, start_ns, end_ns, min_ns, result) -> Iterator[list[tuple[int, int, int]]]:
+    """Per window, newest first: (start, trace key, wave) of the waves that may match. The
+    walk starts at the newest stored wave, so a broad search reads one small window."""
     if not ranks:
         return
-    (oldest,) = conn.execute(
-        f"SELECT MIN(start_ns) FROM wave_blocks WHERE rank IN ({','.join('?' * len(ranks))})",
+    oldest, newest = conn.execute(
+        "SELECT MIN(start_ns), MAX(end_ns) FROM wave_blocks "
+        f"WHERE rank IN ({','.join('?' * len(ranks))})",
         list(ranks),
     ).fetchone()
     if oldest is None:
         return
     lo_bound = max(start_ns or 0, oldest)
-    hi = end_ns if end_ns is not None else time.time_ns() + 60 * 10**9
+    hi = min(end_ns, newest) if end_ns is not None else newest
+    keys = {rank_id: wave_trace_key(r.run_id, r.dp) for rank_id, r in ranks.items()}
     width = FIRST_WINDOW_NS
     while hi >= lo_bound:
         lo = max(lo_bound, hi - width)
-        found: list[tuple[int, str]] = []
+        found: list[tuple[int, int, int]] = []
         for rank_id, cols in store.wave_blocks(
             conn, list(ranks), since_ns=lo, until_ns=hi, min_step_ns=min_ns
         ):
             result.inspected_bytes += cols.ByteSize()
-            rank = ranks[rank_id]
             n = len(cols.wave)
             starts = np.fromiter(cols.start_unix_nano, np.int64, n)
             ok = (starts >= lo) & (starts <= hi)
             if min_ns:
-                ends = np.fromiter((rank_end_ns(cols, i) for i in range(n)), np.int64, n)
-                ok &= ends - starts >= min_ns
-            for i in np.flatnonzero(ok):
-                trace = wave_trace_id(rank.run_id, cols.wave[i], rank.dp)
-                found.append((int(starts[i]), format_trace_id(trace)))
+                ok &= _rank_durations(cols, starts) >= min_ns
+            key, waves = keys[rank_id], cols.wave
+            found += [(int(starts[i]), key, waves[i]) for i in np.flatnonzero(ok)]
         found.sort(reverse=True)
         yield found
         hi, width = lo - 1, width * 4
+
+
+def _rank_durations(cols, starts: np.ndarray) -> np.ndarray:
+    """Rank span durations of a block (telemetry/spans.py `rank_end_ns`, column-wise)."""
+    n = len(starts)
+    execute = starts + np.fromiter(cols.execute_ns, np.int64, n)
+    sample = (starts + np.fromiter(cols.sample_offset_ns, np.int64, n)
+              + np.fromiter(cols.sample_ns, np.int64, n))  # fmt: skip
+    ends = np.where(np.fromiter(cols.sampled, bool, n), np.maximum(execute, sample), execute)
+    return ends - starts
 
 
 def _match(spans, trace_id, wanted, min_ns, max_ns, spss) -> Hit | None:
