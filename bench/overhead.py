@@ -821,7 +821,7 @@ def _start_sidecar(children: Children, tmp: Path) -> _Sidecar:
     cmd = [
         sys.executable, "-m", "telemetry.cli", "sidecar", "--listen", address,
         "--metrics-host", "127.0.0.1", "--metrics-port", str(port), "--store", str(tmp / "store.db"),
-        "--health-port", "0",
+        "--health-port", "0", "--query-port", "0",
     ]  # fmt: skip
     proc = children.start("sidecar", cmd, cpus=_helper_cpus())
     sidecar = _Sidecar(address, f"http://127.0.0.1:{port}/metrics")

@@ -137,6 +137,12 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     side.add_argument("--health-host", default="0.0.0.0", help="interface for /live")
     side.add_argument(
+        "--query-port", type=int, default=d("query_port"),
+        help="port of the Tempo-compatible trace query API for Grafana; default: the metrics "
+        f"port + {paths.QUERY_PORT_OFFSET}; 0: off",
+    )  # fmt: skip
+    side.add_argument("--query-host", default=d("query_host"), help="interface for the query API")
+    side.add_argument(
         "--engine-linger", default="15m",
         help="keep the series of an engine whose streams broke this long (one that closed its "
         "streams is forgotten at once)",
@@ -292,7 +298,8 @@ def _cmd_sidecar(args: argparse.Namespace) -> int:
         otlp_endpoint=args.otlp_endpoint, retention_s=retention_s, max_store_bytes=max_store_bytes,
         queue_bytes=queue_bytes, otlp_slow_wave_s=slow_wave_s, otlp_keep_one_in=args.otlp_keep_one_in,
         max_message_bytes=args.max_message_bytes, health_host=args.health_host,
-        health_port=args.health_port, hang_stale_s=hang_stale_s, hang_wait_s=hang_wait_s,
+        health_port=args.health_port, query_host=args.query_host, query_port=args.query_port,
+        hang_stale_s=hang_stale_s, hang_wait_s=hang_wait_s,
         straggler_threshold_s=straggler_s, socket_group=args.socket_group, engine_linger_s=linger_s,
         socket_mode=args.socket_mode if args.socket_mode is not None else (
             paths.GROUP_SOCKET_MODE if args.socket_group else paths.DEFAULT_SOCKET_MODE),

@@ -45,6 +45,9 @@ DUMPS_NAME = "dumps"
 
 DEFAULT_METRICS_PORT = 9464
 DEFAULT_HEALTH_PORT = 9465
+# the Tempo-compatible trace query API (telemetry/tempo_api.py) listens on the metrics port + 2
+# unless told otherwise (9466 by default), so one offset finds it next to a moved /metrics
+QUERY_PORT_OFFSET = 2
 # owner only; with --socket-group the group may connect too
 DEFAULT_SOCKET_MODE = 0o600
 GROUP_SOCKET_MODE = 0o660
@@ -91,6 +94,11 @@ def health_port(environ: Mapping[str, str] | None = None) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"{HEALTH_PORT_ENV}={raw!r} is not a port number") from None
+
+
+def query_port(metrics_port: int, asked: int | None = None) -> int:
+    """The query API's port: `asked` (`--query-port`; 0 turns it off), else metrics port + 2."""
+    return metrics_port + QUERY_PORT_OFFSET if asked is None else asked
 
 
 def discovery_path(environ: Mapping[str, str] | None = None) -> str:

@@ -40,6 +40,7 @@ from telemetry.pipeline import (
 )
 from telemetry.roster import DEFAULT_LINGER_S, EngineRoster
 from telemetry.store import DEFAULT_MAX_BYTES, DEFAULT_RETENTION_S, Store
+from telemetry.tempo_api import TempoApiServer
 from telemetry.transport import (
     ServerSecurity,
     TokenInterceptor,
@@ -74,6 +75,10 @@ class SidecarSettings:
     # error, never silently another port: probes and the CLI must find it where it was asked.
     health_host: str = "0.0.0.0"
     health_port: int = paths.DEFAULT_HEALTH_PORT
+    # Tempo-compatible trace query API (telemetry/tempo_api/) for Grafana; None: the
+    # metrics port + 2 (paths.query_port), 0: off. Same TLS and token as the other listeners.
+    query_host: str = "0.0.0.0"
+    query_port: int | None = None
     # unix socket permissions: owner only, or owner and --socket-group
     socket_mode: int = paths.DEFAULT_SOCKET_MODE
     socket_group: str = ""
@@ -216,6 +221,7 @@ class Sidecar:
             registry=self.metrics.registry,
         )
         self.liveness: LivenessServer | None = None
+        self.query_api: TempoApiServer | None = None
         self._server: grpc.Server | None = None
         self._http = None
         self._token: str | None = None
@@ -324,8 +330,11 @@ class Sidecar:
             ) from exc
         try:
             self._start_liveness()
+            self._start_query_api()
         except SidecarStartError:
             server.stop(0)
+            if self.liveness is not None:
+                self.liveness.stop()
             raise
         self.writer.start()
         if self.exporter is not None:
@@ -363,6 +372,8 @@ class Sidecar:
             paths.remove_discovery(os.getpid())
         if self.liveness is not None:
             self.liveness.stop()
+        if self.query_api is not None:
+            self.query_api.stop()
         self.writer.stop()  # writes what is queued, then closes the sinks (store, exporter)
         self.incidents.close()
         if self._http is not None:
@@ -405,6 +416,31 @@ class Sidecar:
             url=f"http://{settings.health_host}:{self.liveness.port}/live/<engine>",
         )
 
+    def _start_query_api(self) -> None:
+        settings = self.settings
+        port = paths.query_port(settings.metrics_port, settings.query_port)
+        if port == 0:
+            return
+        try:
+            self.query_api = TempoApiServer(
+                settings.store,
+                settings.query_host,
+                port,
+                self.metrics.registry,
+                security=settings.security,
+                token=self._token,
+                on_auth_refused=self.auth_refused.labels("query").inc,
+            )
+        except OSError as exc:
+            if self._http is not None:
+                self._http.shutdown()
+            raise SidecarStartError(
+                f"cannot serve the query API on {settings.query_host}:{port}: {exc.strerror} "
+                "(--query-port: pick a free port, or 0 for none)"
+            ) from exc
+        self.query_api.start()
+        log.info("query_api_ready", url=f"http://{settings.query_host}:{self.query_api.port}/api")
+
     def _publish(self) -> None:
         """sidecar.json: how the CLI and probes on this host find this sidecar's files."""
         settings = self.settings
@@ -413,10 +449,14 @@ class Sidecar:
             if settings.health_host not in ("0.0.0.0", "::", "")
             else "127.0.0.1"
         )
+        query = (
+            settings.query_host if settings.query_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        )
         facts = {
             "pid": os.getpid(), "listen": settings.listen, "store": os.path.abspath(settings.store),
             "metrics_url": f"http://127.0.0.1:{settings.metrics_port}/metrics",
             "health_url": f"http://{local}:{self.liveness.port}" if self.liveness else "",
+            "query_url": f"http://{query}:{self.query_api.port}" if self.query_api else "",
             "version": self.build_labels["version"], "wire": self.build_labels["wire"],
         }  # fmt: skip
         try:

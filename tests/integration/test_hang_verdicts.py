@@ -192,7 +192,7 @@ def test_a_taken_health_port_stops_the_sidecar_with_a_clear_error(tmp_path):
             [sys.executable, "-m", "telemetry.cli", "sidecar", "--listen",
              f"unix://{tmp_path / 's.sock'}", "--metrics-port", str(free_port()),
              "--metrics-host", "127.0.0.1", "--health-port", str(port), "--health-host",
-             "127.0.0.1", "--store", str(tmp_path / "store.db")],
+             "127.0.0.1", "--store", str(tmp_path / "store.db"), "--query-port", "0"],
             cwd=REPO, capture_output=True, text=True, timeout=30,
         )  # fmt: skip
     assert proc.returncode == 1

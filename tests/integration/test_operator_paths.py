@@ -62,7 +62,7 @@ class DocumentedSidecar:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "telemetry.cli", "sidecar", "--metrics-host", "127.0.0.1",
              "--metrics-port", str(self.metrics_port), "--health-host", "127.0.0.1",
-             "--health-port", str(self.health_port), *args],
+             "--health-port", str(self.health_port), "--query-port", "0", *args],
             cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         self.socket = tmp_path / "run" / paths.SOCKET_NAME

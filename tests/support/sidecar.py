@@ -54,7 +54,8 @@ class SidecarProcess:
         cmd = [
             sys.executable, "-m", "telemetry.cli", "sidecar", "--listen", address,
             "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port), "--store", str(store_path),
-            *(() if "--health-port" in extra_args else ("--health-port", "0")), *extra_args,
+            *(() if "--health-port" in extra_args else ("--health-port", "0")),
+            *(() if "--query-port" in extra_args else ("--query-port", "0")), *extra_args,
         ]  # fmt: skip
         # its sidecar.json goes next to its own files, never into a folder other sidecars share
         environ = {**os.environ, paths.RUNTIME_DIR_ENV: str(tmp_path), **(env or {})}
