@@ -7,6 +7,7 @@ import datetime as dt
 import json
 import re
 import sys
+import time
 from collections.abc import Sequence
 
 from telemetry import build_info, hangs_cli, logs, paths, ready_cli, schema, timeline_cli
@@ -188,7 +189,14 @@ def _parser() -> argparse.ArgumentParser:
         help="wave skew from which the slowest rank is counted as a straggler",
     )  # fmt: skip
 
-    query = sub.add_parser("query", help="search stored spans; prints the slowest first")
+    query = sub.add_parser(
+        "query", help="search stored traces with TraceQL, or spans with the filter flags"
+    )
+    query.add_argument(
+        "traceql", nargs="?", default=None, metavar="TRACEQL",
+        help="a TraceQL search over --since/--until, e.g. "
+        "'{ span.tp = 1 && name = \"execute_model\" && duration > 50ms }' (docs/traceql.md)",
+    )  # fmt: skip
     query.add_argument("--store", default=paths.cli_store(), help=paths.CLI_STORE_HELP)
     query.add_argument("--since", default="1h", help="age (15m), unix seconds, ISO time or 'now'")
     query.add_argument("--until", default=None, help="same forms as --since (default now)")
@@ -321,7 +329,45 @@ def _clock(ns: int) -> str:
     return dt.datetime.fromtimestamp(ns / 1e9, tz=dt.timezone.utc).strftime("%H:%M:%S.%f")[:-3]
 
 
+_FILTER_FLAGS = ("min_duration", "rank", "name", "run_id", "engine", "wave")
+
+
+def _cmd_traceql(args: argparse.Namespace) -> int:
+    from telemetry import traceql
+
+    flags = [f"--{f.replace('_', '-')}" for f in _FILTER_FLAGS if getattr(args, f) is not None]
+    if flags:
+        raise QueryError(f"give a TraceQL query or {', '.join(flags)}, not both")
+    if args.limit < 1:
+        raise QueryError(f"--limit: {args.limit} must be 1 or more")
+    start = parse_time_ns(args.since, "--since")
+    end = parse_time_ns(args.until, "--until") if args.until else time.time_ns()
+    try:
+        matches = traceql.search(connect(args.store, readonly=True), args.traceql, start, end,
+                                 limit=args.limit)  # fmt: skip
+    except traceql.TraceQLError as exc:
+        raise QueryError(f"TRACEQL: {exc}") from None
+    if not matches:
+        print("no trace matches; widen --since or loosen the query")
+        return 0
+    rows = []
+    for m in matches:
+        spans = m.spans
+        shown = ", ".join(f"{s.name} {rank_label(s)} {format_duration_ns(s.duration_ns)}"
+                          for s in spans[:3])  # fmt: skip
+        more = f" (+{len(spans) - 3})" if len(spans) > 3 else ""
+        rows.append((_clock(m.start_ns), m.root_name or "?", format_duration_ns(m.duration_ns),
+                     len(spans), shown + more, m.trace_id))  # fmt: skip
+    header = ("start (UTC)", "root", "duration", "spans", "matched", "trace id")
+    print(render_table(header, rows, right=(2, 3)))
+    print(f"\n{len(matches)} trace(s); show one with: ascend-guard trace {matches[0].trace_id}"
+          f" --store {args.store}")  # fmt: skip
+    return 0
+
+
 def _cmd_query(args: argparse.Namespace) -> int:
+    if args.traceql is not None:
+        return _cmd_traceql(args)
     query = SpanQuery(
         since_ns=parse_time_ns(args.since, "--since"),
         until_ns=parse_time_ns(args.until, "--until") if args.until else None,

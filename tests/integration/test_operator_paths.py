@@ -12,6 +12,7 @@ from __future__ import annotations
 import grp
 import os
 import re
+import shlex
 import signal
 import socket
 import stat
@@ -138,10 +139,10 @@ def on_call_commands() -> list[list[str]]:
     assert block, "README.md lost its on-call block"
     commands = []
     for line in block.group(1).splitlines():
-        line = line.split("#", 1)[0].strip()
-        if line:
-            assert line.startswith("ascend-guard "), line
-            commands.append(line.split()[1:])
+        argv = shlex.split(line, comments=True)  # as a shell reads it: quotes, `#` comments
+        if argv:
+            assert argv[0] == "ascend-guard", line
+            commands.append(argv[1:])
     assert len(commands) >= 4
     return commands
 
