@@ -4,7 +4,8 @@ Two real sidecars (each its own socket, metrics and health ports) play node A an
 stand-in rank processes (tests/support/rank_process.py: the real streamer client, heartbeats as
 a real rank sends them; they stand in for vLLM workers, whose TP=2 group cannot span two hosts
 here) form one TP=2 group of one engine and run: tp0 streams to A, tp1 to B. One real Prometheus
-scrapes both every second and evaluates dashboards/prometheus/alerts.yml every second.
+scrapes both every second and evaluates dashboards/prometheus/{alerts,cluster}.yml every
+second.
 
 tp1 is frozen (SIGSTOP) as tp0 begins to wait in an all_reduce: AscendGuardClusterRankSilent
 must fire within 10 s naming tp1 (tp, node, pid), seen through /api/v1/alerts. Node A, which
@@ -30,7 +31,7 @@ from tests.support.prometheus import PrometheusServer, find_prometheus
 from tests.support.sidecar import SidecarProcess
 
 REPO = Path(__file__).resolve().parents[2]
-RULES = REPO / "dashboards" / "prometheus" / "alerts.yml"
+RULES = [REPO / "dashboards" / "prometheus" / name for name in ("alerts.yml", "cluster.yml")]
 pytestmark = pytest.mark.timeout(120)
 
 ENGINE, RUN = "moe", "run-2node"
@@ -105,7 +106,7 @@ def test_frozen_rank_on_node_b_is_named_by_the_cluster_rule(two_nodes, tmp_path)
     nodes, procs = two_nodes
     (a, a_health), (b, _) = nodes["a"], nodes["b"]
     targets = [f"127.0.0.1:{a.metrics_port}", f"127.0.0.1:{b.metrics_port}"]
-    with PrometheusServer.start(targets, rule_files=[RULES], workdir=tmp_path / "prom") as prom:
+    with PrometheusServer.start(targets, rule_files=RULES, workdir=tmp_path / "prom") as prom:
         # both ranks, through both sidecars, with their seq 30 on tp
         wait_until(
             lambda: len(prom.query(
