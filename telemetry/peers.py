@@ -3,7 +3,7 @@
 A TP or PP group can span nodes; each node's sidecar gets only its own ranks' streams. The
 ranks a replica should have come from the sizes every rank reports (tp_size x pp_size); those
 with no stream here are on other nodes (or not connected yet). No local verdict covers them:
-the cluster verdict is Prometheus' (dashboards/prometheus/alerts.yml, docs/cross-node.md).
+the cluster verdict is Prometheus' (dashboards/prometheus/cluster.yml, docs/cross-node.md).
 """
 
 from __future__ import annotations
