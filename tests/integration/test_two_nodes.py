@@ -154,6 +154,13 @@ def test_frozen_rank_on_node_b_is_named_by_the_cluster_rule(two_nodes, tmp_path)
         hangs = get(a_health, "/hangs")[1]
         assert hangs["standing"] == [] and hangs["history"] == []
         assert [(p["engine"], p["not_seen"][0]["tp"]) for p in hangs["partial"]] == [(ENGINE, 1)]
+        cli = subprocess.run(
+            [sys.executable, "-m", "telemetry.cli", "hangs", "--live", f"http://127.0.0.1:{a_health}"],
+            cwd=REPO, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert cli.returncode == 0, cli.stdout + cli.stderr
+        assert "no hang verdict stands on the ranks this sidecar sees" in cli.stdout
+        assert f"engine {ENGINE} dp0: tp1/pp0 not seen by this sidecar" in cli.stdout
 
         # the alert ends once tp1 runs again and tp0's wait ends (its process restarts)
         os.kill(procs[1].pid, signal.SIGCONT)
