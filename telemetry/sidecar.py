@@ -110,7 +110,7 @@ class _MetricsSink:
         metrics: SidecarMetrics,
         cross_rank: CrossRankView,
         drops: Drops,
-        rank_gauges: RankGauges,
+        rank_gauges: RankGauges | None = None,
     ) -> None:
         self._metrics = metrics
         self._cross_rank = cross_rank
@@ -124,7 +124,8 @@ class _MetricsSink:
             if dropped:
                 self._drops.add(STAGE_WORKER, "buffer_full_or_lost_in_flight", dropped)
             self._cross_rank.count(source.engine, item.batch)
-            self._rank_gauges.count(source.engine, item.batch)
+            if self._rank_gauges is not None:
+                self._rank_gauges.count(source.engine, item.batch)
 
     def close(self) -> None:
         pass
