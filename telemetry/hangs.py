@@ -38,6 +38,7 @@ import structlog
 from guard.liveness_record import RecordReader, RecordView
 from telemetry.collective_columns import columns_of, last_seq_by_group
 from telemetry.collective_metrics import CollectiveMetrics
+from telemetry.peers import NOT_SEEN, unseen_ranks
 from telemetry.proto import guard_pb2
 from telemetry.replica import RankKey, Replica, rank_key, replica_of
 
@@ -146,6 +147,33 @@ class Verdict:
             "verdict_unix": self.verdict_unix,
             "detect_s": round(self.verdict_unix - self.onset_unix, 3), "summary": self.summary(),
         }  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class RankFacts:
+    """One rank as this sidecar knows it (`HangDetector.rank_facts`)."""
+
+    replica: Replica
+    rank: guard_pb2.RankInfo
+    heard_unix: float  # the latest sign of life: a batch, or a look at its liveness record
+    op: str  # the collective it is inside ("" = none) ...
+    group: str
+    seq: int
+    since_unix: float  # ... since then
+    seq_reached: dict[str, int]  # group -> highest seq it completed or entered
+    last_wave: int
+
+
+def _unseen_part(states: dict[RankKey, RankState]) -> dict[str, Any]:
+    """`not_seen` for a replica whose world (tp_size x pp_size) this sidecar sees only part
+    of: the missing ranks are on other nodes, or have not connected."""
+    missing = unseen_ranks(state.rank for state in states.values())
+    if not missing:
+        return {}
+    return {
+        "not_seen": [{"tp": tp, "pp": pp, "note": NOT_SEEN} for tp, pp in missing],
+        "verdict_scope": "the ranks this sidecar sees; for the others, the cluster alert rules",
+    }
 
 
 IncidentSink = Callable[[str, guard_pb2.RankInfo | None, guard_pb2.Incident], Any]
@@ -385,7 +413,9 @@ class HangDetector:
                 self._frozen(r, now) or now - r.heard_at() > self._silence_limit(r) for r in behind
             )
             return self._verdict(key, "no_heartbeat" if quiet else "not_arrived", behind, at, now)
-        if len(at) == len(ranks):
+        # all arrived: only this sidecar sees the whole replica (a rank on another node may
+        # not have arrived; that verdict is the Prometheus rules', docs/cross-node.md)
+        if len(at) == len(ranks) and not unseen_ranks(r.rank for r in ranks.values()):
             return self._verdict(key, "collective_stuck", at, at, now)
         return None
 
@@ -508,6 +538,7 @@ class HangDetector:
                         "live": verdict is None,
                         "ranks": [states[k].describe(now) for k in sorted(states)],
                         "verdict": verdict.as_dict() if verdict is not None else None,
+                        **_unseen_part(states),
                     }
                 )
         verdicts = [r["verdict"] for r in replicas if r["verdict"] is not None]
@@ -524,12 +555,45 @@ class HangDetector:
         return not verdicts, body
 
     def snapshot(self) -> dict[str, Any]:
-        """Standing verdicts and the recent verdicts and recoveries."""
+        """Standing verdicts, the recent verdicts and recoveries, and the replicas with ranks
+        this sidecar does not see (on other nodes: no local verdict covers them)."""
         with self._lock:
+            partial = [
+                {"engine": key.engine, "run_id": key.run_id, "dp": key.dp, **part}
+                for key, states in sorted(self._ranks.items())
+                if (part := _unseen_part(states))
+            ]
             return {
                 "standing": [v.as_dict() for v in self.verdicts.values()],
                 "history": list(self.history),
+                "partial": partial,
             }
+
+    def rank_facts(self) -> list[RankFacts]:
+        """A copy of what this sidecar knows of each rank now, wall-clock times (read at
+        scrape time by telemetry/rank_gauges.py)."""
+        with self._lock:
+            now, wall = self._clock(), time.time()
+            facts = []
+            for key, states in self._ranks.items():
+                for state in states.values():
+                    rank = guard_pb2.RankInfo()
+                    rank.CopyFrom(state.rank)
+                    in_op = bool(state.op)
+                    facts.append(
+                        RankFacts(
+                            replica=key,
+                            rank=rank,
+                            heard_unix=wall - (now - state.heard_at()),
+                            op=state.op,
+                            group=state.group if in_op else "",
+                            seq=state.seq if in_op else 0,
+                            since_unix=wall - state.waiting_s(now) if in_op else 0.0,
+                            seq_reached=dict(state.seq_done),
+                            last_wave=state.last_wave,
+                        )
+                    )
+            return facts
 
     def engines(self) -> list[str]:
         with self._lock:

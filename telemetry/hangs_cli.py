@@ -118,9 +118,16 @@ def _live(args: argparse.Namespace) -> int:
         for v in standing:
             print(json.dumps(v, sort_keys=True))
         return 0
+    partial = [p for p in body.get("partial", []) if not args.engine or p["engine"] == args.engine]
     if not standing:
-        print("no hang verdict stands; every engine this sidecar sees is moving")
-        return 0
-    rows = [_row(int(v["verdict_unix"] * 1e9), VERDICT, v) for v in standing]
-    print(render_table(HEADER, rows))
-    return 3  # like a failed probe: an engine is wedged
+        print("no hang verdict stands on the ranks this sidecar sees")
+    else:
+        rows = [_row(int(v["verdict_unix"] * 1e9), VERDICT, v) for v in standing]
+        print(render_table(HEADER, rows))
+    for p in partial:  # ranks on other nodes: no local verdict covers them (docs/cross-node.md)
+        ranks = ", ".join(f"tp{r['tp']}/pp{r['pp']}" for r in p["not_seen"])
+        print(
+            f"engine {p['engine']} dp{p['dp']}: {ranks} not seen by this sidecar (other nodes); "
+            "the cluster alerts judge them (AscendGuardClusterRankSilent, ...NotArrived)"
+        )
+    return 3 if standing else 0  # like a failed probe: an engine is wedged

@@ -38,6 +38,7 @@ from telemetry.pipeline import (
     Drops,
     Writer,
 )
+from telemetry.rank_gauges import RankGauges
 from telemetry.roster import DEFAULT_LINGER_S, EngineRoster
 from telemetry.store import DEFAULT_MAX_BYTES, DEFAULT_RETENTION_S, Store
 from telemetry.tempo_api import TempoApiServer
@@ -109,10 +110,17 @@ class _MetricsSink:
 
     stage = "metrics"
 
-    def __init__(self, metrics: SidecarMetrics, cross_rank: CrossRankView, drops: Drops) -> None:
+    def __init__(
+        self,
+        metrics: SidecarMetrics,
+        cross_rank: CrossRankView,
+        drops: Drops,
+        rank_gauges: RankGauges | None = None,
+    ) -> None:
         self._metrics = metrics
         self._cross_rank = cross_rank
         self._drops = drops
+        self._rank_gauges = rank_gauges
 
     def write(self, items) -> None:
         for item in items:
@@ -121,6 +129,8 @@ class _MetricsSink:
             if dropped:
                 self._drops.add(STAGE_WORKER, "buffer_full_or_lost_in_flight", dropped)
             self._cross_rank.count(source.engine, item.batch)
+            if self._rank_gauges is not None:
+                self._rank_gauges.count(source.engine, item.batch)
 
     def close(self) -> None:
         pass
@@ -192,6 +202,8 @@ class Sidecar:
             incident_sink=self.incidents.add,
             records=RecordReader(settings.liveness_dir),
         )
+        self.rank_gauges = RankGauges(self.cross_rank.hangs.rank_facts)
+        self.metrics.registry.register(self.rank_gauges)
         self.queue = BoundedQueue(settings.queue_bytes, self.drops, self.metrics.registry)
         self.store, self.exporter, sinks = self._build_sinks()
         self.writer = Writer(self.queue, sinks, self.drops)
@@ -233,7 +245,10 @@ class Sidecar:
         store = Store(
             settings.store, retention_s=settings.retention_s, max_bytes=settings.max_store_bytes
         )
-        sinks: list = [_MetricsSink(self.metrics, self.cross_rank, self.drops), store]
+        sinks: list = [
+            _MetricsSink(self.metrics, self.cross_rank, self.drops, self.rank_gauges),
+            store,
+        ]
         exporter = None
         if settings.otlp_endpoint:
             exporter = OtlpExporter(

@@ -117,11 +117,13 @@ def metric_rows() -> list[tuple[str, ...]]:
     from telemetry.export import ExportSettings, OtlpExporter
     from telemetry.metrics import SidecarMetrics
     from telemetry.pipeline import BoundedQueue, Drops
+    from telemetry.rank_gauges import RankGauges
     from telemetry.tempo_api.server import refused_counter
 
     registry = CollectorRegistry()
     SidecarMetrics(registry)
     CrossRankView(registry)
+    registry.register(RankGauges(list))  # per-rank facts for the cross-node rules
     drops = Drops(registry)  # the record path's own families (telemetry/pipeline.py, export.py)
     BoundedQueue(1, drops, registry)
     OtlpExporter(ExportSettings("http://localhost:4317"), drops, registry, "docs").close()

@@ -18,6 +18,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 RULES = ROOT / "dashboards" / "prometheus" / "alerts.yml"
+# the cross-node rules (docs/cross-node.md): their groups go into the same PrometheusRule
+CLUSTER_RULES = ROOT / "dashboards" / "prometheus" / "cluster.yml"
 DASHBOARDS = sorted((ROOT / "dashboards").glob("*.json"))
 OUT = ROOT / "deploy" / "monitoring"
 HEADER = (
@@ -29,8 +31,15 @@ def _dump(docs: list[dict]) -> str:
     return "---\n".join(yaml.safe_dump(d, sort_keys=False, width=1000) for d in docs)
 
 
-def prometheus_rule() -> str:
+def rules_spec() -> dict:
+    """The PrometheusRule's spec: the groups of alerts.yml, then those of cluster.yml."""
     spec = yaml.safe_load(RULES.read_text())
+    spec["groups"] += yaml.safe_load(CLUSTER_RULES.read_text())["groups"]
+    return spec
+
+
+def prometheus_rule() -> str:
+    spec = rules_spec()
     doc = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
@@ -44,7 +53,8 @@ def prometheus_rule() -> str:
         },
         "spec": spec,
     }
-    return HEADER.format(src="dashboards/prometheus/alerts.yml") + _dump([doc])
+    src = "dashboards/prometheus/alerts.yml and cluster.yml"
+    return HEADER.format(src=src) + _dump([doc])
 
 
 def dashboard_configmaps() -> str:

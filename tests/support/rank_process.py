@@ -3,7 +3,11 @@ what a real rank would say, and (with --record-dir) the real shared-memory liven
 tests freeze one rank with SIGSTOP without starting vLLM.
 
     python -m tests.support.rank_process ADDRESS --engine E --tp 1 --tp-size 2 [--in-collective]
-        [--record-dir DIR] [--hold-gil-after S]
+        [--record-dir DIR] [--hold-gil-after S] [--node NAME] [--enter-on-usr1] [--seq-done N]
+
+`--enter-on-usr1`: heartbeats say "in all_reduce on tp, seq 31" from the moment SIGUSR1 arrives
+(a peer that starts waiting when the test says so). `--seq-done N`: the first batch reports
+collectives on tp up to seq N (what a rank that ran before would have sent).
 
 `--hold-gil-after S`: S seconds after the stream is up, the main thread calls libc `sleep()`
 through `ctypes.PyDLL`, which (unlike `ctypes.CDLL`) does not release the GIL around the call
@@ -44,19 +48,33 @@ def main() -> None:
     parser.add_argument(
         "--hold-gil-after", type=float, default=None, help="then hold the GIL in a C sleep"
     )
+    parser.add_argument("--node", default="test-node", help="the hostname it reports")
+    parser.add_argument("--enter-on-usr1", action="store_true",
+                        help="on SIGUSR1, enter all_reduce on tp, seq 31, and stay (heartbeats)")  # fmt: skip
+    parser.add_argument("--seq-done", type=int, default=0,
+                        help="the first batch reports collectives on tp up to this seq")  # fmt: skip
     args = parser.parse_args()
     started = time.perf_counter_ns()
     rank = guard_pb2.RankInfo(
         run_id=args.run_id, engine=args.engine, tp_rank=args.tp, tp_size=args.tp_size, dp_size=1,
-        pp_size=1, node="test-node", pid=__import__("os").getpid(), runner="tests.RankProcess",
+        pp_size=1, node=args.node, pid=__import__("os").getpid(), runner="tests.RankProcess",
     )  # fmt: skip
 
+    entered = [started if args.in_collective else 0]
+    pending_seqs = [args.seq_done] if args.seq_done else []
+
     def fill(batch: guard_pb2.Batch, with_heartbeat: bool) -> None:
-        if with_heartbeat and args.in_collective:
+        if pending_seqs:
+            cw = batch.collective_waves.add(
+                wave=WAVE - 1, first_arrival_unix_nano=time.time_ns(), wait_ns=1_000_000
+            )
+            cw.stats.add(op="all_reduce", group="tp", backend="shm", dtype="float32",
+                         calls=pending_seqs[0], first_seq=1, last_seq=pending_seqs.pop())  # fmt: skip
+        if with_heartbeat and entered[0]:
             hb = batch.heartbeat
             hb.collective_op, hb.collective_group, hb.collective_seq = "all_reduce", "tp", SEQ
             hb.collective_backend = "shm"
-            hb.collective_age_ns = time.perf_counter_ns() - started
+            hb.collective_age_ns = time.perf_counter_ns() - entered[0]
 
     streamer = Streamer(
         args.address, rank, buffer_size=64, batch_max=16, flush_interval_s=0.02,
@@ -72,6 +90,8 @@ def main() -> None:
             record.enter("all_reduce", "tp", SEQ, started)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
+    if args.enter_on_usr1:
+        signal.signal(signal.SIGUSR1, lambda *_: entered.__setitem__(0, time.perf_counter_ns()))
     streamer.start()
     print("started", flush=True)
     if args.hold_gil_after is not None:

@@ -156,7 +156,7 @@ def test_generated_files_match_dashboards():
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_prometheus_rule_is_the_rules_file(overlay):
     rule = one(render(overlay), "PrometheusRule")
-    assert rule["spec"] == yaml.safe_load(render_deploy.RULES.read_text())
+    assert rule["spec"] == render_deploy.rules_spec()
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
