@@ -117,6 +117,7 @@ def metric_rows() -> list[tuple[str, ...]]:
     from telemetry.export import ExportSettings, OtlpExporter
     from telemetry.metrics import SidecarMetrics
     from telemetry.pipeline import BoundedQueue, Drops
+    from telemetry.store import StoreMetrics
 
     registry = CollectorRegistry()
     SidecarMetrics(registry)
@@ -124,6 +125,7 @@ def metric_rows() -> list[tuple[str, ...]]:
     drops = Drops(registry)  # the record path's own families (telemetry/pipeline.py, export.py)
     BoundedQueue(1, drops, registry)
     OtlpExporter(ExportSettings("http://localhost:4317"), drops, registry, "docs").close()
+    StoreMetrics(registry)  # the store's health (telemetry/store.py)
     rows = []
     for collector, names in getattr(registry, "_collector_to_names", {}).items():
         if not hasattr(collector, "_name"):  # a custom Collector: its families name themselves
