@@ -75,7 +75,7 @@ class BatchSink(Protocol):
 class SinkHealth(Protocol):
     """Optional hooks of a sink that tracks its own health (telemetry/store.py's `Store`)."""
 
-    def write_started(self) -> None: ...
+    def write_started(self, items: Sequence[Item]) -> None: ...
 
     def write_failed(self, exc: BaseException, records: int) -> str:
         """Undo what the failed write left behind; return the drop reason (a fixed set)."""
@@ -231,7 +231,10 @@ class Writer:
         for sink in self.sinks:
             started = getattr(sink, "write_started", None)
             if started is not None:
-                started()
+                try:
+                    started(items)
+                except Exception:  # noqa: BLE001 - a hook must not cost the write
+                    log.exception("sink_start_hook_failed", stage=sink.stage)
             try:
                 sink.write(items)
             except Exception as exc:  # noqa: BLE001 - one sink's failure loses only its write

@@ -385,6 +385,9 @@ class Store:
         self.degraded_since = 0.0
         self.lost_while_degraded = 0
         self._counts_before_write = (0, 0)
+        # waves missing between a rank's last stored wave and the first this process receives
+        self.restart_gap_waves = 0
+        self._gap_checked: set[tuple] = set()
 
     # -- dimensions -----------------------------------------------------------------------
     def _run_id(self, run_id: str) -> int:
@@ -483,8 +486,48 @@ class Store:
             self.prune()
 
     # -- the write error path (called by the writer around `write`) ---------------------------
-    def write_started(self) -> None:
+    def write_started(self, items: Sequence[Item] = ()) -> None:
         self._counts_before_write = (self.stored_waves, self.ignored_waves)
+        for item in items:
+            if item.records:
+                self._check_restart_gap(item)
+
+    def _check_restart_gap(self, item: Item) -> None:
+        """Once per rank and process: count the waves between the last one the store holds and
+        the first this sidecar receives. A sidecar that was killed loses what it had accepted
+        and not yet written (the worker thinks it delivered it); this makes that loss seen."""
+        rank = item.source.rank
+        key = (rank.run_id, item.source.engine, rank.dp_rank, rank.tp_rank, rank.pp_rank)
+        if key in self._gap_checked:
+            return
+        self._gap_checked.add(key)
+        try:
+            with self._lock:
+                row = self._conn.execute(
+                    "SELECT MAX(b.last_wave) FROM wave_blocks b JOIN ranks r ON r.id = b.rank "
+                    "JOIN runs u ON u.id = r.run WHERE u.run_id = ? AND r.engine = ? AND r.dp = ? "
+                    "AND r.tp = ? AND r.pp = ?",
+                    key,
+                ).fetchone()
+        except sqlite3.Error:
+            return  # the write itself will find and count what is wrong
+        last_stored = row[0] if row else None
+        first = min(item.batch.wave_columns.wave)
+        if last_stored is None or first <= last_stored + 1:
+            return
+        gap = first - last_stored - 1
+        self.restart_gap_waves += gap
+        log.warning(
+            "store_restart_gap",
+            engine=item.source.engine,
+            dp=rank.dp_rank,
+            tp=rank.tp_rank,
+            pp=rank.pp_rank,
+            last_stored_wave=last_stored,
+            first_received_wave=first,
+            missing_waves=gap,
+            why="lost with a sidecar that stopped before writing them, or dropped by the worker",
+        )
 
     def write_failed(self, exc: BaseException, records: int) -> str:
         """Roll back the failed write, enter the degraded state; return the drop reason."""
@@ -604,6 +647,14 @@ class StoreMetrics(Collector):
         )
         committed.add_metric([], float(store.stored_waves if store is not None else 0))
         yield committed
+        gap = CounterMetricFamily(
+            "ascend_guard_store_restart_gap_records",
+            "Waves missing between a rank's last stored wave and the first this sidecar received: "
+            "lost with a previous sidecar that was killed before writing them, or dropped by the "
+            "worker (those are in ascend_guard_records_dropped_total too).",
+        )
+        gap.add_metric([], float(store.restart_gap_waves if store is not None else 0))
+        yield gap
         moved = CounterMetricFamily(
             "ascend_guard_store_moved_aside",
             "Store files this sidecar found unusable at start and moved aside (<store>.corrupt-*).",
