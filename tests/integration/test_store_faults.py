@@ -351,3 +351,42 @@ def test_kill_9_during_writes_loses_no_committed_row(tmp_path, sock_dir) -> None
         conn.close()
     assert stored_waves(store) > in_store
     print(f"kill -9: {before_kill:.0f} reported committed, {in_store} in the reopened store")
+
+
+def test_a_restarted_sidecar_counts_the_waves_missing_after_a_ranks_last_stored_wave(
+    tmp_path, sock_dir
+) -> None:
+    """Waves 1-40 stored by one sidecar; a second one, on the same store, first receives wave 71
+    from the same rank: 30 waves are counted in ascend_guard_store_restart_gap_records_total and
+    named in a `store_restart_gap` line. A rank that simply goes on counts nothing."""
+    store = tmp_path / "store.db"
+    address = f"unix://{sock_dir / 'guard.sock'}"
+    first = SidecarProcess.start(tmp_path, address=address, store_path=store, extra_args=JSON_LOG)
+    try:
+        send_waves(first.address, engine="gap", ranks=((0, 0, 0),), waves=40, run_id="run-gap")
+        first.wait_for(lambda t: value(t, "ascend_guard_store_committed_records_total") == 40)
+    finally:
+        first.stop()
+    second = SidecarProcess.start(tmp_path, address=address, store_path=store, extra_args=JSON_LOG)
+    try:
+        streamers = [
+            make_streamer(address, engine="gap", rank=(0, tp, 0), run_id="run-gap", pid=4000 + tp)
+            for tp in range(2)
+        ]
+        for n in range(71, 81):  # tp0 lost 41-70; tp1 is new to the store
+            streamers[0].offer(wave_tuple(n))
+            streamers[1].offer(wave_tuple(n - 70))
+        for streamer in streamers:
+            streamer.start()
+        text = second.wait_for(
+            lambda t: value(t, "ascend_guard_store_committed_records_total") == 20
+        )
+        for streamer in streamers:
+            streamer.stop()
+        assert value(text, "ascend_guard_store_restart_gap_records_total") == 30
+        gaps = log_events(second, "store_restart_gap")
+        assert [(g["tp"], g["last_stored_wave"], g["first_received_wave"]) for g in gaps] == [
+            (0, 40, 71)
+        ], gaps
+    finally:
+        second.stop()
