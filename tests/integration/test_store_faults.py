@@ -245,6 +245,11 @@ def test_a_full_disk_degrades_the_store_and_writing_resumes_when_space_returns(
         assert drops == store_drops  # nothing shed anywhere else
         assert stored_waves(store) == committed
         assert committed + drops == sent, (committed, drops, sent)
+        print(
+            f"disk full: sent {sent}, committed {committed:.0f}, counted as dropped (disk_full) "
+            f"{drops:.0f}; store_resumed lost_records={resumed[0]['lost_records']} "
+            f"after {resumed[0]['degraded_s']} s degraded"
+        )
 
 
 # -- a corrupt or truncated store file --------------------------------------------------------------
