@@ -197,7 +197,7 @@ def test_a_full_disk_degrades_the_store_and_writing_resumes_when_space_returns(
                         stage="store",
                         reason="disk_full",
                     )
-                    > dropped_then + 100
+                    > dropped_then + 1000
                 ),
                 20,
                 "more records counted as dropped by the full store",
