@@ -503,10 +503,12 @@ class Store:
         self._gap_checked.add(key)
         try:
             with self._lock:
+                # the block with the highest first wave, found through the (rank, first_wave)
+                # index: no scan of the rank's day of blocks
                 row = self._conn.execute(
-                    "SELECT MAX(b.last_wave) FROM wave_blocks b JOIN ranks r ON r.id = b.rank "
-                    "JOIN runs u ON u.id = r.run WHERE u.run_id = ? AND r.engine = ? AND r.dp = ? "
-                    "AND r.tp = ? AND r.pp = ?",
+                    "SELECT b.last_wave FROM ranks r JOIN runs u ON u.id = r.run "
+                    "JOIN wave_blocks b ON b.rank = r.id WHERE u.run_id = ? AND r.engine = ? "
+                    "AND r.dp = ? AND r.tp = ? AND r.pp = ? ORDER BY b.first_wave DESC LIMIT 1",
                     key,
                 ).fetchone()
         except sqlite3.Error:
