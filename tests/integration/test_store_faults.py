@@ -342,7 +342,11 @@ def test_kill_9_during_writes_loses_no_committed_row(tmp_path, sock_dir) -> None
         assert not log_events(restarted, "store_moved_aside"), restarted.log()
         in_store = stored_waves(store)
         assert in_store >= before_kill
-        # the workers keep streaming into the restarted sidecar, on the same store
+        # the workers keep streaming into the restarted sidecar, on the same store (new waves:
+        # what was buffered at the kill may all have gone into the dead stream)
+        for n in range(feeder.offered + 1, feeder.offered + 11):
+            for streamer in feeder.streamers:
+                streamer.offer(wave_tuple(n))
         restarted.wait_for(
             lambda t: value(t, "ascend_guard_store_committed_records_total") > 0, timeout=20
         )
