@@ -8,7 +8,9 @@
 
 A sink is anything with `write(items)` and `close()` (`BatchSink`); the writer hands each one
 every batch in order and isolates their failures: a sink that raises loses that write (counted
-by stage and reason), the others and the next batches go on. Liveness never waits here.
+by stage and reason), the others and the next batches go on. Liveness never waits here. A sink
+may also follow its own health (`SinkHealth`, the store's degraded state): the writer tells it
+when a write starts, fails (the sink names the drop reason) and succeeds.
 
 Every place that sheds records counts them in `ascend_guard_pipeline_dropped_records_total`
 by `stage` and `reason`, so that sent = stored + counted drops.
@@ -27,6 +29,7 @@ import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from telemetry.proto import guard_pb2
+from telemetry.ratelimit import RateLimitedLog
 
 log = structlog.get_logger("ascend_guard.pipeline")
 
@@ -67,6 +70,18 @@ class BatchSink(Protocol):
     def write(self, items: Sequence[Item]) -> None: ...
 
     def close(self) -> None: ...
+
+
+class SinkHealth(Protocol):
+    """Optional hooks of a sink that tracks its own health (telemetry/store.py's `Store`)."""
+
+    def write_started(self, items: Sequence[Item]) -> None: ...
+
+    def write_failed(self, exc: BaseException, records: int) -> str:
+        """Undo what the failed write left behind; return the drop reason (a fixed set)."""
+        ...
+
+    def write_done(self) -> None: ...
 
 
 class Drops:
@@ -172,6 +187,8 @@ class Writer:
         self._thread: threading.Thread | None = None
         self.batches = 0
         self.records = 0
+        # a sink that fails every write (a full disk) would otherwise log at the write rate
+        self._failure_log = RateLimitedLog(log.error, burst=5, window_s=60.0)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="ascend-guard-writer", daemon=True)
@@ -212,10 +229,34 @@ class Writer:
     def write(self, items: Sequence[Item]) -> None:
         records = sum(item.records for item in items)
         for sink in self.sinks:
+            started = getattr(sink, "write_started", None)
+            if started is not None:
+                try:
+                    started(items)
+                except Exception:  # noqa: BLE001 - a hook must not cost the write
+                    log.exception("sink_start_hook_failed", stage=sink.stage)
             try:
                 sink.write(items)
             except Exception as exc:  # noqa: BLE001 - one sink's failure loses only its write
-                self.drops.add(sink.stage, type(exc).__name__, records)
-                log.exception("sink_write_failed", stage=sink.stage, batches=len(items))
+                failed = getattr(sink, "write_failed", None)
+                reason = type(exc).__name__
+                if failed is not None:
+                    try:
+                        reason = failed(exc, records)
+                    except Exception:  # noqa: BLE001 - the drop is counted regardless
+                        log.exception("sink_failure_hook_failed", stage=sink.stage)
+                self.drops.add(sink.stage, reason, records)
+                self._failure_log(
+                    "sink_write_failed",
+                    kind=f"{sink.stage}:{reason}",
+                    stage=sink.stage,
+                    reason=reason,
+                    batches=len(items),
+                    error=f"{type(exc).__name__}: {exc}",
+                )
+            else:
+                done = getattr(sink, "write_done", None)
+                if done is not None:
+                    done()
         self.batches += len(items)
         self.records += records

@@ -40,7 +40,13 @@ from telemetry.pipeline import (
 )
 from telemetry.rank_gauges import RankGauges
 from telemetry.roster import DEFAULT_LINGER_S, EngineRoster
-from telemetry.store import DEFAULT_MAX_BYTES, DEFAULT_RETENTION_S, Store
+from telemetry.store import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_RETENTION_S,
+    Store,
+    StoreMetrics,
+    prepare_store,
+)
 from telemetry.tempo_api import TempoApiServer
 from telemetry.transport import (
     ServerSecurity,
@@ -186,6 +192,11 @@ class Sidecar:
         self.settings = settings
         self.metrics = SidecarMetrics()
         self.drops = Drops(self.metrics.registry)
+        # a store file SQLite cannot use is moved aside before anything opens it: the sidecar
+        # starts on a fresh store rather than not at all (telemetry/store.py)
+        self.store_moved_to = prepare_store(settings.store) if settings.store else None
+        self.store_metrics = StoreMetrics(self.metrics.registry)
+        self.store_metrics.moved_aside = int(self.store_moved_to is not None)
         self.incidents = IncidentLedger(
             settings.store,
             counter=self.metrics.incidents,
@@ -206,6 +217,7 @@ class Sidecar:
         self.metrics.registry.register(self.rank_gauges)
         self.queue = BoundedQueue(settings.queue_bytes, self.drops, self.metrics.registry)
         self.store, self.exporter, sinks = self._build_sinks()
+        self.store_metrics.store = self.store
         self.writer = Writer(self.queue, sinks, self.drops)
         self.ingest = IngestService(
             self.metrics,

@@ -33,13 +33,23 @@ Retention: rows older than `retention_s` are deleted, and while the file's used 
 minute is deleted; both delete whole time buckets of `BUCKET_NS`, oldest first. Freed pages are
 reused by later inserts, so the file stays near the cap. The default cap holds the default 24 h
 of a 16-rank node at 200 steps/s per rank (see DEFAULT_MAX_BYTES).
+
+Faults (docs/operations.md): at start the sidecar checks the file (`prepare_store`: header,
+truncation, a time-boxed `PRAGMA quick_check`); a file SQLite cannot use is moved aside to
+`<store>.corrupt-<UTC time>` (with its -wal and -shm) and a fresh store begins. A write that
+fails (disk full, I/O error, corruption found later) is rolled back and its records are counted
+as dropped with a reason (`disk_full`, `io_error`, `corrupt`, ...); the store is then degraded
+(`ascend_guard_store_degraded` 1, one `store_degraded` log line) until a write succeeds again
+(`store_resumed`). Serving, liveness and /metrics never wait on any of this.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import sqlite3
+import struct
 import threading
 import time
 import zlib
@@ -48,6 +58,9 @@ from pathlib import Path
 
 import numpy as np
 import structlog
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from telemetry.collective_columns import columns_of, to_waves
 from telemetry.pipeline import STAGE_STORE, Item
@@ -64,6 +77,10 @@ DEFAULT_RETENTION_S = 24 * 3600.0
 DEFAULT_MAX_BYTES = 16 * 1024**3
 BUCKET_NS = 60 * 10**9
 PAGE_SIZE = 4096
+# time the start-up integrity check may take: a whole 16 GiB store takes minutes to check, and
+# the ranks' records are dropped while the sidecar is not up; the header and size checks are O(1)
+DEFAULT_CHECK_BUDGET_S = 2.0
+_SQLITE_MAGIC = b"SQLite format 3\x00"
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS runs (
@@ -138,6 +155,90 @@ def default_store_path() -> str:
     return paths.default_store()
 
 
+def store_file_problem(
+    path: str | os.PathLike, *, check_budget_s: float = DEFAULT_CHECK_BUDGET_S
+) -> str | None:
+    """Why the file at `path` cannot be used as a store, or None (also for no file at all).
+
+    O(1) checks first (the SQLite header, the file shorter than its header says), then
+    `PRAGMA quick_check` for at most `check_budget_s` (a check cut short is no verdict).
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return None
+    if size == 0:
+        return None  # SQLite's own empty database
+    with open(path, "rb") as handle:
+        header = handle.read(100)
+    if len(header) < 100 or not header.startswith(_SQLITE_MAGIC):
+        return (
+            f"not an SQLite database (header of {len(header)} bytes does not start with its magic)"
+        )
+    (page_size,) = struct.unpack(">H", header[16:18])
+    page_size = 65536 if page_size == 1 else page_size
+    (change, pages) = struct.unpack(">II", header[24:32])
+    (valid_for,) = struct.unpack(">I", header[92:96])
+    wal = Path(f"{path}-wal")
+    wal_pending = wal.exists() and wal.stat().st_size > 0  # a checkpoint cut short extends it
+    if valid_for == change and pages and size < pages * page_size and not wal_pending:
+        return f"truncated: its header says {pages * page_size} bytes, the file has {size}"
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5.0)
+    except sqlite3.Error as exc:
+        return f"SQLite cannot open it: {exc}"
+    deadline = time.monotonic() + check_budget_s
+    conn.set_progress_handler(lambda: int(time.monotonic() > deadline), 10_000)
+    try:
+        rows = [row[0] for row in conn.execute("PRAGMA quick_check(5)")]
+    except sqlite3.OperationalError as exc:
+        if "interrupted" in str(exc):
+            log.info("store_check_cut_short", path=str(path), budget_s=check_budget_s)
+            return None
+        return f"SQLite cannot read it: {exc}"
+    except sqlite3.DatabaseError as exc:
+        return f"SQLite cannot read it: {exc}"
+    finally:
+        conn.close()
+    if rows != ["ok"]:
+        return "integrity check failed: " + "; ".join(map(str, rows))
+    return None
+
+
+def move_aside(path: str | os.PathLike, *, now: float | None = None) -> Path:
+    """Rename the store (and its -wal, -shm) to `<store>.corrupt-<UTC time>`; return the name."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+    target = Path(f"{path}.corrupt-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = Path(f"{path}.corrupt-{stamp}-{n}")
+    for suffix in ("-wal", "-shm", ""):
+        source = Path(f"{path}{suffix}")
+        if source.exists():
+            os.replace(source, f"{target}{suffix}")
+    return target
+
+
+def prepare_store(
+    path: str | os.PathLike, *, check_budget_s: float = DEFAULT_CHECK_BUDGET_S
+) -> Path | None:
+    """Check the store file before the sidecar opens it; move a bad one aside (returns where)."""
+    problem = store_file_problem(path, check_budget_s=check_budget_s)
+    if problem is None:
+        return None
+    moved = move_aside(path)
+    log.error(
+        "store_moved_aside",
+        path=str(path),
+        moved_to=str(moved),
+        problem=problem,
+        action="starting a fresh store; the old file is kept for inspection",
+    )
+    return moved
+
+
 def connect(path: str | os.PathLike, *, readonly: bool = False) -> sqlite3.Connection:
     """Open the store; read-only connections fail clearly when the file does not exist."""
     path = Path(path)
@@ -156,6 +257,27 @@ def connect(path: str | os.PathLike, *, readonly: bool = False) -> sqlite3.Conne
         conn.executescript(SCHEMA)
     conn.row_factory = sqlite3.Row
     return conn
+
+
+def failure_reason(exc: BaseException) -> str:
+    """The drop reason of a failed store write (a label value from a fixed set)."""
+    if isinstance(exc, sqlite3.Error):
+        name = getattr(exc, "sqlite_errorname", "") or ""
+        text = str(exc).lower()
+        if name.startswith("SQLITE_FULL") or "disk is full" in text:
+            return "disk_full"
+        if name.startswith(("SQLITE_CORRUPT", "SQLITE_NOTADB")) or "malformed" in text:
+            return "corrupt"
+        if name.startswith("SQLITE_IOERR") or "disk i/o error" in text:
+            return "io_error"
+        if name.startswith(("SQLITE_BUSY", "SQLITE_LOCKED")) or "locked" in text:
+            return "busy"
+        if name.startswith(("SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_PERM")):
+            return "not_writable"
+        return "sqlite_error"
+    if isinstance(exc, OSError):
+        return "io_error"
+    return "error"
 
 
 def _signed(value: int) -> int:
@@ -292,6 +414,14 @@ class Store:
         self._ranks: dict[tuple, int] = {}
         self.stored_waves = 0
         self.ignored_waves = 0  # sent again: already stored
+        # the write error path (write_started / write_failed / write_done, telemetry/pipeline.py)
+        self.degraded_reason = ""  # "" while writes succeed
+        self.degraded_since = 0.0
+        self.lost_while_degraded = 0
+        self._counts_before_write = (0, 0)
+        # waves missing between a rank's last stored wave and the first this process receives
+        self.restart_gap_waves = 0
+        self._gap_checked: set[tuple] = set()
 
     # -- dimensions -----------------------------------------------------------------------
     def _run_id(self, run_id: str) -> int:
@@ -390,6 +520,88 @@ class Store:
         if time.monotonic() - self._last_prune >= self._prune_every_s:
             self.prune()
 
+    # -- the write error path (called by the writer around `write`) ---------------------------
+    def write_started(self, items: Sequence[Item] = ()) -> None:
+        self._counts_before_write = (self.stored_waves, self.ignored_waves)
+        for item in items:
+            if item.records:
+                self._check_restart_gap(item)
+
+    def _check_restart_gap(self, item: Item) -> None:
+        """Once per rank and process: count the waves between the last one the store holds and
+        the first this sidecar receives. A sidecar that was killed loses what it had accepted
+        and not yet written (the worker thinks it delivered it); this makes that loss seen."""
+        rank = item.source.rank
+        key = (rank.run_id, item.source.engine, rank.dp_rank, rank.tp_rank, rank.pp_rank)
+        if key in self._gap_checked:
+            return
+        self._gap_checked.add(key)
+        try:
+            with self._lock:
+                # the block with the highest first wave, found through the (rank, first_wave)
+                # index: no scan of the rank's day of blocks
+                row = self._conn.execute(
+                    "SELECT b.last_wave FROM ranks r JOIN runs u ON u.id = r.run "
+                    "JOIN wave_blocks b ON b.rank = r.id WHERE u.run_id = ? AND r.engine = ? "
+                    "AND r.dp = ? AND r.tp = ? AND r.pp = ? ORDER BY b.first_wave DESC LIMIT 1",
+                    key,
+                ).fetchone()
+        except sqlite3.Error:
+            return  # the write itself will find and count what is wrong
+        last_stored = row[0] if row else None
+        first = min(item.batch.wave_columns.wave)
+        if last_stored is None or first <= last_stored + 1:
+            return
+        gap = first - last_stored - 1
+        self.restart_gap_waves += gap
+        log.warning(
+            "store_restart_gap",
+            engine=item.source.engine,
+            dp=rank.dp_rank,
+            tp=rank.tp_rank,
+            pp=rank.pp_rank,
+            last_stored_wave=last_stored,
+            first_received_wave=first,
+            missing_waves=gap,
+            why="lost with a sidecar that stopped before writing them, or dropped by the worker",
+        )
+
+    def write_failed(self, exc: BaseException, records: int) -> str:
+        """Roll back the failed write, enter the degraded state; return the drop reason."""
+        reason = failure_reason(exc)
+        with self._lock:
+            with contextlib.suppress(sqlite3.Error):
+                self._conn.rollback()
+            # rows of a rolled-back transaction are gone: their keys must be looked up again
+            self._runs.clear()
+            self._ranks.clear()
+            self.stored_waves, self.ignored_waves = self._counts_before_write
+        if not self.degraded_reason:
+            self.degraded_since = time.monotonic()
+            log.error(
+                "store_degraded",
+                path=self.path,
+                reason=reason,
+                error=str(exc),
+                action="records are counted as dropped (stage=store) until a write succeeds",
+            )
+        self.degraded_reason = reason
+        self.lost_while_degraded += records
+        return reason
+
+    def write_done(self) -> None:
+        if not self.degraded_reason:
+            return
+        log.warning(
+            "store_resumed",
+            path=self.path,
+            reason=self.degraded_reason,
+            lost_records=self.lost_while_degraded,
+            degraded_s=round(time.monotonic() - self.degraded_since, 3),
+        )
+        self.degraded_reason = ""
+        self.lost_while_degraded = 0
+
     # -- retention --------------------------------------------------------------------------
     def used_bytes(self) -> int:
         """Bytes of the file in use: (page_count - freelist_count) x page_size."""
@@ -422,13 +634,16 @@ class Store:
         cutoff = (now_ns if now_ns is not None else time.time_ns()) - int(self.retention_s * 1e9)
         removed = 0
         with self._lock:
-            oldest = self._oldest_ns()
-            while oldest is not None and oldest < cutoff:
-                removed += self._delete_before(min(cutoff, oldest + BUCKET_NS))
+            try:
                 oldest = self._oldest_ns()
-            while oldest is not None and self.used_bytes() > self.max_bytes:
-                removed += self._delete_before(oldest + BUCKET_NS)
-                oldest = self._oldest_ns()
+                while oldest is not None and oldest < cutoff:
+                    removed += self._delete_before(min(cutoff, oldest + BUCKET_NS))
+                    oldest = self._oldest_ns()
+                while oldest is not None and self.used_bytes() > self.max_bytes:
+                    removed += self._delete_before(oldest + BUCKET_NS)
+                    oldest = self._oldest_ns()
+            except sqlite3.Error as exc:  # a delete needs WAL space too; the next prune retries
+                log.warning("store_prune_failed", reason=failure_reason(exc), error=str(exc))
         if removed:
             log.info("store_pruned", removed_rows=removed)
         return removed
@@ -436,6 +651,46 @@ class Store:
     def close(self) -> None:
         with self._lock:
             self._conn.close()
+
+
+class StoreMetrics(Collector):
+    """The store's health on /metrics, read from the sidecar's `Store` at scrape time."""
+
+    def __init__(self, registry: CollectorRegistry | None, store: Store | None = None) -> None:
+        self.store = store
+        self.moved_aside = 0
+        if registry is not None:
+            registry.register(self)
+
+    def collect(self):
+        store = self.store
+        degraded = GaugeMetricFamily(
+            "ascend_guard_store_degraded",
+            "1 while the store cannot write (disk full, I/O error, corruption); its records are "
+            'counted in ascend_guard_pipeline_dropped_records_total{stage="store"}.',
+        )
+        degraded.add_metric([], 1.0 if store is not None and store.degraded_reason else 0.0)
+        yield degraded
+        committed = CounterMetricFamily(
+            "ascend_guard_store_committed_records",
+            "Wave records committed to the store by this sidecar (a batch sent again counts once).",
+        )
+        committed.add_metric([], float(store.stored_waves if store is not None else 0))
+        yield committed
+        gap = CounterMetricFamily(
+            "ascend_guard_store_restart_gap_records",
+            "Waves missing between a rank's last stored wave and the first this sidecar received: "
+            "lost with a previous sidecar that was killed before writing them, or dropped by the "
+            "worker (those are in ascend_guard_records_dropped_total too).",
+        )
+        gap.add_metric([], float(store.restart_gap_waves if store is not None else 0))
+        yield gap
+        moved = CounterMetricFamily(
+            "ascend_guard_store_moved_aside",
+            "Store files this sidecar found unusable at start and moved aside (<store>.corrupt-*).",
+        )
+        moved.add_metric([], float(self.moved_aside))
+        yield moved
 
 
 # -- reads (the CLI, the exporter's look-ups) ---------------------------------------------------

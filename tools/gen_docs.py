@@ -118,6 +118,7 @@ def metric_rows() -> list[tuple[str, ...]]:
     from telemetry.metrics import SidecarMetrics
     from telemetry.pipeline import BoundedQueue, Drops
     from telemetry.rank_gauges import RankGauges
+    from telemetry.store import StoreMetrics
     from telemetry.tempo_api.server import refused_counter
 
     registry = CollectorRegistry()
@@ -128,6 +129,7 @@ def metric_rows() -> list[tuple[str, ...]]:
     BoundedQueue(1, drops, registry)
     OtlpExporter(ExportSettings("http://localhost:4317"), drops, registry, "docs").close()
     refused_counter(registry)  # the query API's (telemetry/tempo_api/server.py)
+    StoreMetrics(registry)  # the store's health (telemetry/store.py)
     rows = []
     for collector, names in getattr(registry, "_collector_to_names", {}).items():
         if not hasattr(collector, "_name"):  # a custom Collector: its families name themselves

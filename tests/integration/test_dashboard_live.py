@@ -144,13 +144,15 @@ def test_every_dashboard_query_runs_against_live_sidecar(sidecar, prometheus_for
             problems.append(f"{name}: declared as {types[family]}, expected {_expected_type(name)}")
     assert not problems, "\n".join(problems)
     # every series a rank made is per DP rank (sidecar-wide families have no rank: ingest and
-    # token refusals, the record path's queue, drops by stage, OTLP decisions, rank gauges left out)
+    # token refusals, the record path's queue, drops by stage, OTLP decisions, rank gauges left
+    # out, the store's health)
     sidecar_wide = (
         "ascend_guard_ingest_rejected",
         "ascend_guard_auth_refused",
         "ascend_guard_pipeline_",
         "ascend_guard_otlp_records",
         "ascend_guard_rank_gauges_omitted",
+        "ascend_guard_store_",
     )
     no_dp = sorted(
         {
