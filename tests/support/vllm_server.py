@@ -100,14 +100,19 @@ class VllmServer:
         except OSError:
             return ""
 
-    def complete(self, prompt: str, max_tokens: int = 16, **params: Any) -> dict[str, Any]:
+    def _completion(self, prompt: Any, max_tokens: int, params: dict[str, Any]) -> Any:
+        """POST /v1/completions (greedy, EOS ignored, token ids returned unless `params` say
+        otherwise); the open response."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "return_token_ids": True, **params}  # fmt: skip
         req = urllib.request.Request(
             f"{self.base}/v1/completions", data=json.dumps(body).encode(),
             headers={"Content-Type": "application/json"},
         )  # fmt: skip
-        with urllib.request.urlopen(req, timeout=120) as resp:
+        return urllib.request.urlopen(req, timeout=120)
+
+    def complete(self, prompt: str, max_tokens: int = 16, **params: Any) -> dict[str, Any]:
+        with self._completion(prompt, max_tokens, params) as resp:
             return json.loads(resp.read())
 
     def complete_streamed(
@@ -117,14 +122,8 @@ class VllmServer:
 
         Returns the shape `complete` does (id, choices[0].token_ids), so `token_ids` reads both.
         """
-        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True, "stream": True, **params}  # fmt: skip
-        req = urllib.request.Request(
-            f"{self.base}/v1/completions", data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
-        )  # fmt: skip
         response_id, tokens = "", []
-        with urllib.request.urlopen(req, timeout=120) as resp:
+        with self._completion(prompt, max_tokens, {"stream": True, **params}) as resp:
             for line in resp:
                 text = line.decode().strip()
                 if not text.startswith("data: ") or text == "data: [DONE]":
