@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.ascend-guard-installed
 
-.PHONY: all deps venv prometheus deploy-tools deploy-render docs demo test test-fast lint format proto bench clean
+.PHONY: all deps venv prometheus deploy-tools deploy-render dashboards dashboard-schema docs demo test test-fast lint format proto bench clean
 
 all: test
 
@@ -35,11 +35,24 @@ deploy-tools:
 deploy-render: $(STAMP)
 	$(PY) tools/render_deploy.py
 
+# regenerate the five focused dashboards from the overview (tools/gen_dashboards.py), then deploy/
+dashboards: $(STAMP)
+	$(PY) tools/gen_dashboards.py
+	$(PY) tools/render_deploy.py
+
+# @grafana/schema and typescript (pinned by the lockfile) for the dashboards' schema check
+SCHEMA_STAMP := tools/dashboard-schema/node_modules/.package-lock.json
+dashboard-schema: $(SCHEMA_STAMP)
+
+$(SCHEMA_STAMP): tools/dashboard-schema/package-lock.json $(STAMP)
+	$(PY) tools/dashboard_schema.py install
+	touch $@
+
 # regenerate the config, metrics and compatibility tables of docs/ and README from the code
 docs: $(STAMP)
 	$(PY) tools/gen_docs.py
 
-deps: $(STAMP) prometheus deploy-tools
+deps: $(STAMP) prometheus deploy-tools dashboard-schema
 
 demo: $(STAMP)
 	$(PY) tools/demo.py $(DEMO_ARGS)

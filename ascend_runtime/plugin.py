@@ -59,7 +59,7 @@ def _hook_engine_config() -> None:
 
     def create_engine_config(self, *args, **kwargs):
         vllm_config = original(self, *args, **kwargs)
-        on_engine_config(getattr(vllm_config, "additional_config", None))
+        on_engine_config(getattr(vllm_config, "additional_config", None), vllm_config)
         return vllm_config
 
     create_engine_config.__wrapped__ = original  # type: ignore[attr-defined]
@@ -67,7 +67,7 @@ def _hook_engine_config() -> None:
     _state["config_hook"] = True
 
 
-def on_engine_config(additional_config: Any) -> GuardConfig | None:
+def on_engine_config(additional_config: Any, vllm_config: Any = None) -> GuardConfig | None:
     """Validate the guard config of a new engine config; publish it and turn the guard on here.
 
     Turning it on in this process too matters when vLLM runs the engine in-process
@@ -84,24 +84,34 @@ def on_engine_config(additional_config: Any) -> GuardConfig | None:
     except GuardConfigError as exc:
         log.error("guard_config_invalid", error=str(exc))
         raise
-    publish(config)
+    publish(config, vllm_config)
     if config is not None:
         activate(config)
     return config
 
 
-def publish(config: GuardConfig | None) -> None:
+def publish(config: GuardConfig | None, vllm_config: Any = None) -> None:
     """Hand the resolved config (with its run id) to processes spawned from this one."""
     if config is None:
         os.environ.pop(RESOLVED_ENV, None)
         return
-    shared_run_id(config)
+    shared_run_id(config, vllm_config)
     os.environ[RESOLVED_ENV] = config.to_json()
 
 
-def shared_run_id(config: GuardConfig) -> str:
-    """The run id every process of this server uses: configured, inherited, or made here once."""
-    run_id = config.run_id or os.environ.get(RUN_ID_ENV) or uuid.uuid4().hex[:16]
+def shared_run_id(config: GuardConfig, vllm_config: Any = None) -> str:
+    """The run id every process of this engine uses: configured, inherited, derived from the
+    rendezvous all nodes of a multi-node engine share (ascend_runtime/ranks.py), or made here
+    once (one node: every process is spawned from this one and inherits it)."""
+    run_id = config.run_id or os.environ.get(RUN_ID_ENV)
+    if not run_id and vllm_config is not None:
+        from ascend_runtime.ranks import engine_label, rendezvous_run_id, shared_rendezvous
+
+        rendezvous = shared_rendezvous(getattr(vllm_config, "parallel_config", None))
+        if rendezvous:
+            run_id = rendezvous_run_id(engine_label(config, vllm_config), rendezvous)
+            log.info("run_id_from_rendezvous", run_id=run_id, rendezvous=rendezvous)
+    run_id = run_id or uuid.uuid4().hex[:16]
     os.environ[RUN_ID_ENV] = run_id
     return run_id
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import socket
@@ -25,6 +26,37 @@ def engine_label(config: GuardConfig, vllm_config: Any) -> str:
         name = name[0] if name else "default"
     name = os.path.basename(str(name).rstrip("/")) or "default"
     return re.sub(r"[^A-Za-z0-9_.:-]", "_", name)[:64]
+
+
+def shared_rendezvous(parallel_config: Any) -> str | None:
+    """Where the nodes of a multi-node engine meet, as every node's launch arguments give it;
+    None when one `vllm serve` runs the whole engine.
+
+    - TP/PP across nodes (`--nnodes N --node-rank R --master-addr A --master-port P`, one
+      `vllm serve` per node, the others `--headless`): every node is given A:P.
+    - DP engines started apart (`--data-parallel-size-local` below `--data-parallel-size`,
+      `--data-parallel-rank`, hybrid or external load balancing; vLLM allows it for MoE models
+      only, whose DP engines step in lockstep): every engine is given the DP coordinator's
+      `--data-parallel-address` and `--data-parallel-rpc-port`.
+    """
+    if parallel_config is None:
+        return None
+    parts = []
+    if int(getattr(parallel_config, "nnodes", 1) or 1) > 1:
+        addr = getattr(parallel_config, "master_addr", "")
+        parts.append(f"nodes={addr}:{getattr(parallel_config, 'master_port', '')}")
+    size = int(getattr(parallel_config, "data_parallel_size", 1) or 1)
+    local = getattr(parallel_config, "data_parallel_size_local", size)
+    if size > 1 and isinstance(local, int) and local < size:
+        addr = getattr(parallel_config, "data_parallel_master_ip", "")
+        port = getattr(parallel_config, "data_parallel_rpc_port", "")
+        parts.append(f"dp={addr}:{port}")
+    return ";".join(parts) or None
+
+
+def rendezvous_run_id(engine: str, rendezvous: str) -> str:
+    """The run id every node of one multi-node engine derives alike (docs/cross-node.md)."""
+    return "mn-" + hashlib.sha1(f"{engine}|{rendezvous}".encode()).hexdigest()[:16]
 
 
 class DpIdentity(NamedTuple):

@@ -91,7 +91,8 @@ class GuardConfig:
     sidecar: str = dataclasses.field(default_factory=default_sidecar_address)
     # engine label on every metric and span; defaults to the served model's directory name
     engine: str = ""
-    # shared by all processes of one server; generated when empty
+    # shared by all processes of one engine; when empty: ASCEND_GUARD_RUN_ID, else derived from
+    # the rendezvous of a multi-node engine (docs/cross-node.md), else generated
     run_id: str = ""
     # records held in each worker while the sidecar is slow or away; beyond it, drops are counted
     buffer_size: int = dataclasses.field(default=8192, metadata=_range(16, 10_000_000))

@@ -35,6 +35,7 @@ from collections.abc import Callable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from telemetry.collective_columns import columns_of
 from telemetry.hangs import RankFacts
 from telemetry.proto import guard_pb2
 
@@ -69,17 +70,19 @@ class RankGauges:
         self._waits: dict[tuple, list[int]] = {}
 
     def count(self, engine: str, batch: guard_pb2.Batch) -> None:
-        if not batch.collective_waves:
+        # the columns (wire v3; a v2 batch's messages are moved there by the first reader)
+        cols = columns_of(batch)
+        if not len(cols.wave):
             return
         rank = batch.rank
-        wait_ns = sum(cw.wait_ns for cw in batch.collective_waves)
+        wait_ns = sum(cols.wait_ns)
         key = (rank.run_id, engine, rank.dp_rank, rank.tp_rank, rank.pp_rank, rank.pid)
         with self._lock:
             sums = self._waits.get(key)
             if sums is None:
                 sums = self._waits[key] = [0, 0]
             sums[0] += wait_ns
-            sums[1] += len(batch.collective_waves)
+            sums[1] += len(cols.wave)
 
     def collect(self):
         facts = sorted(

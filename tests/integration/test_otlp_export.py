@@ -1,55 +1,32 @@
 """`--otlp-endpoint`: the sidecar exports the wave spans over OTLP/gRPC, tail-sampled.
 
-The receiver is a real OTLP/gRPC TraceService server from the OpenTelemetry protocol package,
-standing in for an OpenTelemetry Collector (whose binary is not installable here). It checks
-what any OTel backend would see: one trace per wave whose id is the deterministic wave id, the
+The receiver is a real OTLP/gRPC TraceService server from the OpenTelemetry protocol package
+(tests/support/otlp_receiver.py), standing in for an OpenTelemetry Collector (whose binary is
+not installable here). It checks what any OTel backend would see: one trace per wave whose id is the deterministic wave id, the
 same spans `ascend-guard trace` builds from the store, and the sampling policy's choice.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from concurrent import futures
 from pathlib import Path
 
-import grpc
 import pytest
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from telemetry.export import sampled
 from telemetry.traces import format_trace_id, wave_trace_id
 from tests.support.feed import attach_reporter, make_streamer, send_waves, wave_tuple
-from tests.support.ports import free_port
+from tests.support.otlp_receiver import otlp_receiver
 from tests.support.sidecar import SidecarProcess
 from tests.support.store import trace_spans
 
 pytestmark = pytest.mark.timeout(120)
 
 
-class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
-    def __init__(self) -> None:
-        self.spans = []
-        self.lock = threading.Lock()
-
-    def Export(self, request, context):  # noqa: N802 - gRPC method name
-        with self.lock:
-            for resource_spans in request.resource_spans:
-                for scope_spans in resource_spans.scope_spans:
-                    self.spans.extend(scope_spans.spans)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-
 @pytest.fixture
 def receiver():
-    port = free_port()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-    servicer = Receiver()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(servicer, server)
-    server.add_insecure_port(f"127.0.0.1:{port}")
-    server.start()
-    yield servicer, port
-    server.stop(0)
+    with otlp_receiver() as (servicer, port):
+        yield servicer, port
 
 
 def test_wave_spans_reach_an_otlp_receiver(receiver, tmp_path: Path) -> None:

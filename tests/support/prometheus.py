@@ -61,8 +61,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def _config_text(
-    targets: Iterable[str], job: str, scrape_interval: str, rule_files: Iterable[str] = ()
+    targets: Iterable[str],
+    job: str,
+    scrape_interval: str,
+    rule_files: Iterable[str] = (),
+    target_labels: dict[str, dict[str, str]] | None = None,
 ) -> str:
+    targets = list(targets)
+    labels = target_labels or {}
+    static = [{"targets": [t], "labels": labels[t]} for t in targets if t in labels]
+    rest = [t for t in targets if t not in labels]
+    if rest:
+        static.append({"targets": rest})
     # JSON is valid YAML, so no YAML library is needed to write the config.
     config: dict[str, Any] = {
         "global": {"scrape_interval": scrape_interval, "evaluation_interval": scrape_interval},
@@ -72,7 +82,7 @@ def _config_text(
                 "scrape_interval": scrape_interval,
                 "scrape_timeout": scrape_interval,
                 "metrics_path": "/metrics",
-                "static_configs": [{"targets": list(targets)}],
+                "static_configs": static,
             }
         ],
     }
@@ -105,12 +115,15 @@ class PrometheusServer:
         ready_timeout: float = 30.0,
         binary: str | None = None,
         rule_files: Iterable[str | os.PathLike] = (),
+        target_labels: dict[str, dict[str, str]] | None = None,
     ) -> PrometheusServer:
         """Start Prometheus scraping ``targets`` (``host:port`` strings) every ``scrape_interval``.
 
         Storage, config and log live in ``workdir`` (a new temporary directory, removed on
         :meth:`stop`, when not given). ``rule_files`` (recording/alerting rule files) are
-        evaluated every ``scrape_interval`` too. Returns once ``/-/ready`` answers 200.
+        evaluated every ``scrape_interval`` too. ``target_labels`` gives a target labels of its
+        own (as a PodMonitor's relabelings give `node` and `pod`). Returns once ``/-/ready``
+        answers 200.
         """
         targets = list(targets)
         if not targets:
@@ -124,7 +137,7 @@ class PrometheusServer:
         wd.mkdir(parents=True, exist_ok=True)
         (wd / "data").mkdir(exist_ok=True)
         config = wd / "prometheus.yml"
-        config.write_text(_config_text(targets, job, scrape_interval, rule_files))
+        config.write_text(_config_text(targets, job, scrape_interval, rule_files, target_labels))
 
         last_error: Exception | None = None
         for _attempt in range(3):  # the free port can be taken between probe and bind

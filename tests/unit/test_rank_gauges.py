@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from telemetry import rank_gauges
+from telemetry.collective_columns import columns_of
 from telemetry.collective_metrics import CollectiveMetrics
 from telemetry.hangs import HangDetector, HangSettings
 from telemetry.peers import unseen_ranks
@@ -103,6 +104,26 @@ def test_gauges_say_when_each_rank_was_seen_and_where_it_waits(det):
     waves = {s[0]["tp"]: s[1] for s in got["ascend_guard_rank_collective_waves_total"]}
     assert waves == {"1": 2}
     assert got["ascend_guard_rank_gauges_omitted"] == [({}, 0)]
+
+
+def test_wait_sums_count_column_batches_as_the_writer_hands_them(det):
+    """The writer's sinks see a batch after others read its collectives: a v2 batch's
+    messages were already moved into columns (collective_columns.columns_of), and a v3 batch
+    never had messages. Both count (before, only the messages did, so the live sidecar showed no
+    wait per wave)."""
+    gauges = RankGauges(det.rank_facts)
+    det.observe("moe", batch(0, done=30))
+    v2 = batch(0, done=30)
+    columns_of(v2)  # as CrossRank.count does first, in the same sink
+    assert not v2.collective_waves and len(v2.collective_columns.wave) == 1
+    gauges.count("moe", v2)
+    v3 = guard_pb2.Batch(rank=batch(0).rank)
+    v3.collective_columns.wave.extend([5, 6])
+    v3.collective_columns.wait_ns.extend([100_000_000, 150_000_000])
+    gauges.count("moe", v3)
+    got = scrape(gauges)
+    assert [s[1] for s in got["ascend_guard_rank_collective_wait_seconds_total"]] == [0.5]
+    assert [s[1] for s in got["ascend_guard_rank_collective_waves_total"]] == [3]
 
 
 def test_a_rank_whose_stream_ends_leaves_the_gauges(det):
