@@ -43,8 +43,9 @@ def _feed(address: str) -> None:
     run-coll's two ranks 12 waves with their collectives (a straggler in wave 5)."""
     streamers = []
     for tp in (0, 1):
-        streamer = make_streamer(address, engine="eng", rank=(0, tp, 0), run_id="run-cli",
-                                 pid=7000 + tp)  # fmt: skip
+        streamer = make_streamer(
+            address, engine="eng", rank=(0, tp, 0), run_id="run-cli", pid=7000 + tp
+        )
         for n in range(1, 31):
             slow = n == SLOW_WAVE and tp == SLOW_TP
             streamer.offer(wave_tuple(n, execute_ns=80_000_000 if slow else 2_000_000))
@@ -53,8 +54,9 @@ def _feed(address: str) -> None:
             reporter.report("logits_finite", "error", "nan row", request_id="req-1")
             reporter.report("token_repeat", "warning", "loop", request_id="req-2")
         # run-coll's ranks send their collectives with their waves, as a worker does
-        colls = make_streamer(address, engine="coll", rank=(0, tp, 0), run_id="run-coll",
-                              pid=7200 + tp)  # fmt: skip
+        colls = make_streamer(
+            address, engine="coll", rank=(0, tp, 0), run_id="run-coll", pid=7200 + tp
+        )
         colls._batch_filler = collective_filler(tp, 12, 5, 1, 0.05)
         for n in range(1, 13):
             colls.offer(wave_tuple(n))
@@ -206,13 +208,37 @@ def test_a_protected_https_api_needs_its_ca_and_token(tmp_path, capsys, monkeypa
     port, store = free_port(), tmp_path / "store.db"
     log = tmp_path / "sidecar.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "telemetry.cli", "sidecar", "--listen", f"127.0.0.1:{free_port()}",
-         "--metrics-host", "127.0.0.1", "--metrics-port", str(free_port()), "--health-port", "0",
-         "--query-port", str(port), "--query-host", "127.0.0.1", "--store", str(store),
-         "--tls-cert", str(server.cert), "--tls-key", str(server.key), "--token-file", str(token)],
-        cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "telemetry.cli",
+            "sidecar",
+            "--listen",
+            f"127.0.0.1:{free_port()}",
+            "--metrics-host",
+            "127.0.0.1",
+            "--metrics-port",
+            str(free_port()),
+            "--health-port",
+            "0",
+            "--query-port",
+            str(port),
+            "--query-host",
+            "127.0.0.1",
+            "--store",
+            str(store),
+            "--tls-cert",
+            str(server.cert),
+            "--tls-key",
+            str(server.key),
+            "--token-file",
+            str(token),
+        ],
+        cwd=REPO,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
         env={**os.environ, paths.RUNTIME_DIR_ENV: str(tmp_path)},
-    )  # fmt: skip
+    )
     try:
         deadline = time.monotonic() + 20
         while "sidecar_ready" not in log.read_text():
@@ -225,8 +251,17 @@ def test_a_protected_https_api_needs_its_ca_and_token(tmp_path, capsys, monkeypa
         code, _, err = run(capsys, "query", "{ }", "--ca-file", str(ca.cert))
         assert code == 0 and "answered 401" in err and "--token-file" in err, err
         assert f"reading the store file {store} directly" in err
-        code, out, err = run(capsys, "query", "{ }", "--ca-file", str(ca.cert), "--token-file",
-                             str(token), "--source", "api")  # fmt: skip
+        code, out, err = run(
+            capsys,
+            "query",
+            "{ }",
+            "--ca-file",
+            str(ca.cert),
+            "--token-file",
+            str(token),
+            "--source",
+            "api",
+        )
         assert code == 0 and f"reading the sidecar's query API at {url}" in err, err
         assert "no trace matches" in out
         code, _, err = run(capsys, "query", "{ }", "--source", "api", "--token-file", str(token))
@@ -242,9 +277,21 @@ class Follower:
 
     def __init__(self, *argv: str) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "telemetry.cli", "query", *argv, "--follow", "--interval",
-             "0.2s"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "telemetry.cli",
+                "query",
+                *argv,
+                "--follow",
+                "--interval",
+                "0.2s",
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
@@ -284,8 +331,12 @@ def test_follow_prints_new_traces_as_they_are_stored_until_ctrl_c(tmp_path):
     url = f"http://127.0.0.1:{port}"
     as_json = Follower('{ name = "rank" && .tp = 1 }', "--json", "--source", "api", "--api", url)
     table = Follower("--rank", "tp=1", "--name", "rank", "--store", str(sidecar.store_path))
-    streamers = [make_streamer(sidecar.address, engine="live", rank=(0, tp, 0),
-                               run_id="run-live", pid=7100 + tp) for tp in (0, 1)]  # fmt: skip
+    streamers = [
+        make_streamer(
+            sidecar.address, engine="live", rank=(0, tp, 0), run_id="run-live", pid=7100 + tp
+        )
+        for tp in (0, 1)
+    ]
     try:
         header = table.wait_lines(lambda line: line.startswith("start (UTC)"), 1)
         assert header[0].split()[:3] == ["start", "(UTC)", "wave"]

@@ -61,10 +61,22 @@ def store_path(tmp_path_factory) -> str:
         items.append(batch_item(rank_info(tp, tp_size=4), waves[:25], colls[:25]))
         items.append(batch_item(rank_info(tp, tp_size=4), waves[25:], colls[25:]))
     write_store(path, items)
-    add_incident(path, rank_info(2, tp_size=4), wave=9, at=BASE + 9 * 200 * MS + 5 * MS,
-                 request_id="req-9", kind="logits_finite")  # fmt: skip
-    add_incident(path, rank_info(0, tp_size=4), wave=30, at=BASE + 30 * 200 * MS + 7 * MS,
-                 request_id="req-30", kind="token_repeat")  # fmt: skip
+    add_incident(
+        path,
+        rank_info(2, tp_size=4),
+        wave=9,
+        at=BASE + 9 * 200 * MS + 5 * MS,
+        request_id="req-9",
+        kind="logits_finite",
+    )
+    add_incident(
+        path,
+        rank_info(0, tp_size=4),
+        wave=30,
+        at=BASE + 30 * 200 * MS + 7 * MS,
+        request_id="req-30",
+        kind="token_repeat",
+    )
     return str(path)
 
 
@@ -90,19 +102,25 @@ def _brute(spans, keep, sort: str, limit: int, start_ns: int = 0, end_ns: int = 
 FILTERS = [
     ("{ }", lambda s: True),
     ('{ .tp = 1 && name = "execute_model" }', lambda s: s.tp == 1 and s.name == "execute_model"),
-    ('{ .op = "all_reduce" && duration > 30ms }',
-     lambda s: s.name == "collective:all_reduce" and s.duration_ns > 30 * MS),
+    (
+        '{ .op = "all_reduce" && duration > 30ms }',
+        lambda s: s.name == "collective:all_reduce" and s.duration_ns > 30 * MS,
+    ),
     ("{ duration >= 50ms || .wave = 3 }", lambda s: s.duration_ns >= 50 * MS or s.wave == 3),
     ('{ name =~ "incident:.*" }', lambda s: s.name.startswith("incident:")),
     ('{ .request = "req-9" }', lambda s: s.name == "incident:logits_finite"),
-    ("{ .tp > 1 && duration < 2ms }", lambda s: s.tp is not None and s.tp > 1 and s.duration_ns < 2 * MS),
-]  # fmt: skip
+    (
+        "{ .tp > 1 && duration < 2ms }",
+        lambda s: s.tp is not None and s.tp > 1 and s.duration_ns < 2 * MS,
+    ),
+]
 
 
 @pytest.mark.parametrize(("query", "keep"), FILTERS, ids=[q for q, _ in FILTERS])
 @pytest.mark.parametrize("sort", ["duration", "start", "wave"])
-def test_top_spans_equal_a_brute_force_pass_over_every_span(store_path, every_span, query, keep,
-                                                             sort):  # fmt: skip
+def test_top_spans_equal_a_brute_force_pass_over_every_span(
+    store_path, every_span, query, keep, sort
+):
     conn = store_mod.connect(store_path, readonly=True)
     for limit in (1, 7, 10_000):
         got = top_spans(conn, query, BASE, NOW, sort, limit)
@@ -137,8 +155,14 @@ def test_only_one_plain_filter_makes_a_span_list(store_path, query):
 
 
 def _flags(**given) -> argparse.Namespace:
-    base = {"name": None, "rank": None, "run_id": None, "engine": None, "wave": None,
-            "min_duration": None}  # fmt: skip
+    base = {
+        "name": None,
+        "rank": None,
+        "run_id": None,
+        "engine": None,
+        "wave": None,
+        "min_duration": None,
+    }
     return argparse.Namespace(**{**base, **given})
 
 
@@ -167,11 +191,19 @@ def test_the_flags_as_traceql_find_what_the_old_flag_search_found(store_path, gi
     conn = store_mod.connect(store_path, readonly=True)
     text = flags_to_traceql(_flags(**given))
     old = SpanQuery(
-        since_ns=BASE, until_ns=NOW, sort=sort, limit=10_000, name=given.get("name"),
-        rank=parse_rank(given["rank"]) if given.get("rank") else {}, run_id=given.get("run_id"),
-        engine=given.get("engine"), wave=given.get("wave"),
-        min_duration_ns=parse_duration_ns(given["min_duration"], "x") if given.get("min_duration") else None,
-    )  # fmt: skip
+        since_ns=BASE,
+        until_ns=NOW,
+        sort=sort,
+        limit=10_000,
+        name=given.get("name"),
+        rank=parse_rank(given["rank"]) if given.get("rank") else {},
+        run_id=given.get("run_id"),
+        engine=given.get("engine"),
+        wave=given.get("wave"),
+        min_duration_ns=parse_duration_ns(given["min_duration"], "x")
+        if given.get("min_duration")
+        else None,
+    )
     want = search(conn, old)
     for limit in (3, 10_000):
         got = top_spans(conn, text, BASE, NOW, sort, limit)
