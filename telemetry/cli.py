@@ -3,36 +3,28 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Sequence
 
 from telemetry import build_info, paths
-from telemetry.commands import (
-    config,
-    doctor,
-    hangs,
-    incidents,
-    query,
-    ready,
-    sidecar,
-    timeline,
-    trace,
-)
+from telemetry.commands import doctor
 from telemetry.commands.source import SourceError
 from telemetry.query import QueryError
 
-# each: add_parser(sub) adds its subcommand(s), run(args) handles them; one line adds one
+# The subcommands, in --help order: modules with add_parser(sub), which adds its subcommand(s)
+# to the argparse subparsers `sub`, and run(args) -> exit status. One line adds one.
 COMMANDS = (
-    sidecar,
-    query,
-    trace,
-    incidents,
-    hangs,
-    timeline,
-    doctor,
-    ready,
-    config,
+    "telemetry.commands.sidecar",
+    "telemetry.commands.query",
+    "telemetry.commands.trace",
+    "telemetry.commands.incidents",
+    "telemetry.commands.hangs",
+    "telemetry.commands.timeline",
+    "telemetry.commands.doctor",
+    "telemetry.commands.ready",
+    "telemetry.commands.config",
 )
 
 STORE_MISSING_HINT = (
@@ -69,11 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=_Parser
     )
-    for module in COMMANDS:
+    for name in COMMANDS:
+        module = importlib.import_module(name)
         before = set(sub.choices)
         module.add_parser(sub)
-        for name in set(sub.choices) - before:
-            sub.choices[name].set_defaults(handler=module.run)
+        for command in set(sub.choices) - before:
+            sub.choices[command].set_defaults(handler=module.run)
     return parser
 
 
