@@ -18,21 +18,22 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
 
-from telemetry import schema
 from telemetry.commands.common import clock
-from telemetry.commands.source import (
-    ApiSource,
-    SourceError,
-    StoreSource,
-    add_source_arguments,
-    open_source,
+from telemetry.commands.follow import follow
+from telemetry.commands.render import (
+    COORDINATES,
+    SEARCH_HEADER,
+    SEARCH_RIGHT,
+    SPAN_HEADER,
+    SPAN_RIGHT,
+    json_of,
+    print_trees,
+    search_row,
+    span_row,
 )
-from telemetry.commands.trace import tree_rows
+from telemetry.commands.source import add_source_arguments, open_source
 from telemetry.query import (
     SORT_KEYS,
     SPAN_NAMES,
@@ -40,26 +41,11 @@ from telemetry.query import (
     parse_duration_ns,
     parse_rank,
     parse_time_ns,
-    rank_label,
 )
-from telemetry.spans import Span
-from telemetry.table import format_duration_ns, render_table
+from telemetry.table import render_table
 
 FILTER_FLAGS = ("min_duration", "rank", "name", "run_id", "engine", "wave")
 TREE_SPSS = 10_000  # --tree marks every matched span of a trace
-FOLLOW_BATCH = 500  # traces (or spans) one poll of --follow takes at most
-# --follow looks this far back on every poll: a trace stored later than this after its start
-# (a rank's spool replayed after a sidecar restart) is not shown; search for it instead
-FOLLOW_LAG_S = 10
-COORDINATES = ("dp", "tp", "pp")
-
-SEARCH_HEADER = ("start (UTC)", "root", "duration", "spans", "trace id", "matched")
-SEARCH_RIGHT = (2, 3)
-SPAN_HEADER = ("start (UTC)", "wave", "rank", "span", "duration", "reqs", "trace id")
-SPAN_RIGHT = (1, 4, 5)
-# --follow prints rows as they come, so its columns have fixed widths (the last one is free)
-SEARCH_WIDTHS = (12, 6, 9, 5, 32)
-SPAN_WIDTHS = (12, 7, 11, 24, 11, 4)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -218,92 +204,6 @@ def plan(args: argparse.Namespace) -> Plan:
     return Plan(False, _with_coordinates(parsed), text, start_s, end_s)
 
 
-# -- rows -------------------------------------------------------------------------------------
-def _attr_value(value: dict[str, Any]) -> Any:
-    """An OTLP/JSON AnyValue's value."""
-    for key, item in value.items():
-        if key == "intValue":
-            return int(item)
-        if key == "arrayValue":
-            return [_attr_value(v) for v in item.get("values", [])]
-        return item
-    return None
-
-
-def _attributes(key_values: Iterable[dict]) -> dict[str, Any]:
-    return {kv["key"]: _attr_value(kv.get("value", {})) for kv in key_values}
-
-
-def _hit_rank(attrs: dict[str, Any]) -> str:
-    coords = [attrs.get(schema.attr(c)) for c in COORDINATES]
-    if coords[0] is None:
-        return "-"
-    return " ".join(f"{c}{v}" for c, v in zip(COORDINATES, coords, strict=True))
-
-
-def _spansets(hit: dict) -> list[dict]:
-    return hit.get("spanSets") or ([hit["spanSet"]] if hit.get("spanSet") else [])
-
-
-def search_row(hit: dict, shown_spans: int = 3) -> tuple:
-    """One matched trace as the table shows it: its first matched spans, each spanset's
-    `by()` / aggregate values in brackets."""
-    sets = _spansets(hit)
-    parts, left = [], shown_spans
-    for spanset in sets:
-        spans = spanset.get("spans", [])[:left]
-        left -= len(spans)
-        texts = []
-        for span in spans:
-            attrs = _attributes(span.get("attributes", []))
-            duration = format_duration_ns(int(span.get("durationNanos", 0)))
-            texts.append(f"{span['name']} {_hit_rank(attrs)} {duration}")
-        values = _attributes(spanset.get("attributes", []))
-        group = " ".join(f"{k}={v}" for k, v in values.items())
-        if group:
-            parts.append(f"[{group}] " + ", ".join(texts) if texts else f"[{group}]")
-        elif texts:
-            parts.append(", ".join(texts))
-    matched = sum(int(s.get("matched", 0)) for s in sets)
-    hidden = matched - (shown_spans - left)
-    ms = int(hit.get("durationMs", 0))
-    root = hit.get("rootTraceName", "?")
-    return (
-        clock(int(hit["startTimeUnixNano"])),
-        "?" if root.startswith("<") else root,
-        f"{ms} ms" if ms else "<1 ms",
-        matched,
-        hit["traceID"],
-        "; ".join(parts) + (f" (+{hidden})" if hidden > 0 else ""),
-    )
-
-
-def span_row(span: Span) -> tuple:
-    return (
-        clock(span.start_ns),
-        span.wave,
-        rank_label(span),
-        span.name,
-        format_duration_ns(span.duration_ns),
-        span.attributes.get(schema.attr("num_reqs"), ""),
-        span.trace_hex,
-    )
-
-
-def _marked_spans(hit: dict) -> set[str]:
-    return {s["spanID"] for ss in _spansets(hit) for s in ss.get("spans", [])}
-
-
-def print_tree(source, trace_id: str, marked: set[str], title: str) -> None:
-    spans = source.trace(trace_id)
-    print(title)
-    if not spans:
-        print("  (no span of it is stored any more)")
-        return
-    rows = [("*" if s.span_hex in marked else "", *row) for s, row in tree_rows(spans)]
-    print(render_table(("", "span", "start", "duration", "detail"), rows, right=(2, 3)))
-
-
 # -- one-shot ---------------------------------------------------------------------------------
 def _fetch(
     source, p: Plan, args: argparse.Namespace, start_s: int, end_s: int, limit: int, sort: str
@@ -318,17 +218,23 @@ def run(args: argparse.Namespace) -> int:
     p = plan(args)
     source = open_source(args, "query")
     if args.follow:
-        return follow(source, p, args)
+        return follow(
+            source,
+            p.spans,
+            args,
+            lambda lo, hi, n: _fetch(source, p, args, lo, hi, n, "start"),
+            p.start_s,
+        )
     found = _fetch(source, p, args, p.start_s, p.end_s, args.limit, args.sort)
     if args.json:
         for item in found:
-            print(json.dumps(_json_of(item, p), sort_keys=True))
+            print(json.dumps(json_of(item, p.spans), sort_keys=True))
         return 0
     if not found:
         print(_nothing(p, source))
         return 0
     if args.tree:
-        _print_trees(source, p, found)
+        print_trees(source, p.spans, found)
     elif p.spans:
         print(render_table(SPAN_HEADER, [span_row(s) for s in found], right=SPAN_RIGHT))
     else:
@@ -341,151 +247,8 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _json_of(item, p: Plan) -> dict:
-    if p.spans:
-        from telemetry.tempo_api.span_list_api import span_json
-
-        return span_json(item)
-    return item
-
-
 def _nothing(p: Plan, source) -> str:
     window = f"{clock(p.start_s * 10**9)[:8]}-{clock(p.end_s * 10**9)[:8]} UTC"
     if p.spans:
         return f"no spans match in {window} ({source.describe()}); widen --since or drop a filter"
     return f"no trace matches in {window} ({source.describe()}); widen --since or loosen the query"
-
-
-def _print_trees(source, p: Plan, found: list) -> None:
-    if p.spans:
-        groups: dict[str, set[str]] = {}
-        for span in found:
-            groups.setdefault(span.trace_hex, set()).add(span.span_hex)
-        for trace_id, marked in groups.items():
-            print_tree(source, trace_id, marked, f"trace {trace_id}  {len(marked)} listed span(s)")
-            print()
-        return
-    for hit in found:
-        row = search_row(hit)
-        title = f"trace {hit['traceID']}  root {row[1]}  start {row[0]}  {row[2]}  {row[3]} matched"
-        print_tree(source, hit["traceID"], _marked_spans(hit), title)
-        print()
-
-
-# -- --follow ---------------------------------------------------------------------------------
-def _fixed(cells: tuple, widths: tuple[int, ...], right: tuple[int, ...]) -> str:
-    parts = []
-    for i, cell in enumerate(cells):
-        text = str(cell)
-        if i < len(widths):
-            text = text.rjust(widths[i]) if i in right else text.ljust(widths[i])
-        parts.append(text)
-    return "  ".join(parts).rstrip()
-
-
-class _Printer:
-    """Prints each new match the moment a poll finds it."""
-
-    def __init__(self, source, p: Plan, args: argparse.Namespace) -> None:
-        self.source, self.p, self.args = source, p, args
-        self.header_done = False
-
-    def header(self) -> None:
-        if self.args.json or self.args.tree or self.header_done:
-            return
-        header, widths = (
-            (SPAN_HEADER, SPAN_WIDTHS) if self.p.spans else (SEARCH_HEADER, SEARCH_WIDTHS)
-        )
-        right = SPAN_RIGHT if self.p.spans else SEARCH_RIGHT
-        print(_fixed(header, widths, right))
-        print(_fixed(tuple("-" * w for w in widths) + ("-" * 10,), widths, ()))
-        self.header_done = True
-
-    def item(self, item) -> None:
-        p, args = self.p, self.args
-        if args.json:
-            print(json.dumps(_json_of(item, p), sort_keys=True))
-        elif args.tree:
-            if p.spans:
-                print_tree(
-                    self.source,
-                    item.trace_hex,
-                    {item.span_hex},
-                    f"span {item.name} {rank_label(item)} in trace {item.trace_hex}",
-                )
-            else:
-                _print_trees(self.source, p, [item])
-        elif p.spans:
-            print(_fixed(span_row(item), SPAN_WIDTHS, SPAN_RIGHT))
-        else:
-            print(_fixed(search_row(item), SEARCH_WIDTHS, SEARCH_RIGHT))
-
-
-def _key_and_start(item, p: Plan) -> tuple[str, int]:
-    if p.spans:
-        return f"{item.trace_hex}/{item.span_hex}", item.start_ns
-    return item["traceID"], int(item["startTimeUnixNano"])
-
-
-def follow(
-    source: StoreSource | ApiSource,
-    p: Plan,
-    args: argparse.Namespace,
-    *,
-    polls: int | None = None,
-    now_s: Callable[[], int] = lambda: int(time.time()),
-) -> int:
-    """Poll until Ctrl-C (or `polls` polls, for tests): the newest --limit matches since
-    --since first, then each match as it is stored, oldest first within a poll."""
-    interval_s = parse_duration_ns(args.interval, "--interval") / 1e9
-    printer = _Printer(source, p, args)
-    printer.header()
-    seen: dict[str, int] = {}
-    first, lost, done = True, False, 0
-    if args.until:
-        print("ascend-guard query: --follow ignores --until", file=sys.stderr)
-    try:
-        while polls is None or done < polls:
-            end_s = now_s()
-            lo = p.start_s if first else max(p.start_s, end_s - FOLLOW_LAG_S)
-            limit = args.limit if first else FOLLOW_BATCH
-            try:  # a tail wants the newest spans: sorted by start
-                found = _fetch(source, p, args, lo, end_s, limit, "start")
-            except SourceError as exc:
-                if not lost:
-                    print(
-                        f"ascend-guard query: {exc}; retrying every {args.interval}",
-                        file=sys.stderr,
-                    )
-                lost = True
-                found = None
-            if found is not None:
-                if lost:
-                    print(f"ascend-guard query: reading {source.describe()} again", file=sys.stderr)
-                    lost = False
-                fresh = []
-                for item in found:
-                    key, start = _key_and_start(item, p)
-                    if key not in seen:
-                        seen[key] = start
-                        fresh.append((start, item))
-                if not first and len(found) >= limit:
-                    print(
-                        f"ascend-guard query: over {limit} matches in one poll; some are not shown "
-                        "(narrow the query)",
-                        file=sys.stderr,
-                    )
-                for _, item in sorted(fresh, key=lambda f: f[0]):
-                    printer.item(item)
-                sys.stdout.flush()
-                horizon = (lo - FOLLOW_LAG_S) * 10**9
-                seen = {k: s for k, s in seen.items() if s >= horizon}
-                first = False
-            done += 1
-            if polls is None or done < polls:
-                time.sleep(interval_s)
-    except KeyboardInterrupt:
-        pass
-    except BrokenPipeError:  # piped into head and the like
-        pass
-    return 0

@@ -44,7 +44,8 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--store",
         default=None,
-        help=f"read this store file directly; {paths.CLI_STORE_HELP.removeprefix('trace store ')}",
+        help="read this store file directly, not the API (when no API answers: "
+        + paths.CLI_STORE_HELP.removeprefix("trace store (default: "),
     )
     parser.add_argument(
         "--api",
