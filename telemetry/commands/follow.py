@@ -62,7 +62,8 @@ class _Printer:
         )
         right = SPAN_RIGHT if self.spans else SEARCH_RIGHT
         print(_fixed(header, widths, right))
-        print(_fixed(tuple("-" * w for w in widths) + ("-" * 10,), widths, ()))
+        free = 32 if self.spans else 10  # the trace id, or the start of the matched spans
+        print(_fixed(tuple("-" * w for w in widths) + ("-" * free,), widths, ()))
         self.header_done = True
 
     def item(self, item) -> None:
