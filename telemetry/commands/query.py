@@ -33,7 +33,7 @@ from telemetry.commands.render import (
     search_row,
     span_row,
 )
-from telemetry.commands.source import add_source_arguments, open_source
+from telemetry.commands.source import add_source_arguments, ask, open_source
 from telemetry.query import (
     SORT_KEYS,
     SPAN_NAMES,
@@ -225,7 +225,12 @@ def run(args: argparse.Namespace) -> int:
             lambda lo, hi, n: _fetch(source, p, args, lo, hi, n, "start"),
             p.start_s,
         )
-    found = _fetch(source, p, args, p.start_s, p.end_s, args.limit, args.sort)
+    source, found = ask(
+        args,
+        "query",
+        source,
+        lambda s: _fetch(s, p, args, p.start_s, p.end_s, args.limit, args.sort),
+    )
     if args.json:
         for item in found:
             print(json.dumps(json_of(item, p.spans), sort_keys=True))

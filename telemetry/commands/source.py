@@ -275,3 +275,20 @@ def open_source(args: argparse.Namespace, command: str) -> StoreSource | ApiSour
             return StoreSource(store)
     print(f"ascend-guard {command}: reading {source.describe()}", file=sys.stderr)
     return source
+
+
+def ask(args: argparse.Namespace, command: str, source, call):
+    """(source, call(source)); when `auto`'s API fails after it answered the echo (a sidecar
+    older than this CLI, or one that just stopped), says so and asks the store file instead."""
+    try:
+        return source, call(source)
+    except SourceError as exc:
+        if source.kind != "api" or getattr(args, "source", "auto") != "auto":
+            raise
+        store = paths.cli_store()
+        print(
+            f"ascend-guard {command}: {exc}; reading the store file {store} directly",
+            file=sys.stderr,
+        )
+        fallback = StoreSource(store)
+        return fallback, call(fallback)

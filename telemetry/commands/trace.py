@@ -7,7 +7,7 @@ import argparse
 import re
 
 from telemetry import schema
-from telemetry.commands.source import add_source_arguments, open_source
+from telemetry.commands.source import add_source_arguments, ask, open_source
 from telemetry.query import QueryError, rank_label, span_tree
 from telemetry.spans import Span
 from telemetry.table import format_duration_ns, render_table
@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     if not re.fullmatch(r"[0-9a-f]{32}", trace_id):
         raise QueryError(f"trace id: {trace_id!r} is not 32 hex digits")
     source = open_source(args, "trace")
-    spans = source.trace(trace_id)
+    source, spans = ask(args, "trace", source, lambda s: s.trace(trace_id))
     if not spans:
         print(
             f"trace {trace_id} is not in {source.describe()} (expired, or not written yet); "

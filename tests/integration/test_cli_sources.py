@@ -368,3 +368,40 @@ def test_follow_prints_new_traces_as_they_are_stored_until_ctrl_c(tmp_path):
             if follower.proc.poll() is None:
                 follower.proc.kill()
         sidecar.stop()
+
+
+def test_auto_falls_back_when_the_api_fails_after_its_echo(fed, capsys, monkeypatch):
+    """A sidecar older than this CLI answers /api/echo but has no span list (404), and a trace
+    request that fails with a 500: `auto` says so and reads the store file; `api` exits 2.
+    (An http.server stand-in plays that old sidecar: no released sidecar lacks the route.)"""
+    import http.server
+
+    class Old(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            code, body = (200, b"echo\n") if self.path == "/api/echo" else (404, b"unknown path")
+            if self.path.startswith("/api/traces/"):
+                code, body = 500, b"internal error"
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            return
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Old)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    old = f"http://127.0.0.1:{server.server_address[1]}"
+    monkeypatch.setenv(paths.STORE_ENV, fed.store)
+    try:
+        code, out, err = run(capsys, "query", "--min-duration", "50ms", "--api", old)
+        assert code == 0 and "the sidecar is older than this CLI" in err, err
+        assert f"reading the store file {fed.store} directly" in err and SLOW in out
+        code, out, err = run(capsys, "trace", SLOW, "--api", old)
+        assert code == 0 and "answered 500" in err and "rank dp0 tp1 pp0" in out, err
+        code, _, err = run(
+            capsys, "query", "--min-duration", "50ms", "--api", old, "--source", "api"
+        )
+        assert code == 2 and "older than this CLI" in err
+    finally:
+        server.shutdown()
