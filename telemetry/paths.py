@@ -29,6 +29,11 @@ STORE_ENV = "ASCEND_GUARD_STORE"
 HEALTH_PORT_ENV = "ASCEND_GUARD_HEALTH_PORT"
 # where a pod's probe reaches a sidecar that is not on its loopback (DaemonSet: the node's IP)
 HEALTH_URL_ENV = "ASCEND_GUARD_HEALTH_URL"
+# where the CLI reaches a sidecar's query API that is not the local one (a port-forward, another
+# node); the Grafana datasource provisioning reads the same variable
+QUERY_URL_ENV = "ASCEND_GUARD_QUERY_URL"
+# the CA bundle the CLI checks an https sidecar's certificate with
+CA_FILE_ENV = "ASCEND_GUARD_CA_FILE"
 # the bearer token the CLI sends to a sidecar started with --token-file (same file)
 TOKEN_FILE_ENV = "ASCEND_GUARD_TOKEN_FILE"
 
@@ -150,6 +155,13 @@ def cli_health_url(environ: Mapping[str, str] | None = None) -> str:
     if facts.get("health_url"):
         return str(facts["health_url"])
     return f"http://127.0.0.1:{health_port(environ)}"
+
+
+def cli_query_url(environ: Mapping[str, str] | None = None) -> str | None:
+    """The query API the on-call commands ask: `$ASCEND_GUARD_QUERY_URL`, else the running local
+    sidecar's (`query_url` in `sidecar.json`), else None (they read the store file)."""
+    env = _env(environ)
+    return env.get(QUERY_URL_ENV) or read_discovery(env).get("query_url") or None
 
 
 CLI_STORE_HELP = (

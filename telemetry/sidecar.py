@@ -479,11 +479,12 @@ class Sidecar:
         query = (
             settings.query_host if settings.query_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         )
+        scheme = "https" if settings.security.tls else "http"  # both listeners share the TLS
         facts = {
             "pid": os.getpid(), "listen": settings.listen, "store": os.path.abspath(settings.store),
             "metrics_url": f"http://127.0.0.1:{settings.metrics_port}/metrics",
-            "health_url": f"http://{local}:{self.liveness.port}" if self.liveness else "",
-            "query_url": f"http://{query}:{self.query_api.port}" if self.query_api else "",
+            "health_url": f"{scheme}://{local}:{self.liveness.port}" if self.liveness else "",
+            "query_url": f"{scheme}://{query}:{self.query_api.port}" if self.query_api else "",
             "version": self.build_labels["version"], "wire": self.build_labels["wire"],
         }  # fmt: skip
         try:

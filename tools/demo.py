@@ -20,10 +20,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from telemetry import cli, paths, schema  # noqa: E402
-from telemetry.query import SpanQuery, rank_label, search  # noqa: E402
+from telemetry import cli, paths  # noqa: E402
 from telemetry.store import connect  # noqa: E402
 from telemetry.table import format_duration_ns, render_table  # noqa: E402
+from telemetry.traceql.span_list import top_spans  # noqa: E402
 from tests.support.metrics import value  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.sidecar import SidecarProcess  # noqa: E402
@@ -49,7 +49,9 @@ def rank_summary(text: str, tp: int, store: Path) -> str:
         labels = {"engine": "demo", "dp": "0", "tp": str(rank), "pp": "0"}
         steps = [
             span.duration_ns
-            for span in search(conn, SpanQuery(name="rank", rank={"tp": rank}, limit=10**9))
+            for span in top_spans(
+                conn, f'{{ name = "rank" && .tp = {rank} }}', 0, time.time_ns(), limit=10**9
+            )
         ]
         rows.append((
             f"dp0 tp{rank} pp0",
@@ -142,29 +144,14 @@ def main(argv: list[str] | None = None) -> int:
             f"API returned {api_tokens}: {agree}"
         )
 
-        rows = search(
-            connect(store, readonly=True), SpanQuery(name="rank", sort="duration", limit=5)
+        print("\nSlowest waves (ascend-guard query --name rank --limit 5)")
+        cli.main(["query", "--name", "rank", "--limit", "5", "--store", str(store)])
+        slowest = top_spans(
+            connect(store, readonly=True), '{ name = "rank" }', 0, time.time_ns(), limit=1
         )
-        print("\nSlowest waves (ascend-guard query --name rank)")
-        print(
-            render_table(
-                ("wave", "rank", "duration", "reqs", "trace id"),
-                [
-                    (
-                        r.wave,
-                        rank_label(r),
-                        format_duration_ns(r.duration_ns),
-                        r.attributes.get(schema.attr("num_reqs"), ""),
-                        r.trace_hex,
-                    )
-                    for r in rows
-                ],  # fmt: skip
-                right=(0, 2, 3),
-            )
-        )
-        if rows:
-            print(f"\nThe slowest wave as a trace (ascend-guard trace {rows[0].trace_hex})")
-            cli.main(["trace", rows[0].trace_hex, "--store", str(store)])
+        if slowest:
+            print(f"\nThe slowest wave as a trace (ascend-guard trace {slowest[0].trace_hex})")
+            cli.main(["trace", slowest[0].trace_hex, "--store", str(store)])
 
         print("\nIncidents the sampling detectors raised (ascend-guard incidents)")
         cli.main(["incidents", "--store", str(store), "--limit", "8"])

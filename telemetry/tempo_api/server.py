@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from telemetry import build_info, store
 from telemetry.query import load_trace
-from telemetry.tempo_api import otlp, params, store_search, traceql_adapter
+from telemetry.tempo_api import otlp, params, span_list_api, store_search, traceql_adapter
 from telemetry.tempo_api.params import BadParameter
 from telemetry.tempo_api.store_search import Hit
 from telemetry.transport import ServerSecurity, http_refusal, secure_http_server, send_unauthorized
@@ -271,6 +271,18 @@ def _query_range(conn: sqlite3.Connection, req: Request) -> Reply:
     return _json({"series": out, "metrics": {}})
 
 
+# -- the CLI's span list (not a Tempo endpoint) ---------------------------------------------
+def _span_list(conn: sqlite3.Connection, req: Request) -> Reply:
+    extra = span_list_api.unknown_parameter(req.query)
+    if extra:
+        raise BadParameter(extra, "unknown parameter; known: q, start, end, sort, limit")
+    if not traceql_adapter.available():
+        return _text(
+            501, "TraceQL is not available in this build of the sidecar", "not_implemented"
+        )
+    return _json(span_list_api.answer(conn, req.get))
+
+
 # -- routing --------------------------------------------------------------------------------
 def _buildinfo() -> Reply:
     return _json({"version": build_info.version(), "revision": "", "branch": "",
@@ -289,6 +301,7 @@ def route(store_path: str, req: Request) -> tuple[str, Reply]:
         "/api/v2/search/tags": ("tags", lambda c: _tags(req, True)),
         "/api/search/tags": ("tags", lambda c: _tags(req, False)),
         "/api/metrics/query_range": ("query_range", lambda c: _query_range(c, req)),
+        span_list_api.ROUTE: ("spans", lambda c: _span_list(c, req)),
     }
     if path in simple:
         endpoint, handler = simple[path]

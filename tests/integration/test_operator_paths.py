@@ -58,12 +58,13 @@ class DocumentedSidecar:
 
     def __init__(self, tmp_path: Path, *args: str) -> None:
         self.env = _env(tmp_path)
-        self.metrics_port, self.health_port = free_port(), free_port()
+        self.metrics_port, self.health_port, self.query_port = free_port(), free_port(), free_port()
         self.log = open(tmp_path / "sidecar.log", "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "telemetry.cli", "sidecar", "--metrics-host", "127.0.0.1",
              "--metrics-port", str(self.metrics_port), "--health-host", "127.0.0.1",
-             "--health-port", str(self.health_port), "--query-port", "0", *args],
+             "--health-port", str(self.health_port), "--query-host", "127.0.0.1",
+             "--query-port", str(self.query_port), *args],
             cwd=REPO, env=self.env, stdout=self.log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         self.socket = tmp_path / "run" / paths.SOCKET_NAME
@@ -174,13 +175,22 @@ def test_readme_on_call_commands_succeed_without_flags(documented):
             )
         )
         time.sleep(1.0)  # spans reach the store in the exporter's next batch
+        api = f"reading the sidecar's query API at http://127.0.0.1:{sidecar.query_port}"
         for argv in on_call_commands():
             proc = cli(sidecar.env, *argv)
             assert proc.returncode == 0, (argv, proc.stdout, proc.stderr)
             assert "no trace store" not in proc.stdout + proc.stderr
+            if argv[0] in ("query", "trace"):  # found from sidecar.json, as the operator's are
+                assert api in proc.stderr, (argv, proc.stderr)
+            if argv[:2] == ["query", "--since"]:  # the 8 ms steps, slowest first
+                assert "span(s); show one with: ascend-guard trace" in proc.stdout, proc.stdout
+                trace_id = proc.stdout.split("ascend-guard trace ")[1].split()[0]
         out = {" ".join(a[:1]): cli(sidecar.env, *a).stdout for a in on_call_commands()}
         assert "req-7" in out["incidents"]
         assert "fully covered" in out["doctor"]
+        proc = cli(sidecar.env, "trace", trace_id)  # the footer's command, as printed
+        assert proc.returncode == 0 and "execute_model" in proc.stdout, proc.stdout + proc.stderr
+        assert api in proc.stderr
     finally:
         streamer.stop()
 

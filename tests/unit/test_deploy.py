@@ -421,7 +421,7 @@ def test_containerfile_installs_no_torch_or_vllm():
 def test_the_sidecar_imports_neither_torch_nor_vllm():
     """What the Containerfile's build step asserts, checked here where no image is built."""
     code = (
-        "import sys, telemetry.sidecar, telemetry.cli, telemetry.doctor_live, telemetry.ready_cli; "
+        "import sys, telemetry.sidecar, telemetry.cli, telemetry.commands.doctor, telemetry.commands.ready; "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'vllm_ascend')); "
         "assert not bad, bad"
     )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from telemetry import paths
+from telemetry.commands.common import add_store_argument
 from telemetry.query import QueryError, parse_duration_ns, parse_time_ns
 from telemetry.store import connect
 from telemetry.timeline import (
@@ -32,15 +32,25 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     which.add_argument("--waves", help="wave range A..B (both included), or one wave")
     which.add_argument("--request", metavar="ID", help="the waves of one request")
     timeline.add_argument("--until", default=None, help="with --since: same forms (default now)")
-    timeline.add_argument("-o", "--output", required=True, metavar="FILE.json",
-                          help="where to write the JSON ('-' for stdout)")  # fmt: skip
+    timeline.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="FILE.json",
+        help="where to write the JSON ('-' for stdout)",
+    )
     timeline.add_argument("--engine", default=None, help="engine label")
     timeline.add_argument("--run", dest="run_id", default=None, help="run id")
-    timeline.add_argument("--min-wait", default="1ms",
-                          help="draw a wait arrow when a rank waited at least this long")  # fmt: skip
-    timeline.add_argument("--max-waves", type=int, default=DEFAULT_MAX_RANK_WAVES,
-                          help="at most this many rank-waves (the newest are kept)")  # fmt: skip
-    timeline.add_argument("--store", default=paths.cli_store(), help=paths.CLI_STORE_HELP)
+    timeline.add_argument(
+        "--min-wait", default="1ms", help="draw a wait arrow when a rank waited at least this long"
+    )
+    timeline.add_argument(
+        "--max-waves",
+        type=int,
+        default=DEFAULT_MAX_RANK_WAVES,
+        help="at most this many rank-waves (the newest are kept)",
+    )
+    add_store_argument(timeline)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -52,8 +62,12 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    query = TimelineQuery(engine=args.engine, run_id=args.run_id, max_rank_waves=args.max_waves,
-                          min_wait_ns=parse_duration_ns(args.min_wait, "--min-wait"))  # fmt: skip
+    query = TimelineQuery(
+        engine=args.engine,
+        run_id=args.run_id,
+        max_rank_waves=args.max_waves,
+        min_wait_ns=parse_duration_ns(args.min_wait, "--min-wait"),
+    )
     if args.since is not None:
         query.since_ns = parse_time_ns(args.since, "--since")
         query.until_ns = parse_time_ns(args.until, "--until") if args.until else None

@@ -22,18 +22,23 @@ ENGINE_ENV = "ASCEND_GUARD_ENGINE"  # = guard.config.ENGINE_ENV (telemetry impor
 def add_parser(sub: argparse._SubParsersAction) -> None:
     ready = sub.add_parser("ready", help="readiness probe: vLLM healthy and no hang verdict")
     ready.add_argument(
-        "--engine", default=os.environ.get(ENGINE_ENV) or None,
+        "--engine",
+        default=os.environ.get(ENGINE_ENV) or None,
         help=f"engine label of the guarded server (env ${ENGINE_ENV})",
-    )  # fmt: skip
+    )
     ready.add_argument(
-        "--vllm", default=None, metavar="URL",
+        "--vllm",
+        default=None,
+        metavar="URL",
         help="also require 200 from this URL, e.g. http://127.0.0.1:8000/health",
-    )  # fmt: skip
+    )
     ready.add_argument(
-        "--sidecar", default=None, metavar="URL",
+        "--sidecar",
+        default=None,
+        metavar="URL",
         help=f"the sidecar's health endpoint (default: ${paths.HEALTH_URL_ENV}, else the local "
         f"sidecar's from sidecar.json, else http://127.0.0.1:{paths.DEFAULT_HEALTH_PORT})",
-    )  # fmt: skip
+    )
     ready.add_argument("--timeout", type=float, default=2.0, help="seconds per request")
     add_token_argument(ready)
 
@@ -59,15 +64,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"ready (sidecar not reachable, so readiness follows vLLM alone: {exc})")
         return 0
     if status in (401, 403):
-        print(f"ready (the sidecar refused the probe with {status}, so readiness follows vLLM "
-              f"alone){refusal_hint(status)}")  # fmt: skip
+        print(
+            f"ready (the sidecar refused the probe with {status}, so readiness follows vLLM "
+            f"alone){refusal_hint(status)}"
+        )
         return 0
     if status == 503:
         stopped = [
-            f"{r.get('tp')}/{r.get('pid')}" for v in body.get("verdicts", []) for r in v.get("stopped", [])
-        ]  # fmt: skip
-        print(f"not ready: hang verdict on engine {args.engine} (stopped tp/pid: "
-              f"{', '.join(stopped) or '?'}); see `ascend-guard hangs --live`")  # fmt: skip
+            f"{r.get('tp')}/{r.get('pid')}"
+            for v in body.get("verdicts", [])
+            for r in v.get("stopped", [])
+        ]
+        print(
+            f"not ready: hang verdict on engine {args.engine} (stopped tp/pid: "
+            f"{', '.join(stopped) or '?'}); see `ascend-guard hangs --live`"
+        )
         return 1
     print(f"ready: {body.get('reason') or 'no hang verdict'} (engine {args.engine})")
     return 0

@@ -1,4 +1,9 @@
-"""`ascend-guard doctor --live`: ask the running sidecar how complete each engine's coverage is.
+"""`ascend-guard doctor`: where the guard attaches to vLLM / vllm-ascend (ascend_runtime/doctor.py,
+run in the vLLM container), and `doctor --live`: ask the running sidecar how complete each
+engine's coverage is.
+
+`doctor` parses its own options (they pass through as given), so telemetry/cli.py hands it the
+raw arguments (`main_raw`) before its own parser runs.
 
 For every engine it serves: are all the ranks of its TP x PP x DP world connected, and has every
 connected rank bound every attach point? Exit 0 when all is covered, 1 when something is
@@ -19,6 +24,30 @@ from telemetry.http_client import Unreachable, add_token_argument, get_json, ref
 from telemetry.table import render_table
 
 
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """For the command list and `--help`; `main_raw` parses the real arguments."""
+    doctor = sub.add_parser(
+        "doctor",
+        help="where the guard attaches to vLLM / vllm-ascend, bound or missing (--help for more)",
+        add_help=False,
+    )
+    doctor.add_argument("doctor_args", nargs=argparse.REMAINDER)
+
+
+def run(args: argparse.Namespace) -> int:
+    return main_raw(args.doctor_args)
+
+
+def main_raw(argv: Sequence[str]) -> int:
+    """`ascend-guard doctor ARGS`: `--live` asks the sidecar (imports no vLLM); otherwise the
+    attach-point report of ascend_runtime/doctor.py, which imports torch/vLLM only when run."""
+    if "--live" in argv:
+        return main(argv)
+    from ascend_runtime.doctor import main as doctor_main
+
+    return doctor_main(list(argv))
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ascend-guard doctor --live",
@@ -26,16 +55,23 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     parser.add_argument(
-        "--live", nargs="?", const="", default="", metavar="URL",
+        "--live",
+        nargs="?",
+        const="",
+        default="",
+        metavar="URL",
         help="the sidecar's health endpoint (default: the local sidecar's, from "
         f"${paths.RUNTIME_DIR_ENV}/{paths.DISCOVERY_NAME}, else http://127.0.0.1:{paths.DEFAULT_HEALTH_PORT})",
-    )  # fmt: skip
+    )
     parser.add_argument("--engine", default=None, help="only this engine")
     add_token_argument(parser)
     parser.add_argument(
-        "--expect-local", type=int, default=None, metavar="N",
+        "--expect-local",
+        type=int,
+        default=None,
+        metavar="N",
         help="ranks this node should host (default: the whole TP x PP x DP world)",
-    )  # fmt: skip
+    )
     parser.add_argument("--json", action="store_true", help="print the sidecar's JSON")
     return parser
 
@@ -65,12 +101,16 @@ def main(argv: Sequence[str]) -> int:
     try:
         status, body = get_json(f"{base}/coverage", token=token_of(args))
     except Unreachable as exc:
-        print(f"ascend-guard doctor --live: {exc}; is the sidecar running with --health-port?",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"ascend-guard doctor --live: {exc}; is the sidecar running with --health-port?",
+            file=sys.stderr,
+        )
         return 2
     if status != 200:
-        print(f"ascend-guard doctor --live: {base}/coverage answered {status}"
-              f"{refusal_hint(status)}", file=sys.stderr)  # fmt: skip
+        print(
+            f"ascend-guard doctor --live: {base}/coverage answered {status}{refusal_hint(status)}",
+            file=sys.stderr,
+        )
         return 2
     engines = [e for e in body.get("engines", []) if not args.engine or e["engine"] == args.engine]
     if args.json:
@@ -79,8 +119,10 @@ def main(argv: Sequence[str]) -> int:
         if not args.json:
             which = f"engine {args.engine}" if args.engine else "no engine"
             print(f"{which}: no rank connected to the sidecar at {base}")
-            print("next: start vLLM with the runtime_guard config; its sidecar address must be "
-                  "this sidecar's --listen")  # fmt: skip
+            print(
+                "next: start vLLM with the runtime_guard config; its sidecar address must be "
+                "this sidecar's --listen"
+            )
         return 1
     bad = {e["engine"]: problems(e, args.expect_local) for e in engines}
     if not args.json:
@@ -88,17 +130,32 @@ def main(argv: Sequence[str]) -> int:
         for e in engines:
             for r in e["ranks"]:
                 points = r["attach_points"]
-                rows.append((e["engine"], f"dp{r['dp']}/tp{r['tp']}/pp{r['pp']}", r["pid"],
-                             r["runner"], points.get("bound", "-"), points.get("skipped", "-")))  # fmt: skip
-        print(render_table(("engine", "rank", "pid", "runner", "bound", "skipped"), rows,
-                           right=(2, 4, 5)))  # fmt: skip
+                rows.append(
+                    (
+                        e["engine"],
+                        f"dp{r['dp']}/tp{r['tp']}/pp{r['pp']}",
+                        r["pid"],
+                        r["runner"],
+                        points.get("bound", "-"),
+                        points.get("skipped", "-"),
+                    )
+                )
+        print(
+            render_table(
+                ("engine", "rank", "pid", "runner", "bound", "skipped"), rows, right=(2, 4, 5)
+            )
+        )
         print("")
         for e in engines:
             world = f"tp{e['tp_size']} x pp{e['pp_size']} x dp{e['dp_size']}"
             verdict = "; ".join(bad[e["engine"]]) or "fully covered"
-            print(f"{e['engine']} ({world}): {e['connected_ranks']} of {e['expected_ranks']} "
-                  f"ranks connected; {verdict}")  # fmt: skip
+            print(
+                f"{e['engine']} ({world}): {e['connected_ranks']} of {e['expected_ranks']} "
+                f"ranks connected; {verdict}"
+            )
         if any(bad.values()):
-            print("next: for skipped points run `ascend-guard doctor` inside the vLLM container; "
-                  "for missing ranks check their sidecar address (docs/runbooks)")  # fmt: skip
+            print(
+                "next: for skipped points run `ascend-guard doctor` inside the vLLM container; "
+                "for missing ranks check their sidecar address (docs/runbooks)"
+            )
     return 1 if any(bad.values()) else 0

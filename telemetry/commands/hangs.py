@@ -7,10 +7,10 @@ running sidecar's liveness endpoint (verdicts standing right now).
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 
 from telemetry import paths
+from telemetry.commands.common import add_store_argument, clock
 from telemetry.hangs import RECOVERY, VERDICT
 from telemetry.http_client import Unreachable, add_token_argument, get_json, refusal_hint, token_of
 from telemetry.incidents import IncidentFilter, list_incidents
@@ -23,21 +23,21 @@ HANG_TYPES = (VERDICT, RECOVERY, "hang_suspected")
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     hangs = sub.add_parser("hangs", help="hang verdicts, recoveries and watchdog reports")
-    hangs.add_argument("--store", default=paths.cli_store(), help=paths.CLI_STORE_HELP)
+    add_store_argument(hangs)
     hangs.add_argument("--since", default="24h", help="age (15m), unix seconds or ISO time")
     hangs.add_argument("--engine", default=None, help="engine label")
     hangs.add_argument("--run", dest="run_id", default=None, help="run id")
     hangs.add_argument("--limit", type=int, default=50)
     hangs.add_argument(
-        "--live", default=None, nargs="?", const=paths.cli_health_url(), metavar="URL",
+        "--live",
+        default=None,
+        nargs="?",
+        const=paths.cli_health_url(),
+        metavar="URL",
         help="ask the running sidecar instead (without URL: the local one, from sidecar.json)",
-    )  # fmt: skip
+    )
     hangs.add_argument("--json", action="store_true", help="one JSON object per line")
     add_token_argument(hangs)
-
-
-def _clock(ns: int) -> str:
-    return dt.datetime.fromtimestamp(ns / 1e9, tz=dt.timezone.utc).strftime("%H:%M:%S.%f")[:-3]
 
 
 def _ranks(ranks: list[dict]) -> str:
@@ -50,17 +50,41 @@ def _where(ev: dict) -> str:
 
 def _row(time_ns: int, kind: str, ev: dict) -> tuple:
     if kind == VERDICT:
-        return (_clock(time_ns), "VERDICT " + ev.get("kind", ""), ev.get("engine", ""),
-                ev.get("dp", ""), _ranks(ev.get("stopped", [])), _where(ev),
-                _ranks(ev.get("waiting", [])), ev.get("wave", ""), f"detect {ev.get('detect_s')}s")  # fmt: skip
+        return (
+            clock(time_ns),
+            "VERDICT " + ev.get("kind", ""),
+            ev.get("engine", ""),
+            ev.get("dp", ""),
+            _ranks(ev.get("stopped", [])),
+            _where(ev),
+            _ranks(ev.get("waiting", [])),
+            ev.get("wave", ""),
+            f"detect {ev.get('detect_s')}s",
+        )
     if kind == RECOVERY:
         v = ev.get("verdict", {})
-        return (_clock(time_ns), "recovered", ev.get("engine", ""), ev.get("dp", ""),
-                _ranks(v.get("stopped", [])), _where(v), "-", v.get("wave", ""),
-                f"stall {ev.get('stall_s')}s")  # fmt: skip
-    return (_clock(time_ns), "watchdog", ev.get("engine", ""), ev.get("dp", ""),
-            f"tp{ev.get('tp')}/pid{ev.get('pid')} waits", _where(ev), "-", ev.get("wave", ""),
-            f"age {ev.get('age_s')}s")  # fmt: skip
+        return (
+            clock(time_ns),
+            "recovered",
+            ev.get("engine", ""),
+            ev.get("dp", ""),
+            _ranks(v.get("stopped", [])),
+            _where(v),
+            "-",
+            v.get("wave", ""),
+            f"stall {ev.get('stall_s')}s",
+        )
+    return (
+        clock(time_ns),
+        "watchdog",
+        ev.get("engine", ""),
+        ev.get("dp", ""),
+        f"tp{ev.get('tp')}/pid{ev.get('pid')} waits",
+        _where(ev),
+        "-",
+        ev.get("wave", ""),
+        f"age {ev.get('age_s')}s",
+    )
 
 
 HEADER = ("time (UTC)", "event", "engine", "dp", "stopped", "collective", "waiting", "wave", "")
@@ -75,17 +99,31 @@ def run(args: argparse.Namespace) -> int:
     conn = connect(args.store, readonly=True)
     rows = []
     for kind in HANG_TYPES:
-        flt = IncidentFilter(since_ns=since, type=kind, run_id=args.run_id, engine=args.engine,
-                             limit=args.limit)  # fmt: skip
+        flt = IncidentFilter(
+            since_ns=since, type=kind, run_id=args.run_id, engine=args.engine, limit=args.limit
+        )
         rows.extend(list_incidents(conn, flt))
     rows.sort(key=lambda r: r["time_ns"], reverse=True)
     rows = rows[: args.limit]
     if args.json:
         for r in rows:
-            print(json.dumps({"type": r["type"], "time_ns": r["time_ns"], "engine": r["engine"],
-                              "dp": r["dp"], "tp": r["tp"], "pp": r["pp"], "pid": r["pid"],
-                              "wave": r["wave"], "summary": r["summary"],
-                              "evidence": json.loads(r["evidence"] or "{}")}, sort_keys=True))  # fmt: skip
+            print(
+                json.dumps(
+                    {
+                        "type": r["type"],
+                        "time_ns": r["time_ns"],
+                        "engine": r["engine"],
+                        "dp": r["dp"],
+                        "tp": r["tp"],
+                        "pp": r["pp"],
+                        "pid": r["pid"],
+                        "wave": r["wave"],
+                        "summary": r["summary"],
+                        "evidence": json.loads(r["evidence"] or "{}"),
+                    },
+                    sort_keys=True,
+                )
+            )
         return 0
     if not rows:
         print("no hangs recorded; widen --since")
