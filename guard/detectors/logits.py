@@ -66,14 +66,22 @@ def health_stats(logits: torch.Tensor, rows: int = STATS_ROWS) -> torch.Tensor:
     finite-logits gate reports those). With no healthy row the result is NaN: no reading.
     """
     values = logits[:rows].float()
+    if values.numel() == 0:  # shapes live on the host: no sync
+        return torch.tensor([float("nan"), float("nan")], device=logits.device)
     masked = values == float("-inf")
     healthy = ~(torch.isnan(values) | (values == float("inf"))).any(dim=-1) & ~masked.all(dim=-1)
-    values, masked = values[healthy], masked[healthy]
-    if values.numel() == 0:
-        return torch.tensor([float("nan"), float("nan")], device=logits.device)
-    max_abs = values.masked_fill(masked, 0.0).abs().amax()
+    # No boolean indexing (`values[healthy]`): on CUDA or NPU that reads the mask back to the
+    # host, a device sync. Unhealthy rows are zeroed instead and weighted out; with no healthy
+    # row, 0 / 0 gives the NaN "no reading" on the device.
+    unhealthy = ~healthy.unsqueeze(-1)
+    values = values.masked_fill(unhealthy, 0.0)
+    ignored = masked | unhealthy
+    count = healthy.sum()
+    max_abs = values.masked_fill(ignored, 0.0).abs().amax()
+    max_abs = torch.where(count > 0, max_abs, torch.full_like(max_abs, float("nan")))
     logp = torch.log_softmax(values, dim=-1)
-    entropy = -(logp.exp() * logp).masked_fill(masked, 0.0).sum(dim=-1).mean()
+    row_entropy = -(logp.exp() * logp).masked_fill(ignored, 0.0).sum(dim=-1)
+    entropy = (row_entropy * healthy).sum() / count
     return torch.stack([max_abs, entropy])
 
 
