@@ -77,11 +77,14 @@ class RequestMembership:
         if done:
             finished = tuple(self._retire(r) for r in done if r in index)
         preempted: tuple = ()
-        gone = getattr(scheduler_output, "preempted_req_ids", None)  # MRV2
-        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-        back = getattr(cached, "resumed_req_ids", None)  # V1: resumed after a preemption
-        if gone or back:
-            preempted = tuple(index[r] for r in (*(gone or ()), *(back or ())) if r in index)
+        # preempted in this step (vLLM >= 0.11 sets it for both runners); older V1 schedulers
+        # leave it None, and a request back from a preemption is then in resumed_req_ids
+        gone = getattr(scheduler_output, "preempted_req_ids", None)
+        if gone is None:
+            cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+            gone = getattr(cached, "resumed_req_ids", None)
+        if gone:
+            preempted = tuple(index[r] for r in gone if r in index)
         total = getattr(scheduler_output, "total_num_scheduled_tokens", None)
         pending = self._pending
         if len(pending) >= PENDING_WAVES:

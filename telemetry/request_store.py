@@ -346,10 +346,13 @@ def request_waves(conn: sqlite3.Connection, request: RequestRow) -> list[Request
                 preempted_at.add(wave)
     waves = [out[w] for w in sorted(out)]
     prefill, recompute = True, False
+    marks = sorted(preempted_at)  # the wave a preemption was seen at (its own, or its resume)
+    before = 0
     for item in waves:
-        if item.wave in preempted_at:
-            item.preempted = True
+        if any(before < mark <= item.wave for mark in marks):
+            item.preempted = True  # the first wave back after it
             prefill, recompute = True, True
+        before = item.wave
         item.kind = "prefill" if prefill else "decode"
         item.recompute = recompute and prefill
         if item.sampled > 0:

@@ -72,7 +72,9 @@ class Sim:
         budget = self.budget
         resumed: set[str] = set()
         gone = self.preempt.get(wave)
+        preempted: set[str] = set()
         if gone in self.running:
+            preempted.add(gone)
             self.running.remove(gone)
             req = self.requests[gone]
             req.preempted, req.computed = True, 0
@@ -123,7 +125,7 @@ class Sim:
                 num_computed_tokens=[], all_token_ids={},
             ),
             finished_req_ids={_fresh(r) for r in self.finished_last},
-            preempted_req_ids=None,
+            preempted_req_ids={_fresh(r) for r in preempted},  # vLLM 0.32 sets it for V1
         )  # fmt: skip
         # the runner keeps the string of the request's first NewRequestData
         for new in so.scheduled_new_reqs:
