@@ -36,8 +36,8 @@ RETIRED_KEPT = 4096  # finished requests still resolvable (an async output a wav
 PENDING_WAVES = 8  # scheduled waves whose output has not come back yet
 ROWS_PER_BATCH = 4096
 
-# (wave, members, scheduled_each, scheduled, sampled_known, sampled_each, sampled,
-#  finished, preempted); `members` is the same array object while the make-up is unchanged
+# (wave, members, (each, indexes, tokens) scheduled, the same sampled or None, finished,
+#  preempted); `members` is the same array object while the make-up is unchanged
 Row = tuple
 
 
@@ -50,12 +50,14 @@ class RequestMembership:
         self._index: dict[str, int] = {}  # live request id -> index (engine thread)
         self._retired: dict[str, int] = {}  # recently finished id -> index
         self._names: dict[int, str] = {}  # index -> id, until its finish is packed
+        self._new_names: collections.deque[int] = collections.deque()  # not yet sent
         self._next = 0
         self._pending: dict[int, tuple] = {}
         self._rows: collections.deque[Row] = collections.deque()
         self._last_ids: list | None = None
-        self._last_members: array | None = None
-        self._sent: set[int] = set()  # indexes named on the current stream (streamer thread)
+        self._last_members: list | None = None
+        # requests that may be prefilling (new, resumed, not sampled since): runner id -> index
+        self._prefilling: dict[str, int] = {}
         self.dropped_rows = 0
         self.dropped_names = 0
 
@@ -71,11 +73,13 @@ class RequestMembership:
             for request in new:
                 req_id = getattr(request, "req_id", None)
                 if req_id is not None and req_id not in index:
-                    self._name(req_id)
+                    self._prefilling[req_id] = self._name(req_id)
         finished: tuple = ()
         done = getattr(scheduler_output, "finished_req_ids", None)
         if done:
             finished = tuple(self._retire(r) for r in done if r in index)
+            for req_id in done:
+                self._prefilling.pop(req_id, None)
         preempted: tuple = ()
         # preempted in this step (vLLM >= 0.11 sets it for both runners); older V1 schedulers
         # leave it None, and a request back from a preemption is then in resumed_req_ids
@@ -85,6 +89,13 @@ class RequestMembership:
             gone = getattr(cached, "resumed_req_ids", None)
         if gone:
             preempted = tuple(index[r] for r in gone if r in index)
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        back = getattr(cached, "resumed_req_ids", None)
+        if back:  # recomputes its prompt and output so far: may take several waves
+            for req_id in back:
+                number = index.get(req_id)
+                if number is not None:
+                    self._prefilling[req_id] = number
         total = getattr(scheduler_output, "total_num_scheduled_tokens", None)
         pending = self._pending
         if len(pending) >= PENDING_WAVES:
@@ -102,21 +113,20 @@ class RequestMembership:
         if not n and not finished and not preempted:
             return
         req_ids = getattr(output, "req_ids", None)
-        sched_each, sched_list = (1, None) if total == n else (0, None)
         if isinstance(req_ids, list) and len(req_ids) == n:
             if req_ids == self._last_ids:
                 members = self._last_members
             else:
                 members = self._members(req_ids)
                 self._last_ids, self._last_members = req_ids, members
-            if not sched_each:
-                sched_list = array("I", map(scheduled.get, req_ids, itertools.repeat(0)))
-            known, sampled_each, sampled_list = self._sampled(output, runner, tokens, n, sched_each)
+            sched = self._scheduled(scheduled, total, n, req_ids, members)
+            sampled, done = self._sampled(output, runner, tokens, n, sched[0], req_ids, members)
+            for req_id in done:
+                del self._prefilling[req_id]
         else:  # no runner output for this wave (a PP stage before the last, a wave cut short)
             members = self._members(list(scheduled))
-            if not sched_each:
-                sched_list = array("I", scheduled.values())
-            known, sampled_each, sampled_list = False, 0, None
+            sched = (0, tuple(members), tuple(scheduled.values()))
+            sampled = None
         rows = self._rows
         if len(rows) >= self._capacity:
             try:  # noqa: SIM105 - hot path
@@ -124,40 +134,85 @@ class RequestMembership:
             except IndexError:
                 pass
             self.dropped_rows += 1
-        rows.append(
-            (wave, members, sched_each, sched_list, known, sampled_each, sampled_list,
-             finished, preempted)
-        )  # fmt: skip
+        rows.append((wave, members, sched, sampled, finished, preempted))
 
-    def _sampled(self, output: Any, runner: Any, tokens: int | None, n: int, sched_each: int):
-        """(known, each, per request) of the tokens the scheduler keeps of this output."""
+    def _scheduled(self, scheduled: dict, total, n: int, req_ids: list, members: list):
+        """(each, indexes, tokens): every member got `each` tokens but the listed ones.
+
+        Only requests that may be prefilling (new, resumed, or not yet sampled since) are
+        looked at; the others got one token each exactly when the wave's total says so (each
+        scheduled request has at least one token)."""
+        cands = self._prefilling
+        if cands:
+            got = [(i, scheduled.get(r, 0)) for r, i in cands.items()]
+            listed = [(i, t) for i, t in got if t]  # those scheduled this wave
+            rest = total - sum(t for _, t in listed) if total is not None else -1
+            if rest == n - len(listed):
+                keep = [(i, t) for i, t in listed if t != 1]
+                return 1, tuple(i for i, _ in keep), tuple(t for _, t in keep)
+        elif total == n:
+            return 1, (), ()
+        # drafts (n-gram, EAGLE...) or a request we did not see join: each one listed
+        return 0, tuple(members), tuple(map(scheduled.get, req_ids, itertools.repeat(0)))
+
+    def _sampled(self, output: Any, runner: Any, tokens, n: int, sched_each: int, req_ids,
+                 members: list):  # fmt: skip
+        """(each, indexes, tokens) of the tokens the scheduler keeps of this output (None when
+        not known), and the prefilling requests that sampled (their prefill is over). With one
+        token scheduled for every request but the prefilling ones, those sampled at most one
+        each, so the wave's count says whether they all did."""
         ids = getattr(output, "sampled_token_ids", None)
         if tokens is None or not isinstance(ids, list) or len(ids) != n:
-            return False, 0, None
-        if sched_each == 1 and tokens == n:
-            return True, 1, None  # one token scheduled each, n sampled: one each
-        lengths = array("I", map(len, ids))
-        if runner is not None and n and max(lengths) > 1:
-            requests = getattr(runner, "requests", None)
-            req_ids = output.req_ids
-            if isinstance(requests, dict):
-                max_model_len = getattr(runner, "max_model_len", 0) or 0
-                for i, count in enumerate(lengths):
-                    if count > 1:
-                        state = requests.get(req_ids[i])
-                        if state is not None:
-                            lengths[i] = _kept(ids[i], state, max_model_len)
-        if n and min(lengths) == max(lengths) and lengths[0]:
-            return True, lengths[0], None
-        return True, 0, lengths
+            return None, ()
+        cands = self._prefilling
+        if sched_each == 1:
+            if not cands:
+                if tokens == n:
+                    return (1, (), ()), ()
+            else:
+                where = getattr(output, "req_id_to_index", None)
+                listed, done = [], []
+                for req_id, number in cands.items():
+                    at = (
+                        where.get(req_id) if isinstance(where, dict) else _position(req_ids, req_id)
+                    )
+                    if at is not None:
+                        kept = self._kept(ids, at, req_ids, runner)
+                        listed.append((number, kept))
+                        if kept:
+                            done.append(req_id)
+                if tokens - sum(t for _, t in listed) == n - len(listed):
+                    keep = [(i, t) for i, t in listed if t != 1]
+                    return (1, tuple(i for i, _ in keep), tuple(t for _, t in keep)), done
+        counts = array("I", map(len, ids))
+        if runner is not None and n and max(counts) > 1:
+            for at, count in enumerate(counts):
+                if count > 1:
+                    counts[at] = self._kept(ids, at, req_ids, runner)
+        done = ()
+        if cands:
+            got = dict(zip(members, counts, strict=True))
+            done = [r for r, i in cands.items() if got.get(i)]
+        return (0, tuple(members), tuple(counts)), done
 
-    def _members(self, req_ids: list) -> array:
+    @staticmethod
+    def _kept(ids: list, at: int, req_ids: list, runner: Any) -> int:
+        tokens = ids[at]
+        if len(tokens) <= 1 or runner is None:
+            return len(tokens)
+        requests = getattr(runner, "requests", None)
+        state = requests.get(req_ids[at]) if isinstance(requests, dict) else None
+        if state is None:
+            return len(tokens)
+        return _kept(tokens, state, getattr(runner, "max_model_len", 0) or 0)
+
+    def _members(self, req_ids: list) -> list[int]:
         index = self._index
         try:
-            return array("I", map(index.__getitem__, req_ids))
+            return list(map(index.__getitem__, req_ids))
         except KeyError:  # a request first seen here, or finished a wave ago (async)
             retired = self._retired
-            out = array("I")
+            out: list[int] = []
             for req_id in req_ids:
                 known = index.get(req_id)
                 if known is None:
@@ -173,6 +228,7 @@ class RequestMembership:
         self._index[req_id] = number
         names = self._names
         names[number] = req_id
+        self._new_names.append(number)
         if len(self._index) > self._max_live:  # finishes never seen: forget the oldest
             oldest = next(iter(self._index))
             del self._index[oldest]
@@ -195,60 +251,70 @@ class RequestMembership:
 
     # -- streamer thread ----------------------------------------------------------------------
     def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool = False) -> None:
-        """Move waiting rows into `batch.request_columns` (a stream's first batch, the one
-        naming the rank, starts naming requests afresh)."""
-        if batch.HasField("rank"):
-            self._sent = set()
+        """Move waiting rows into `batch.request_columns`. A stream's first batch (the one
+        naming the rank) names every request still known; later batches the new ones."""
         rows = self._rows
-        if not rows and not (self.dropped_rows or self.dropped_names):
+        fresh_stream = batch.HasField("rank")
+        if not (rows or fresh_stream or self.dropped_rows or self.dropped_names):
             return
         cols = batch.request_columns
         cols.dropped_rows_total = self.dropped_rows
         cols.dropped_names_total = self.dropped_names
-        previous = None
-        names, sent = self._names, self._sent
+        taken = []
         for _ in range(min(len(rows), ROWS_PER_BATCH)):
             try:
-                row = rows.popleft()
+                taken.append(rows.popleft())
             except IndexError:
                 break
-            wave, members, sched_each, sched, known, sampled_each, sampled, finished, gone = row
+        # names after rows: the engine thread names a request before its first row
+        self._add_names(cols, fresh_stream)
+        previous = None
+        names = self._names
+        for wave, members, sched, sampled, finished, gone in taken:
             same = members is previous
             cols.wave.append(wave)
             cols.members.append(len(members))
             cols.same_members.append(same)
-            cols.scheduled_each.append(sched_each)
-            cols.sampled_each.append(sampled_each)
-            cols.sampled.append(known)
             if not same:
                 cols.req_index.extend(members)
-                self._name_new(cols, members, names, sent)
                 previous = members
-            if sched is not None:
-                cols.scheduled_tokens.extend(sched)
-            if sampled is not None:
-                cols.sampled_tokens.extend(sampled)
+            each, listed, counts = sched
+            cols.scheduled_each.append(each)
+            cols.scheduled_count.append(len(listed))
+            cols.scheduled_index.extend(listed)
+            cols.scheduled_tokens.extend(counts)
+            cols.sampled.append(sampled is not None)
+            each, listed, counts = sampled if sampled is not None else (0, (), ())
+            cols.sampled_each.append(each)
+            cols.sampled_count.append(len(listed))
+            cols.sampled_index.extend(listed)
+            cols.sampled_tokens.extend(counts)
             cols.finished_count.append(len(finished))
+            cols.finished_index.extend(finished)
             cols.preempted_count.append(len(gone))
-            if gone:
-                self._name_new(cols, gone, names, sent)
-                cols.preempted_index.extend(gone)
-            if finished:
-                self._name_new(cols, finished, names, sent)
-                cols.finished_index.extend(finished)
-                for number in finished:
-                    names.pop(number, None)
-                    sent.discard(number)
+            cols.preempted_index.extend(gone)
+            for number in finished:
+                names.pop(number, None)
 
-    @staticmethod
-    def _name_new(cols, numbers, names: dict[int, str], sent: set[int]) -> None:
-        fresh = [i for i in numbers if i not in sent]
-        for number in fresh:
+    def _add_names(self, cols: guard_pb2.RequestColumns, fresh_stream: bool) -> None:
+        queue, names = self._new_names, self._names
+        pending = []
+        while queue:
+            try:
+                pending.append(queue.popleft())
+            except IndexError:
+                break
+        if fresh_stream:
+            known = list(names.items())
+            cols.name_index.extend(k for k, _ in known)
+            cols.name_request_id.extend(v for _, v in known)
+            sent = {k for k, _ in known}
+            pending = [i for i in pending if i not in sent]
+        for number in pending:
             req_id = names.get(number)
             if req_id is not None:
                 cols.name_index.append(number)
                 cols.name_request_id.append(req_id)
-            sent.add(number)
 
 
 def chain_fillers(
@@ -264,3 +330,10 @@ def chain_fillers(
             filler(batch, with_heartbeat)
 
     return fill
+
+
+def _position(req_ids: list, req_id: str) -> int | None:
+    try:
+        return req_ids.index(req_id)  # the runner's own strings: compared by identity first
+    except ValueError:
+        return None

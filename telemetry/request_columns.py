@@ -23,11 +23,15 @@ ROW_COLUMNS = (
     "members",
     "same_members",
     "scheduled_each",
-    "sampled_each",
+    "scheduled_count",
     "sampled",
+    "sampled_each",
+    "sampled_count",
     "finished_count",
     "preempted_count",
 )
+FLAT = ("req_index", "scheduled_index", "scheduled_tokens", "sampled_index", "sampled_tokens",
+        "finished_index", "preempted_index")  # fmt: skip
 
 
 def _error(message: str) -> Exception:
@@ -59,8 +63,7 @@ def validate_request_columns(cols: guard_pb2.RequestColumns) -> None:
     if cols.dropped_rows_total > INT64_MAX or cols.dropped_names_total > INT64_MAX:
         raise _error(f"dropped_rows_total/dropped_names_total: exceed {INT64_MAX}")
     if not n:
-        for name in ("req_index", "scheduled_tokens", "sampled_tokens", "finished_index",
-                     "preempted_index"):  # fmt: skip
+        for name in FLAT:
             if len(getattr(cols, name)):
                 raise _error(f"{name}: values without a wave column")
         return
@@ -82,11 +85,30 @@ def validate_request_columns(cols: guard_pb2.RequestColumns) -> None:
             f"members[{i}]: {int(members[i])}, but same_members names row {int(source[i])} "
             f"with {int(members[source[i]])}"
         )
-    sampled = np.array(cols.sampled, dtype=bool)
+    known = np.array(cols.sampled, dtype=bool)
+    for kind in ("scheduled", "sampled"):
+        each = _u32(getattr(cols, f"{kind}_each"))
+        count = _u32(getattr(cols, f"{kind}_count"))
+        over = np.flatnonzero((count > members) | ((each == 0) & (count != members)
+                                                    & (known if kind == "sampled" else True)))  # fmt: skip
+        if over.size:
+            i = int(over[0])
+            raise _error(
+                f"{kind}_count[{i}]: {int(count[i])} listed, the row has {int(members[i])} "
+                f"members and {kind}_each {int(each[i])} (0: every member listed)"
+            )
+        if kind == "sampled":
+            unknown = np.flatnonzero(~known & (count > 0))
+            if unknown.size:
+                raise _error(f"sampled_count[{int(unknown[0])}]: listed, but sampled is false")
+        total = int(count.sum())
+        for flat in (f"{kind}_index", f"{kind}_tokens"):
+            if len(getattr(cols, flat)) != total:
+                raise _error(
+                    f"{flat}: {len(getattr(cols, flat))} values, the rows add up to {total}"
+                )
     expected = {
         "req_index": int(members[~same].sum()),
-        "scheduled_tokens": int(members[_u32(cols.scheduled_each) == 0].sum()),
-        "sampled_tokens": int(members[sampled & (_u32(cols.sampled_each) == 0)].sum()),
         "finished_index": int(_u32(cols.finished_count).sum()),
         "preempted_index": int(_u32(cols.preempted_count).sum()),
     }
@@ -127,23 +149,32 @@ def entries(cols: guard_pb2.RequestColumns) -> Entries:
     explicit = np.where(same, 0, members)
     explicit_start = np.cumsum(explicit) - explicit
     index = _u32(cols.req_index)[explicit_start[_sources(same)][row] + pos]
-    sched_each = _u32(cols.scheduled_each)
-    listed = np.where(sched_each == 0, members, 0)
-    listed_start = np.cumsum(listed) - listed
-    scheduled = np.where(sched_each[row] > 0, sched_each[row], 0)
-    flat = _u32(cols.scheduled_tokens)
-    take = sched_each[row] == 0
-    scheduled[take] = flat[(listed_start[row] + pos)[take]]
+    scheduled = _tokens(cols, "scheduled", row, index, np.ones(n, bool))
     known = np.array(cols.sampled, dtype=bool)
-    sampled_each = _u32(cols.sampled_each)
-    listed = np.where(known & (sampled_each == 0), members, 0)
-    listed_start = np.cumsum(listed) - listed
-    sampled = np.where(known[row], sampled_each[row], -1)
-    take = known[row] & (sampled_each[row] == 0)
-    flat = _u32(cols.sampled_tokens)
-    sampled[take] = flat[(listed_start[row] + pos)[take]]
+    sampled = np.where(known[row], _tokens(cols, "sampled", row, index, known), -1)
     waves = np.array(cols.wave, dtype=np.int64)
     return Entries(waves[row], index, scheduled, sampled, row)
+
+
+def _tokens(cols, kind: str, row: np.ndarray, index: np.ndarray, rows_known: np.ndarray):
+    """Per entry: the row's `each`, or the listed (index, tokens) pair of its row."""
+    out = _u32(getattr(cols, f"{kind}_each"))[row].copy()
+    count = _u32(getattr(cols, f"{kind}_count"))
+    listed = int(count.sum())
+    if not listed:
+        return out
+    listed_row = np.repeat(np.arange(len(count)), count)
+    listed_index = _u32(getattr(cols, f"{kind}_index"))
+    listed_tokens = _u32(getattr(cols, f"{kind}_tokens"))
+    shift = np.int64(1) << 32
+    keys = row * shift + index
+    order = np.argsort(keys, kind="stable")
+    wanted = listed_row * shift + listed_index
+    at = np.searchsorted(keys[order], wanted)
+    at = np.minimum(at, len(keys) - 1)
+    hit = keys[order][at] == wanted  # a listed index that is not a member is left out
+    out[order[at[hit]]] = listed_tokens[hit]
+    return out
 
 
 def flat_per_row(cols: guard_pb2.RequestColumns, counts: str, flat: str) -> list[tuple[int, list]]:

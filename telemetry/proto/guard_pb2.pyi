@@ -297,17 +297,21 @@ class ProbeValue(_message.Message):
     def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., value: _Optional[float] = ...) -> None: ...
 
 class RequestColumns(_message.Message):
-    __slots__ = ("name_index", "name_request_id", "wave", "members", "same_members", "scheduled_each", "sampled_each", "sampled", "req_index", "scheduled_tokens", "sampled_tokens", "finished_count", "finished_index", "preempted_count", "preempted_index", "dropped_rows_total", "dropped_names_total")
+    __slots__ = ("name_index", "name_request_id", "wave", "members", "same_members", "req_index", "scheduled_each", "scheduled_count", "scheduled_index", "scheduled_tokens", "sampled", "sampled_each", "sampled_count", "sampled_index", "sampled_tokens", "finished_count", "finished_index", "preempted_count", "preempted_index", "dropped_rows_total", "dropped_names_total")
     NAME_INDEX_FIELD_NUMBER: _ClassVar[int]
     NAME_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WAVE_FIELD_NUMBER: _ClassVar[int]
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
     SAME_MEMBERS_FIELD_NUMBER: _ClassVar[int]
-    SCHEDULED_EACH_FIELD_NUMBER: _ClassVar[int]
-    SAMPLED_EACH_FIELD_NUMBER: _ClassVar[int]
-    SAMPLED_FIELD_NUMBER: _ClassVar[int]
     REQ_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_EACH_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_INDEX_FIELD_NUMBER: _ClassVar[int]
     SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_EACH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_INDEX_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_COUNT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -320,11 +324,15 @@ class RequestColumns(_message.Message):
     wave: _containers.RepeatedScalarFieldContainer[int]
     members: _containers.RepeatedScalarFieldContainer[int]
     same_members: _containers.RepeatedScalarFieldContainer[bool]
-    scheduled_each: _containers.RepeatedScalarFieldContainer[int]
-    sampled_each: _containers.RepeatedScalarFieldContainer[int]
-    sampled: _containers.RepeatedScalarFieldContainer[bool]
     req_index: _containers.RepeatedScalarFieldContainer[int]
+    scheduled_each: _containers.RepeatedScalarFieldContainer[int]
+    scheduled_count: _containers.RepeatedScalarFieldContainer[int]
+    scheduled_index: _containers.RepeatedScalarFieldContainer[int]
     scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    sampled: _containers.RepeatedScalarFieldContainer[bool]
+    sampled_each: _containers.RepeatedScalarFieldContainer[int]
+    sampled_count: _containers.RepeatedScalarFieldContainer[int]
+    sampled_index: _containers.RepeatedScalarFieldContainer[int]
     sampled_tokens: _containers.RepeatedScalarFieldContainer[int]
     finished_count: _containers.RepeatedScalarFieldContainer[int]
     finished_index: _containers.RepeatedScalarFieldContainer[int]
@@ -332,7 +340,7 @@ class RequestColumns(_message.Message):
     preempted_index: _containers.RepeatedScalarFieldContainer[int]
     dropped_rows_total: int
     dropped_names_total: int
-    def __init__(self, name_index: _Optional[_Iterable[int]] = ..., name_request_id: _Optional[_Iterable[str]] = ..., wave: _Optional[_Iterable[int]] = ..., members: _Optional[_Iterable[int]] = ..., same_members: _Optional[_Iterable[bool]] = ..., scheduled_each: _Optional[_Iterable[int]] = ..., sampled_each: _Optional[_Iterable[int]] = ..., sampled: _Optional[_Iterable[bool]] = ..., req_index: _Optional[_Iterable[int]] = ..., scheduled_tokens: _Optional[_Iterable[int]] = ..., sampled_tokens: _Optional[_Iterable[int]] = ..., finished_count: _Optional[_Iterable[int]] = ..., finished_index: _Optional[_Iterable[int]] = ..., preempted_count: _Optional[_Iterable[int]] = ..., preempted_index: _Optional[_Iterable[int]] = ..., dropped_rows_total: _Optional[int] = ..., dropped_names_total: _Optional[int] = ...) -> None: ...
+    def __init__(self, name_index: _Optional[_Iterable[int]] = ..., name_request_id: _Optional[_Iterable[str]] = ..., wave: _Optional[_Iterable[int]] = ..., members: _Optional[_Iterable[int]] = ..., same_members: _Optional[_Iterable[bool]] = ..., req_index: _Optional[_Iterable[int]] = ..., scheduled_each: _Optional[_Iterable[int]] = ..., scheduled_count: _Optional[_Iterable[int]] = ..., scheduled_index: _Optional[_Iterable[int]] = ..., scheduled_tokens: _Optional[_Iterable[int]] = ..., sampled: _Optional[_Iterable[bool]] = ..., sampled_each: _Optional[_Iterable[int]] = ..., sampled_count: _Optional[_Iterable[int]] = ..., sampled_index: _Optional[_Iterable[int]] = ..., sampled_tokens: _Optional[_Iterable[int]] = ..., finished_count: _Optional[_Iterable[int]] = ..., finished_index: _Optional[_Iterable[int]] = ..., preempted_count: _Optional[_Iterable[int]] = ..., preempted_index: _Optional[_Iterable[int]] = ..., dropped_rows_total: _Optional[int] = ..., dropped_names_total: _Optional[int] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("rank", "waves", "heartbeat", "dropped_total", "guard_errors_total", "seq", "incidents", "detector_hits_total", "probes", "collective_waves", "wire_version", "wave_columns", "collective_columns", "request_columns")

@@ -194,7 +194,8 @@ def test_bad_membership_is_dropped_alone_with_the_column_named() -> None:
     cols.wave.extend([1, 2])
     cols.members.extend([2, 3])
     cols.same_members.extend([False, True])
-    for name in ("scheduled_each", "sampled_each", "finished_count", "preempted_count"):
+    for name in ("scheduled_each", "sampled_each", "scheduled_count", "sampled_count",
+                 "finished_count", "preempted_count"):  # fmt: skip
         getattr(cols, name).extend([1, 1] if "each" in name else [0, 0])
     cols.sampled.extend([True, True])
     cols.req_index.extend([0, 1])
@@ -236,6 +237,7 @@ def test_membership_reuses_the_row_while_the_batch_is_unchanged_and_bounds_its_b
     assert list(cols.wave) == [4, 5, 6, 7]
     assert list(cols.same_members) == [False, True, True, True]
     assert len(cols.req_index) == 8 and not cols.scheduled_tokens and not cols.sampled_tokens
+    assert list(cols.scheduled_each) == [1, 1, 1, 1] and list(cols.sampled_each) == [1, 1, 1, 1]
     assert cols.dropped_rows_total == 3
     assert list(cols.name_request_id) == ids  # named once, in the stream's first batch
 
@@ -258,3 +260,34 @@ def test_only_tp0_records_membership() -> None:
     sim = Sim(_requests()[:2])
     off = guarded(request_traces=False)
     assert not any(b.HasField("request_columns") for b in drive(off, sim))
+
+
+def test_a_request_joining_lists_only_its_own_tokens_and_drafts_list_every_member() -> None:
+    """Churn: one request leaves, one joins with a 32-token prefill; only the newcomer is listed.
+    Drafts (4 tokens scheduled each, 1-4 kept): every member is listed, with what it kept."""
+    ids = [f"r{i}" for i in range(6)]
+    m = RequestMembership(capacity=100)
+    m.on_schedule(1, _sched(ids, [5] * 6, new=ids))
+    m.on_wave(1, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1]] * 6), None, 6)
+    live = ids[1:] + ["r6"]
+    m.on_schedule(2, _sched(live, [1] * 5 + [32], new=["r6"], finished=["r0"]))
+    m.on_wave(2, SimpleNamespace(req_ids=list(live), sampled_token_ids=[[1]] * 6), None, 6)
+    spec = SimpleNamespace(
+        req_ids=list(live), sampled_token_ids=[[1] * (1 + i % 4) for i in range(6)]
+    )
+    m.on_schedule(3, _sched(live, [4] * 6))
+    m.on_wave(3, spec, None, sum(1 + i % 4 for i in range(6)))
+    batch = guard_pb2.Batch(rank=guard_pb2.RankInfo(run_id="r"))
+    m.fill_batch(batch)
+    cols = batch.request_columns
+    validate_batch(batch)
+    assert list(cols.scheduled_each) == [1, 1, 0]  # wave 1: six newcomers listed; 3: drafts
+    assert list(cols.scheduled_count) == [6, 1, 6]
+    assert list(cols.scheduled_tokens)[6:7] == [32]  # wave 2: the newcomer alone
+    assert list(cols.sampled_each) == [1, 1, 0]
+    got = entries(cols)
+    assert got.scheduled[got.wave == 1].tolist() == [5] * 6
+    wave3 = got.wave == 3
+    assert got.sampled[wave3].tolist() == [1 + i % 4 for i in range(6)]
+    assert got.scheduled[got.wave == 2].tolist() == [1] * 5 + [32]
+    assert list(cols.finished_index) == [0]
