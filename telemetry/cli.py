@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+import telemetry.request_cli as request_cli
 from telemetry import build_info, hangs_cli, logs, paths, ready_cli, schema, timeline_cli
 from telemetry.incidents import IncidentFilter, list_incidents
 from telemetry.query import (
@@ -244,6 +245,7 @@ def _parser() -> argparse.ArgumentParser:
     hangs_cli.add_parser(sub)
     ready_cli.add_parser(sub)
     timeline_cli.add_parser(sub)
+    request_cli.add_parser(sub)
     return parser
 
 
@@ -537,6 +539,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "hangs": hangs_cli.run,
         "ready": ready_cli.run,
         "timeline": timeline_cli.run,
+        "request": request_cli.run,
     }
     try:
         return handlers[args.command](args)

@@ -8,6 +8,7 @@ and the Tempo-API route are the real ones. The simulator keeps the truth each te
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -138,8 +139,6 @@ def test_find_by_prefix_and_trace_by_id_through_the_query_api(simulated) -> None
     assert row.request_id == "cmpl-3-0"
     endpoint, reply = route(path, Request(f"/api/v2/traces/{row.trace_hex}", {}, {}))
     assert endpoint == "trace" and reply.code == 200, reply.body
-    import json
-
     body = json.loads(reply.body)
     spans = [s for rs in body["trace"]["resourceSpans"] for ss in rs["scopeSpans"]
              for s in ss["spans"]]  # fmt: skip
@@ -291,3 +290,42 @@ def test_a_request_joining_lists_only_its_own_tokens_and_drafts_list_every_membe
     assert got.sampled[wave3].tolist() == [1 + i % 4 for i in range(6)]
     assert got.scheduled[got.wave == 2].tolist() == [1] * 5 + [32]
     assert list(cols.finished_index) == [0]
+
+
+def test_request_cli_tree_waves_and_json(simulated, capsys) -> None:
+    from telemetry import cli
+
+    reqs, _, path, _ = simulated
+    req = reqs[1]  # preempted once
+    assert cli.main(["request", "cmpl-1", "--store", path]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("request cmpl-1-0  trace ")
+    assert f"sampled {req.max_tokens}" in out and "preemptions 1" in out
+    assert out.count("└─ prefill") + out.count("└─ decode") == len(req.waves)
+    assert "after-preemption" in out
+    assert cli.main(["request", "cmpl-1-0", "--waves", "--store", path]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert len(table) == 3 + len(req.waves) and "prefill (recompute)" in "\n".join(table)
+    assert cli.main(["request", "cmpl-1-0", "--json", "--store", path]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    body = json.loads(line)
+    assert body["sampled_tokens"] == req.max_tokens
+    assert {
+        w["wave"]: (w["scheduled_tokens"], w["sampled_tokens"]) for w in body["waves"]
+    } == req.waves
+    assert cli.main(["request", "nope", "--store", path]) == 1
+
+
+def test_timeline_of_a_request_holds_exactly_its_waves(simulated, tmp_path, capsys) -> None:
+    from telemetry import cli
+
+    reqs, _, path, _ = simulated
+    req = reqs[3]
+    out = tmp_path / "req.json"
+    assert cli.main(["timeline", "--request", req.req_id, "-o", str(out), "--store", path]) == 0
+    events = json.loads(out.read_text())["traceEvents"]
+    waves = {e["args"]["wave"] for e in events
+             if e.get("ph") == "X" and "wave" in e.get("args", {})}  # fmt: skip
+    assert waves == set(req.waves)
+    assert cli.main(["timeline", "--request", "cmpl-", "-o", str(out), "--store", path]) == 1
+    assert "5 requests match" in capsys.readouterr().out
