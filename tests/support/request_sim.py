@@ -169,20 +169,24 @@ class _QuietStreamer(Streamer):
 RANK = dict(run_id="run-sim", engine="sim", dp_size=1, tp_size=2, pp_size=1, node="n", pid=77)
 
 
-def guarded(tp: int = 0, **config: Any) -> GuardProcessor:
-    """A real GuardProcessor on one rank whose streamer is never started."""
+def guarded(tp: int = 0, sidecar: str | None = None, **config: Any) -> GuardProcessor:
+    """A real GuardProcessor on one rank. With `sidecar`, its real streamer sends there;
+    without, the streamer is never started (tests pull its batches from `drive`)."""
     rank = guard_pb2.RankInfo(tp_rank=tp, **RANK)
-    cfg = GuardConfig(sidecar="localhost:1", liveness_record=False, **config)
-    processor = GuardProcessor(cfg, lambda runner: rank, _QuietStreamer)
-    return processor
+    cfg = GuardConfig(sidecar=sidecar or "localhost:1", liveness_record=False,
+                      flush_interval_ms=20, **config)  # fmt: skip
+    return GuardProcessor(cfg, lambda runner: rank, Streamer if sidecar else _QuietStreamer)
 
 
 def drive(processor: GuardProcessor, sim: Sim, max_waves: int = 10_000) -> list[guard_pb2.Batch]:
     """Run the simulation through the processor's decorator entry points; return the batches
-    its streamer would send."""
+    its streamer would send (none when it streams to a sidecar)."""
     runner = SimpleNamespace(requests={}, max_model_len=4096)
     while sim.pending() and sim.wave < max_waves:
         so, output = sim.step()
         processor.run_step(lambda r, s: None, runner, (so,), {})
         processor.run_sample(lambda r, out=output: out, runner, (), {})
-    return processor.streamer.batches(processor.membership)
+    streamer = processor.streamer
+    if isinstance(streamer, _QuietStreamer):
+        return streamer.batches(processor.membership)
+    return []
