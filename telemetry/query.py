@@ -17,7 +17,7 @@ from decimal import Decimal, InvalidOperation
 
 import numpy as np
 
-from telemetry import request_store, store
+from telemetry import store
 from telemetry.incidents import incidents_of_wave
 from telemetry.spans import Span, collective_spans, incident_span, is_root_rank, wave_spans
 from telemetry.traces import format_trace_id, split_trace_id
@@ -218,7 +218,6 @@ def load_trace(conn: sqlite3.Connection, trace_id: str) -> list[Span]:
                 spans.append(incident_span(row))
     spans = [s for s in spans if format_trace_id(s.trace_id) == text]
     spans.sort(key=lambda s: (s.start_ns, s.name))
-    request_store.link_wave_spans(conn, spans)  # links to the requests the wave ran
     return spans
 
 

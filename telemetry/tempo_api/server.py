@@ -66,7 +66,9 @@ class Request:
 def _trace(conn: sqlite3.Connection, req: Request, raw_id: str, v2: bool) -> Reply:
     trace_id = params.trace_id(urllib.parse.unquote(raw_id))
     params.search_window(req.get("start"), req.get("end"))  # validated; the id decides
-    spans = load_trace(conn, trace_id) or request_store.load_request_trace(conn, trace_id)
+    spans = load_trace(conn, trace_id)
+    request_store.link_wave_spans(conn, spans)  # a wave links to its requests' traces
+    spans = spans or request_store.load_request_trace(conn, trace_id)
     if not spans:
         return _text(
             404,

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from telemetry import request_store, schema, store
+from telemetry import schema, store
 from telemetry.collective_columns import to_waves
 from telemetry.incidents import IncidentFilter, incidents_of_wave, list_incidents
 from telemetry.proto import guard_pb2
@@ -233,7 +233,6 @@ def load_trace_cached(conn: sqlite3.Connection, trace_id: str, cache: BlockCache
                 spans.append(incident_span(row))
     spans = [s for s in spans if format_trace_id(s.trace_id) == text]
     spans.sort(key=lambda s: (s.start_ns, s.name))
-    request_store.link_wave_spans(conn, spans)  # links to the requests the wave ran
     return spans
 
 
