@@ -115,6 +115,7 @@ def test_wave_spans_link_to_their_requests_and_back(simulated) -> None:
         (link,) = child.links
         assert link["trace_id"] == wave_trace_id("run-sim", child.wave, 0)
         wave_spans = load_trace(conn, format_trace_id(link["trace_id"]))
+        request_store.link_wave_spans(conn, wave_spans)  # as the query API serves it
         (root,) = [s for s in wave_spans if s.name == "wave"]
         assert root.span_id == link["span_id"]
         linked = {entry["trace_id"] for entry in root.links}
