@@ -444,7 +444,9 @@ class GuardProcessor:
     def _start_membership(self, rank: guard_pb2.RankInfo):
         """Request membership on tp0 (guard/request_membership.py); its batch filler."""
         if self.config.request_traces and rank.tp_rank == 0:
-            self.membership = RequestMembership(self.config.buffer_size)
+            self.membership = RequestMembership(
+                self.config.buffer_size, on_error=self.errors.record
+            )
             return self.membership.fill_batch
         return None
 

@@ -1,19 +1,23 @@
 """Which vLLM requests ran in each wave, with their tokens: the worker side of request traces.
 
 Only the rank that owns scheduling records it (tp0 of each replica and PP stage: every rank of
-a TP group runs the same requests). The engine thread does two calls per wave:
-`on_schedule` (after execute_model: new, finished and preempted requests, from the scheduler
-output) and `on_wave` (when the wave's record is emitted: who ran, with what tokens). The
-streamer thread turns the rows into `RequestColumns` with `fill_batch`.
+a TP group runs the same requests). The engine thread makes two calls per wave: `on_schedule`
+(after execute_model: new, finished and preempted requests, from the scheduler output) and
+`on_wave` (when the wave's record is emitted: who ran, with what tokens). The streamer thread
+turns the rows into `RequestColumns` with `fill_batch`. Neither call raises: an error is
+counted as a guard error (`on_error`) and costs only that wave's membership.
 
-Cost. A request id is a string; it is turned into a small integer once, when the request is
-new. The runner output's `req_ids` are the runner's own string objects, the same ones wave
-after wave, so comparing this wave's list with the last one's is a pointer compare per
-element (C, no hashing): while the batch make-up is unchanged the last wave's index array is
-reused. In steady decode every request was scheduled one token and sampled one, which the
-wave totals already say (`scheduled_each` / `sampled_each`), so no per-request work is done
-at all. Only a wave whose make-up or per-request tokens changed pays a C-level `map` over its
-requests (bench/request_membership.py measures both).
+Cost (bench/request_membership.py). A request id becomes a small integer once, when the
+request is new. The runner output's `req_ids` are the runner's own string objects, the same
+ones wave after wave, so comparing this wave's list with the last one's is a pointer compare
+per element (C): while the batch make-up is unchanged the last wave's index list is reused,
+and the streamer sends it once per batch (`same_members`). Tokens are "every member got `each`
+but these": only requests that may be prefilling (new, resumed after a preemption, not yet
+sampled since) are looked at, and the wave's totals say whether every other one got exactly
+one token scheduled and one sampled (each scheduled request has at least one token, and one
+scheduled token samples at most one). So a steady decode wave does no per-request work, a
+wave whose make-up changed pays one C-level `map` over its requests, and only drafts
+(spec decode: tokens differ per request) list every member.
 
 Bounds: rows wait in a deque of `capacity` (the oldest dropped, counted); names of live
 requests are kept up to `max_live` (the oldest forgotten, counted). Both counts travel
@@ -44,7 +48,13 @@ Row = tuple
 class RequestMembership:
     """Per-wave request membership of one worker process (engine thread in, streamer out)."""
 
-    def __init__(self, capacity: int, max_live: int = DEFAULT_MAX_LIVE) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        max_live: int = DEFAULT_MAX_LIVE,
+        on_error: Callable[[str], None] | None = None,
+    ) -> None:
+        self._on_error = on_error
         self._capacity = capacity
         self._max_live = max_live
         self._index: dict[str, int] = {}  # live request id -> index (engine thread)
@@ -64,6 +74,26 @@ class RequestMembership:
     # -- engine thread ------------------------------------------------------------------------
     def on_schedule(self, wave: int, scheduler_output: Any) -> None:
         """Note the wave's scheduled requests (call after execute_model)."""
+        try:
+            self._on_schedule(wave, scheduler_output)
+        except Exception:  # noqa: BLE001 - membership must not cost the wave record
+            self._failed("request_membership_schedule")
+
+    def on_wave(self, wave: int, output: Any, runner: Any, tokens: int | None) -> None:
+        """Record wave `wave`: `output` is the runner output (None: it sampled nothing here),
+        `tokens` the sampled tokens the processor counted for it."""
+        try:
+            self._on_wave(wave, output, runner, tokens)
+        except Exception:  # noqa: BLE001
+            self._pending.pop(wave, None)
+            self._last_ids = None
+            self._failed("request_membership_wave")
+
+    def _failed(self, where: str) -> None:
+        if self._on_error is not None:
+            self._on_error(where)
+
+    def _on_schedule(self, wave: int, scheduler_output: Any) -> None:
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
         if scheduled is None:
             return
@@ -102,9 +132,7 @@ class RequestMembership:
             del pending[next(iter(pending))]
         pending[wave] = (scheduled, total, finished, preempted)
 
-    def on_wave(self, wave: int, output: Any, runner: Any, tokens: int | None) -> None:
-        """Record wave `wave`: `output` is the runner output (None: it sampled nothing here),
-        `tokens` the sampled tokens the processor counted for it."""
+    def _on_wave(self, wave: int, output: Any, runner: Any, tokens: int | None) -> None:
         opened = self._pending.pop(wave, None)
         if opened is None:
             return
@@ -252,7 +280,16 @@ class RequestMembership:
     # -- streamer thread ----------------------------------------------------------------------
     def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool = False) -> None:
         """Move waiting rows into `batch.request_columns`. A stream's first batch (the one
-        naming the rank) names every request still known; later batches the new ones."""
+        naming the rank) names every request still known; later batches the new ones.
+        Never raises (a batch filler must not break the stream): on an error the batch goes
+        without membership, and the error is counted."""
+        try:
+            self._fill(batch)
+        except Exception:  # noqa: BLE001
+            batch.ClearField("request_columns")
+            self._failed("request_membership_fill")
+
+    def _fill(self, batch: guard_pb2.Batch) -> None:
         rows = self._rows
         fresh_stream = batch.HasField("rank")
         if not (rows or fresh_stream or self.dropped_rows or self.dropped_names):

@@ -330,3 +330,14 @@ def test_timeline_of_a_request_holds_exactly_its_waves(simulated, tmp_path, caps
     assert waves == set(req.waves)
     assert cli.main(["timeline", "--request", "cmpl-", "-o", str(out), "--store", path]) == 1
     assert "5 requests match" in capsys.readouterr().out
+
+
+def test_a_membership_error_costs_neither_the_wave_record_nor_the_engine() -> None:
+    processor = guarded()
+    runner = SimpleNamespace(requests={}, max_model_len=4096)
+    processor.run_step(lambda r, s: None, runner, (_sched(["r0"], [4], new=["r0"]),), {})
+    out = SimpleNamespace(req_ids=[["r0"]], sampled_token_ids=[[1]])  # unhashable: it fails
+    assert processor.run_sample(lambda r: out, runner, (), {}) is out
+    assert processor.errors.total == 1
+    (record,) = list(processor.streamer._buffer)
+    assert record.wave == 1 and record.sampled_tokens == 1
