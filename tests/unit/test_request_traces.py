@@ -342,3 +342,22 @@ def test_a_membership_error_costs_neither_the_wave_record_nor_the_engine() -> No
     assert not len(processor.membership)  # that wave's membership is lost, counted
     (record,) = list(processor.streamer._buffer)
     assert record.wave == 1 and record.sampled_tokens == 1
+
+
+def test_names_go_once_per_stream_and_again_on_a_new_stream() -> None:
+    ids = ["a", "b", "c"]
+    m = RequestMembership(capacity=100)
+    m.on_schedule(1, _sched(ids[:2], [3, 3], new=ids[:2]))
+    m.on_wave(1, SimpleNamespace(req_ids=ids[:2], sampled_token_ids=[[1], [1]]), None, 2)
+    first = guard_pb2.Batch(rank=guard_pb2.RankInfo(run_id="r"))  # a stream's first batch
+    m.fill_batch(first)
+    assert list(first.request_columns.name_request_id) == ["a", "b"]
+    m.on_schedule(2, _sched(ids, [1, 1, 3], new=["c"]))
+    m.on_wave(2, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1]] * 3), None, 3)
+    later = guard_pb2.Batch()
+    m.fill_batch(later)
+    assert list(later.request_columns.name_request_id) == ["c"]
+    again = guard_pb2.Batch(rank=guard_pb2.RankInfo(run_id="r"))  # reconnected
+    m.fill_batch(again)
+    assert sorted(again.request_columns.name_request_id) == ids
+    assert not len(again.request_columns.wave)
