@@ -593,7 +593,7 @@ def spans_in_range(
         where += " AND q.request_id = ?"
         params.append(request_id)
     rows = conn.execute(
-        f"SELECT DISTINCT q.trace_hi, q.trace_lo FROM requests q WHERE {where.replace('q.', 'q.')} "
+        f"SELECT DISTINCT q.trace_hi, q.trace_lo FROM requests q WHERE {where} "
         "ORDER BY q.start_ns DESC LIMIT ?",
         (*params, limit),
     ).fetchall()
