@@ -127,11 +127,9 @@ class RequestWriter:
 
     def collect(self, rank_id: int, rank: guard_pb2.RankInfo, engine: str, batch) -> None:
         cols = batch.request_columns
+        process = (rank.run_id, engine, rank.dp_rank, rank.tp_rank, rank.pp_rank, rank.pid)
         with self._lock:
-            self._worker_drops[(rank.run_id, engine, rank.dp_rank, rank.pp_rank, rank.pid)] = (
-                cols.dropped_rows_total,
-                cols.dropped_names_total,
-            )
+            self._worker_drops[process] = (cols.dropped_rows_total, cols.dropped_names_total)
         if not len(cols.wave):
             return
         waves = batch.wave_columns
@@ -179,10 +177,17 @@ class RequestWriter:
         """A failed write: forget what it collected."""
         self._names, self._finishes, self._blocks = [], [], []
 
-    def drops(self) -> tuple[int, int]:
+    def drops(self) -> dict[tuple[str, str, str, str], tuple[int, int]]:
+        """(engine, dp, tp, pp) -> (rows, names) the workers of that rank dropped (cumulative,
+        summed over its processes)."""
         with self._lock:
-            values = list(self._worker_drops.values())
-        return sum(v[0] for v in values), sum(v[1] for v in values)
+            items = list(self._worker_drops.items())
+        out: dict[tuple[str, str, str, str], tuple[int, int]] = {}
+        for (_, engine, dp, tp, pp, _), (rows, names) in items:
+            key = (engine, str(dp), str(tp), str(pp))
+            before = out.get(key, (0, 0))
+            out[key] = (before[0] + rows, before[1] + names)
+        return out
 
 
 def _first_waves(expanded: Entries) -> dict[int, int]:
@@ -205,11 +210,12 @@ class RequestMetrics(Collector):
             "Request membership the workers shed: rows (a wave's requests; the worker's buffer "
             "was full) and names (requests forgotten unfinished past the worker's cap). Their "
             "waves' request traces lack those entries.",
-            labels=("kind",),
+            labels=("engine", "dp", "tp", "pp", "kind"),
         )
-        rows, names = self.writer.drops() if self.writer is not None else (0, 0)
-        family.add_metric(["rows"], float(rows))
-        family.add_metric(["names"], float(names))
+        drops = self.writer.drops() if self.writer is not None else {}
+        for labels, (rows, names) in sorted(drops.items()):
+            family.add_metric([*labels, "rows"], float(rows))
+            family.add_metric([*labels, "names"], float(names))
         yield family
 
 

@@ -129,5 +129,7 @@ def test_cli_prints_the_request_from_the_store(fed) -> None:
 def test_membership_drops_are_on_metrics(fed) -> None:
     sidecar, _, _ = fed
     text = sidecar.metrics_text()
-    assert value(text, "ascend_guard_request_membership_dropped_total", kind="rows") == 0
-    assert value(text, "ascend_guard_request_membership_dropped_total", kind="names") == 0
+    labels = {"engine": RANK["engine"], "dp": "0", "tp": "0", "pp": "0"}
+    assert "ascend_guard_request_membership_dropped_total{" in text
+    assert value(text, "ascend_guard_request_membership_dropped_total", kind="rows", **labels) == 0
+    assert value(text, "ascend_guard_request_membership_dropped_total", kind="names", **labels) == 0
