@@ -13,7 +13,9 @@ execute_model 65 ms): the rare slowness on-call searches look for. Then, over th
 - `query_range` of `quantile_over_time(duration, .99) by (.tp)` with a 60 s step;
 - store bytes per rank-wave (used pages / rank-waves).
 
-Request traces do not exist yet: `request n/a`.
+- one request trace (`telemetry.request_store.request_traces` by request id, as `ascend-guard
+  request ID` does): tp0 sends request membership, `REQ_LIVE` requests at a time, each running
+  `REQ_WAVES` waves (one joins every REQ_WAVES / REQ_LIVE waves).
 
     python bench/query.py [--waves 1000000] [--ranks 8] [--span 5000] [--store PATH]
 """
@@ -36,6 +38,7 @@ from telemetry import store as store_mod  # noqa: E402
 from telemetry.pipeline import Item, RankSource  # noqa: E402
 from telemetry.proto import guard_pb2  # noqa: E402
 from telemetry.query import load_trace  # noqa: E402
+from telemetry.request_store import request_traces  # noqa: E402
 from telemetry.traceql import metrics_range, parse, search, trace_spans  # noqa: E402
 from telemetry.traces import format_trace_id, wave_trace_id  # noqa: E402
 from telemetry.validation import validate_batch  # noqa: E402
@@ -51,6 +54,7 @@ SEARCHES = {
     "rank tp1 > execute_model": '{ name = "rank" && .tp = 1 } > { name = "execute_model" }',
     "waves with 8 ranks": '{ name = "rank" } | count() > 7',
 }
+REQ_LIVE, REQ_WAVES = 32, 256  # requests at a time, waves each one runs
 QUERY_RANGE = '{ name = "execute_model" } | quantile_over_time(duration, .99) by (.tp)'
 
 
@@ -87,10 +91,39 @@ def _batch(rank: guard_pb2.RankInfo, waves: range, starts: np.ndarray, rng) -> I
         cw.stats.add(op="all_gather", group="tp", backend="hccl", dtype="bfloat16", calls=1,
                      bytes=4096, host_ns=150_000, max_host_ns=150_000, first_seq=wave,
                      last_seq=wave)  # fmt: skip
+    if tp == 0:
+        _membership(batch.request_columns, waves)
     records = validate_batch(batch)
     labels = ("eng", "0", str(tp), "0")
     return Item(RankSource(rank, "eng", labels, (RUN, "eng", 0, tp, 0, rank.pid)), batch,
                 batch.ByteSize(), records)  # fmt: skip
+
+
+def _membership(cols: guard_pb2.RequestColumns, waves: range) -> None:
+    """Request k runs waves [k * step + 1, k * step + REQ_WAVES], one token a wave."""
+    step = REQ_WAVES // REQ_LIVE
+    previous = None
+    for wave in waves:
+        live = list(range(max(0, -(-(wave - REQ_WAVES) // step)), (wave - 1) // step + 1))
+        for k in live:
+            if k * step + 1 == wave or wave == 1:
+                cols.name_index.append(k)
+                cols.name_request_id.append(f"cmpl-bench-{k}-0")
+        cols.wave.append(wave)
+        cols.members.append(len(live))
+        cols.same_members.append(live == previous)
+        if live != previous:
+            cols.req_index.extend(live)
+        previous = live
+        for name in ("scheduled_each", "sampled_each"):
+            getattr(cols, name).append(1)
+        for name in ("scheduled_count", "sampled_count", "preempted_count"):
+            getattr(cols, name).append(0)
+        cols.sampled.append(True)
+        done = (wave - 1) // step - REQ_LIVE  # finished before this wave
+        ended = [done] if done >= 0 and (wave - 1) % step == 0 else []
+        cols.finished_count.append(len(ended))
+        cols.finished_index.extend(ended)
 
 
 def build(path: Path, waves: int, ranks: int, span_s: float, batch: int) -> tuple[int, int]:
@@ -190,6 +223,16 @@ def main(argv=None) -> int:
               f"p95 {p95[label]:.1f} ms")  # fmt: skip
     trace_p95 = p95["traceql.trace_spans"]
 
+    newest = (args.waves - REQ_WAVES) // (REQ_WAVES // REQ_LIVE)
+    times = []
+    for _ in range(args.repeat * 2):
+        k = rng.randrange(max(0, newest - 3600 * 200 // (REQ_WAVES // REQ_LIVE)), newest)
+        took, found = _timed(lambda k=k: request_traces(conn, f"cmpl-bench-{k}-0"), 1)
+        assert len(found) == 1 and len(found[0].waves) == REQ_WAVES, (k, len(found))
+        times += took
+    request_p95 = float(np.percentile(times, 95))
+    print(f"request trace by id: p50 {np.percentile(times, 50):.1f} ms, p95 {request_p95:.1f} ms")
+
     repeat = max(3, args.repeat // 3)
     range_times, series = _timed(
         lambda: metrics_range(conn, QUERY_RANGE, start, end, 60 * 10**9), repeat
@@ -199,7 +242,8 @@ def main(argv=None) -> int:
     print(f"query_range {QUERY_RANGE!r}: p50 {np.percentile(range_times, 50):.0f} ms, "
           f"p95 {range_p95:.0f} ms, {len(series)} series")  # fmt: skip
     conn.close()
-    print(f"query: search p95 {search_p95:.1f} ms; trace {trace_p95:.1f} ms; request n/a; "
+    print(f"query: search p95 {search_p95:.1f} ms; trace {trace_p95:.1f} ms; "
+          f"request {request_p95:.1f} ms; "
           f"query_range {range_p95:.0f} ms; bytes per rank-wave {per_rank_wave:.1f}")  # fmt: skip
     return 0
 

@@ -107,6 +107,8 @@ class GuardConfig:
     liveness_record: bool = True
     # where those files live (the sidecar's --liveness-dir); default /dev/shm/ascend-guard
     liveness_dir: str = ""
+    # tp0 of each replica and PP stage sends which requests ran in each wave (request traces)
+    request_traces: bool = True
     # cap of the reconnect backoff while the sidecar is away
     reconnect_max_backoff_s: float = dataclasses.field(default=2.0, metadata=_range(0.05, 600.0))
     # at most this many guard-internal errors are logged per minute and rank (all are counted)

@@ -23,6 +23,7 @@ from guard.config import RUN_ID_ENV, GuardConfig, config_from_json
 from guard.incidents import IncidentReporter
 from guard.liveness_record import LivenessRecord
 from guard.reload import STAMP_ATTR
+from guard.request_membership import RequestMembership, chain_fillers
 from guard.schedule import EMPTY_SCHEDULE, PrefillTracker, ScheduleSummary, count_sampled_tokens
 from guard.spool import IncidentSpool
 from guard.streamer import HeartbeatState, Streamer, WaveTuple
@@ -124,6 +125,8 @@ class GuardProcessor:
         self.observer: WaveObserver | None = None
         # issue 17: phase and collective in shared memory, for the sidecar (None = off)
         self.live_record: LivenessRecord | None = None
+        # issue 12: request membership per wave, on the rank that owns scheduling (None = off)
+        self.membership: RequestMembership | None = None
 
     # -- decorator entry points ---------------------------------------------------------------
     def run_step(self, fn: Callable[..., Any], runner: Any, args: tuple, kwargs: dict) -> Any:
@@ -165,11 +168,15 @@ class GuardProcessor:
                 if self.detectors is not None:
                     self.detectors.on_schedule(wave, scheduler_output)
                 schedule = self._prefill.summarize(scheduler_output)
+                if self.membership is not None:
+                    self.membership.on_schedule(wave, scheduler_output)
             opened = (wave, start, end - start, schedule)
             if output is None:
                 self._open = opened  # sample_tokens finishes this wave
             else:
-                self._emit(opened, 0, 0, count_sampled_tokens(output, runner), False)
+                self._emit(
+                    opened, 0, 0, count_sampled_tokens(output, runner), False, output, runner
+                )
                 if self.detectors is not None:
                     self.detectors.on_output(wave, runner, output)
                 if observer is not None:
@@ -227,7 +234,7 @@ class GuardProcessor:
         get_output = getattr(output, "get_output", None) if tokens is None else None
         detectors = self.detectors
         if get_output is None or not callable(get_output):
-            self._emit(opened, end - start, offset, tokens, True)
+            self._emit(opened, end - start, offset, tokens, True, output, self._runner)
             if detectors is not None:
                 detectors.on_output(opened[0], self._runner, output)
             return
@@ -239,7 +246,7 @@ class GuardProcessor:
             try:
                 # no trim of drafts past a stop here: by now the runner's request states
                 # may have moved on (async scheduling), so every returned token counts
-                self._emit(opened, end - start, offset, count_sampled_tokens(result), True)
+                self._emit(opened, end - start, offset, count_sampled_tokens(result), True, result)
                 if detectors is not None:
                     detectors.on_output(opened[0], self._runner, result)
             except Exception:  # noqa: BLE001
@@ -255,6 +262,8 @@ class GuardProcessor:
         sample_offset_ns: int,
         tokens: int | None,
         sampled: bool,
+        output: Any = None,
+        runner: Any = None,
     ) -> None:
         streamer = self.streamer
         if streamer is None:
@@ -282,6 +291,8 @@ class GuardProcessor:
                 ),
             )  # fmt: skip
         )
+        if self.membership is not None:
+            self.membership.on_wave(wave, output, runner, tokens)
 
     # -- sampling detectors and live config ----------------------------------------------------
     def on_logits(self, logits: Any, rows_per_req: list[int] | None) -> None:
@@ -394,7 +405,10 @@ class GuardProcessor:
             heartbeat_interval_s=config.heartbeat_interval_s,
             max_backoff_s=config.reconnect_max_backoff_s,
             heartbeat_source=self.heartbeat,
-            batch_filler=self.observer.fill_batch if self.observer is not None else None,
+            batch_filler=chain_fillers(
+                self.observer.fill_batch if self.observer is not None else None,
+                self._start_membership(rank),
+            ),
             error_counter=lambda: self.errors.total,
             hits_source=self.incidents.hits_snapshot,
             probe_source=self._probe_snapshot,
@@ -426,6 +440,15 @@ class GuardProcessor:
             pp=rank.pp_rank,
             runner=rank.runner,
         )
+
+    def _start_membership(self, rank: guard_pb2.RankInfo):
+        """Request membership on tp0 (guard/request_membership.py); its batch filler."""
+        if self.config.request_traces and rank.tp_rank == 0:
+            self.membership = RequestMembership(
+                self.config.buffer_size, on_error=self.errors.record
+            )
+            return self.membership.fill_batch
+        return None
 
     def _start_live_record(self, rank: guard_pb2.RankInfo) -> None:
         if not self.config.liveness_record:

@@ -22,6 +22,7 @@ COMMANDS = (
     "telemetry.commands.incidents",
     "telemetry.commands.hangs",
     "telemetry.commands.timeline",
+    "telemetry.commands.request",
     "telemetry.commands.doctor",
     "telemetry.commands.ready",
     "telemetry.commands.config",

@@ -100,6 +100,12 @@ def to_otlp(span: Span) -> trace_pb2.Span:
             time_unix_nano=event["time_ns"],
             attributes=_attributes(event["attributes"]),
         )
+    for link in span.links:
+        out.links.add(
+            trace_id=link["trace_id"].to_bytes(16, "big"),
+            span_id=link["span_id"].to_bytes(8, "big"),
+            attributes=_attributes(link.get("attributes", {})),
+        )
     return out
 
 

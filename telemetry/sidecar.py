@@ -39,6 +39,7 @@ from telemetry.pipeline import (
     Writer,
 )
 from telemetry.rank_gauges import RankGauges
+from telemetry.request_store import RequestMetrics
 from telemetry.roster import DEFAULT_LINGER_S, EngineRoster
 from telemetry.store import (
     DEFAULT_MAX_BYTES,
@@ -257,6 +258,7 @@ class Sidecar:
         store = Store(
             settings.store, retention_s=settings.retention_s, max_bytes=settings.max_store_bytes
         )
+        self.metrics.registry.register(RequestMetrics(store.requests))  # request membership
         sinks: list = [
             _MetricsSink(self.metrics, self.cross_rank, self.drops, self.rank_gauges),
             store,

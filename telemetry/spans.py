@@ -42,6 +42,8 @@ class Span:
     pp: int | None = None
     attributes: dict[str, Any] = dataclasses.field(default_factory=dict)
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # span links: {"trace_id": int, "span_id": int, "attributes": {...}} (request traces)
+    links: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def duration_ns(self) -> int:

@@ -146,6 +146,8 @@ _RETAINED = (
     ("wave_blocks", "start_ns"),
     ("collective_blocks", "start_ns"),
     ("slow_calls", "start_ns"),
+    ("requests", "start_ns"),  # telemetry/request_store.py RETAINED
+    ("request_blocks", "start_ns"),
 )
 
 
@@ -255,6 +257,9 @@ def connect(path: str | os.PathLike, *, readonly: bool = False) -> sqlite3.Conne
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.executescript(SCHEMA)
+        from telemetry import request_store  # its tables (request traces) live here too
+
+        conn.executescript(request_store.SCHEMA)
     conn.row_factory = sqlite3.Row
     return conn
 
@@ -419,6 +424,9 @@ class Store:
         self.degraded_since = 0.0
         self.lost_while_degraded = 0
         self._counts_before_write = (0, 0)
+        from telemetry.request_store import RequestWriter
+
+        self.requests = RequestWriter()  # request membership (telemetry/request_store.py)
         # waves missing between a rank's last stored wave and the first this process receives
         self.restart_gap_waves = 0
         self._gap_checked: set[tuple] = set()
@@ -476,6 +484,9 @@ class Store:
             for item in items:
                 batch = item.batch
                 cols = columns_of(batch)
+                if batch.HasField("request_columns"):
+                    rank_id = self.rank_id(item.source.rank, item.source.engine)
+                    self.requests.collect(rank_id, item.source.rank, item.source.engine, batch)
                 if not item.records and not len(cols.wave):
                     continue
                 rank_id = self.rank_id(item.source.rank, item.source.engine)
@@ -499,7 +510,7 @@ class Store:
                                 call.host_ns,
                             )
                         )
-            if not (wave_rows or coll_rows or slow_rows):
+            if not (wave_rows or coll_rows or slow_rows or self.requests.pending()):
                 self._conn.commit()
                 return
             conn = self._conn
@@ -517,6 +528,7 @@ class Store:
                 conn.executemany(
                     "INSERT OR IGNORE INTO slow_calls VALUES (?,?,?,?,?,?,?,?,?,?)", slow_rows
                 )
+                self.requests.flush(conn)
         if time.monotonic() - self._last_prune >= self._prune_every_s:
             self.prune()
 
@@ -575,6 +587,7 @@ class Store:
             # rows of a rolled-back transaction are gone: their keys must be looked up again
             self._runs.clear()
             self._ranks.clear()
+            self.requests.discard()
             self.stored_waves, self.ignored_waves = self._counts_before_write
         if not self.degraded_reason:
             self.degraded_since = time.monotonic()

@@ -76,6 +76,9 @@ class TimelineQuery:
     run_id: str | None = None
     min_wait_ns: int = DEFAULT_MIN_WAIT_NS
     max_rank_waves: int = DEFAULT_MAX_RANK_WAVES
+    # only these waves of one replica (`--request`: the waves a request ran in)
+    waves: frozenset[int] | None = None
+    dp: int | None = None
 
     def validate(self) -> None:
         if self.since_ns is None and self.first_wave is None:
@@ -168,6 +171,9 @@ def _ranks(conn: sqlite3.Connection, query: TimelineQuery) -> dict[int, RankRow]
     if query.run_id is not None:
         where.append("runs.run_id = ?")
         params.append(query.run_id)
+    if query.dp is not None:
+        where.append("ranks.dp = ?")
+        params.append(query.dp)
     return {r.id: r for r in store.ranks(conn, " AND ".join(where), params)}
 
 
@@ -210,6 +216,8 @@ def _select(conn: sqlite3.Connection, query: TimelineQuery) -> tuple[list[_RankW
         for i, wave in enumerate(cols.wave):
             start = cols.start_unix_nano[i]
             if query.first_wave is not None and not query.first_wave <= wave <= query.last_wave:
+                continue
+            if query.waves is not None and wave not in query.waves:
                 continue
             if query.since_ns is not None and start < query.since_ns:
                 continue

@@ -74,3 +74,27 @@ def format_trace_id(trace_id: int) -> str:
 
 def format_span_id(span_id: int) -> str:
     return format(span_id, "016x")
+
+
+# -- request traces (issue 12): one trace per vLLM request of one replica ----------------------
+#
+#     request                  arrival (its first wave) .. finish
+#     ├─ prefill | decode      one per wave it ran in (per PP stage), tokens scheduled / sampled,
+#     │                        linked to that wave's trace (and the wave span links back)
+#     └─ incident:<type>       one per incident raised on the request
+def request_trace_id(run_id: str, engine: str, dp: int, request_id: str) -> int:
+    """The trace id of one vLLM request: the same in every process that knows the request id
+    and its replica (run, engine, DP rank), so two replicas' requests never share a trace."""
+    return _digest(f"ascend-guard/request/{run_id}/{engine}/dp{dp}/{request_id}", 16)
+
+
+def request_span_id(trace_id: int) -> int:
+    return _digest(f"ascend-guard/request-span/{trace_id:032x}", 8)
+
+
+def request_wave_span_id(trace_id: int, wave: int, pp: int) -> int:
+    return _digest(f"ascend-guard/request-wave/{trace_id:032x}/{wave}/{pp}", 8)
+
+
+def request_incident_span_id(trace_id: int, incident_id: str) -> int:
+    return _digest(f"ascend-guard/request-incident/{trace_id:032x}/{incident_id}", 8)

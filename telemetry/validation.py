@@ -100,6 +100,8 @@ def validate_batch(
             f"batch.probes: {len(batch.probes)} readings, at most {MAX_PROBES_PER_BATCH}"
         )
     _check_each(batch.probes, "probe", _validate_probe, dropped)
+    if batch.HasField("request_columns"):
+        _check_requests(batch, dropped)
     for type_, total in batch.detector_hits_total.items():
         if not type_ or len(type_) > MAX_TEXT or total > INT64_MAX:
             raise InvalidBatch(f"detector_hits_total[{_short(type_)}]: {total} not storable")
@@ -119,6 +121,19 @@ def _check_each(entries, kind: str, check, dropped: list[tuple[str, str]] | None
             dropped.append((kind, str(exc)))
     for index in reversed(bad):
         del entries[index]
+
+
+def _check_requests(batch: guard_pb2.Batch, dropped: list[tuple[str, str]] | None) -> None:
+    """Request membership stands on its own: with `dropped`, bad columns go alone."""
+    from telemetry.request_columns import validate_request_columns
+
+    try:
+        validate_request_columns(batch.request_columns)
+    except InvalidBatch as exc:
+        if dropped is None:
+            raise
+        batch.ClearField("request_columns")
+        dropped.append(("requests", str(exc)))
 
 
 def _validate_probe(where: str, probe: guard_pb2.ProbeValue) -> None:

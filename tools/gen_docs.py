@@ -130,6 +130,9 @@ def metric_rows() -> list[tuple[str, ...]]:
     OtlpExporter(ExportSettings("http://localhost:4317"), drops, registry, "docs").close()
     refused_counter(registry)  # the query API's (telemetry/tempo_api/server.py)
     StoreMetrics(registry)  # the store's health (telemetry/store.py)
+    from telemetry.request_store import RequestMetrics
+
+    registry.register(RequestMetrics())  # request membership shed by the workers
     rows = []
     for collector, names in getattr(registry, "_collector_to_names", {}).items():
         if not hasattr(collector, "_name"):  # a custom Collector: its families name themselves

@@ -8,6 +8,7 @@ import sys
 
 from telemetry.commands.common import add_store_argument
 from telemetry.query import QueryError, parse_duration_ns, parse_time_ns
+from telemetry.request_store import request_traces
 from telemetry.store import connect
 from telemetry.timeline import (
     DEFAULT_MAX_RANK_WAVES,
@@ -53,22 +54,43 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_store_argument(timeline)
 
 
+def _request_waves(args: argparse.Namespace, query: TimelineQuery) -> bool:
+    """Point the query at the waves request `args.request` ran in (telemetry/request_store.py)."""
+    conn = connect(args.store, readonly=True)
+    try:
+        traces = request_traces(conn, args.request, run_id=args.run_id, engine=args.engine)
+    finally:
+        conn.close()
+    traces = [t for t in traces if t.waves]
+    if not traces:
+        print(f"no request {args.request!r} with stored waves in {args.store}")
+        return False
+    if len(traces) > 1:
+        names = ", ".join(t.request_id for t in traces[:8])
+        print(f"--request {args.request}: {len(traces)} requests match ({names}); give one")
+        return False
+    (trace,) = traces
+    head = trace.requests[0]
+    waves = [w.wave for w in trace.waves]
+    query.run_id, query.engine, query.dp = head.run_id, head.engine, head.dp
+    query.first_wave, query.last_wave = min(waves), max(waves)
+    query.waves = frozenset(waves)
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.request is not None:
-        print(
-            f"ascend-guard timeline: --request {args.request}: needs request traces, which the "
-            "store does not record yet; use --since or --waves (the waves `ascend-guard "
-            "incidents --request` names)",
-            file=sys.stderr,
-        )
-        return 2
     query = TimelineQuery(
         engine=args.engine,
         run_id=args.run_id,
         max_rank_waves=args.max_waves,
         min_wait_ns=parse_duration_ns(args.min_wait, "--min-wait"),
     )
-    if args.since is not None:
+    if args.request is not None:
+        if args.until:
+            raise QueryError("--until goes with --since")
+        if not _request_waves(args, query):
+            return 1
+    elif args.since is not None:
         query.since_ns = parse_time_ns(args.since, "--since")
         query.until_ns = parse_time_ns(args.until, "--until") if args.until else None
     else:

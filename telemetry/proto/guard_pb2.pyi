@@ -296,8 +296,54 @@ class ProbeValue(_message.Message):
     value: float
     def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., value: _Optional[float] = ...) -> None: ...
 
+class RequestColumns(_message.Message):
+    __slots__ = ("name_index", "name_request_id", "wave", "members", "same_members", "req_index", "scheduled_each", "scheduled_count", "scheduled_index", "scheduled_tokens", "sampled", "sampled_each", "sampled_count", "sampled_index", "sampled_tokens", "finished_count", "finished_index", "preempted_count", "preempted_index", "dropped_rows_total", "dropped_names_total")
+    NAME_INDEX_FIELD_NUMBER: _ClassVar[int]
+    NAME_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    WAVE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    SAME_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    REQ_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_EACH_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_EACH_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_INDEX_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_COUNT_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_INDEX_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_ROWS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_NAMES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    name_index: _containers.RepeatedScalarFieldContainer[int]
+    name_request_id: _containers.RepeatedScalarFieldContainer[str]
+    wave: _containers.RepeatedScalarFieldContainer[int]
+    members: _containers.RepeatedScalarFieldContainer[int]
+    same_members: _containers.RepeatedScalarFieldContainer[bool]
+    req_index: _containers.RepeatedScalarFieldContainer[int]
+    scheduled_each: _containers.RepeatedScalarFieldContainer[int]
+    scheduled_count: _containers.RepeatedScalarFieldContainer[int]
+    scheduled_index: _containers.RepeatedScalarFieldContainer[int]
+    scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    sampled: _containers.RepeatedScalarFieldContainer[bool]
+    sampled_each: _containers.RepeatedScalarFieldContainer[int]
+    sampled_count: _containers.RepeatedScalarFieldContainer[int]
+    sampled_index: _containers.RepeatedScalarFieldContainer[int]
+    sampled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    finished_count: _containers.RepeatedScalarFieldContainer[int]
+    finished_index: _containers.RepeatedScalarFieldContainer[int]
+    preempted_count: _containers.RepeatedScalarFieldContainer[int]
+    preempted_index: _containers.RepeatedScalarFieldContainer[int]
+    dropped_rows_total: int
+    dropped_names_total: int
+    def __init__(self, name_index: _Optional[_Iterable[int]] = ..., name_request_id: _Optional[_Iterable[str]] = ..., wave: _Optional[_Iterable[int]] = ..., members: _Optional[_Iterable[int]] = ..., same_members: _Optional[_Iterable[bool]] = ..., req_index: _Optional[_Iterable[int]] = ..., scheduled_each: _Optional[_Iterable[int]] = ..., scheduled_count: _Optional[_Iterable[int]] = ..., scheduled_index: _Optional[_Iterable[int]] = ..., scheduled_tokens: _Optional[_Iterable[int]] = ..., sampled: _Optional[_Iterable[bool]] = ..., sampled_each: _Optional[_Iterable[int]] = ..., sampled_count: _Optional[_Iterable[int]] = ..., sampled_index: _Optional[_Iterable[int]] = ..., sampled_tokens: _Optional[_Iterable[int]] = ..., finished_count: _Optional[_Iterable[int]] = ..., finished_index: _Optional[_Iterable[int]] = ..., preempted_count: _Optional[_Iterable[int]] = ..., preempted_index: _Optional[_Iterable[int]] = ..., dropped_rows_total: _Optional[int] = ..., dropped_names_total: _Optional[int] = ...) -> None: ...
+
 class Batch(_message.Message):
-    __slots__ = ("rank", "waves", "heartbeat", "dropped_total", "guard_errors_total", "seq", "incidents", "detector_hits_total", "probes", "collective_waves", "wire_version", "wave_columns", "collective_columns")
+    __slots__ = ("rank", "waves", "heartbeat", "dropped_total", "guard_errors_total", "seq", "incidents", "detector_hits_total", "probes", "collective_waves", "wire_version", "wave_columns", "collective_columns", "request_columns")
     class DetectorHitsTotalEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -318,6 +364,7 @@ class Batch(_message.Message):
     WIRE_VERSION_FIELD_NUMBER: _ClassVar[int]
     WAVE_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_COLUMNS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_COLUMNS_FIELD_NUMBER: _ClassVar[int]
     rank: RankInfo
     waves: _containers.RepeatedCompositeFieldContainer[WaveRecord]
     heartbeat: Heartbeat
@@ -331,7 +378,8 @@ class Batch(_message.Message):
     wire_version: int
     wave_columns: WaveColumns
     collective_columns: CollectiveColumns
-    def __init__(self, rank: _Optional[_Union[RankInfo, _Mapping]] = ..., waves: _Optional[_Iterable[_Union[WaveRecord, _Mapping]]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., dropped_total: _Optional[int] = ..., guard_errors_total: _Optional[int] = ..., seq: _Optional[int] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., detector_hits_total: _Optional[_Mapping[str, int]] = ..., probes: _Optional[_Iterable[_Union[ProbeValue, _Mapping]]] = ..., collective_waves: _Optional[_Iterable[_Union[CollectiveWave, _Mapping]]] = ..., wire_version: _Optional[int] = ..., wave_columns: _Optional[_Union[WaveColumns, _Mapping]] = ..., collective_columns: _Optional[_Union[CollectiveColumns, _Mapping]] = ...) -> None: ...
+    request_columns: RequestColumns
+    def __init__(self, rank: _Optional[_Union[RankInfo, _Mapping]] = ..., waves: _Optional[_Iterable[_Union[WaveRecord, _Mapping]]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., dropped_total: _Optional[int] = ..., guard_errors_total: _Optional[int] = ..., seq: _Optional[int] = ..., incidents: _Optional[_Iterable[_Union[Incident, _Mapping]]] = ..., detector_hits_total: _Optional[_Mapping[str, int]] = ..., probes: _Optional[_Iterable[_Union[ProbeValue, _Mapping]]] = ..., collective_waves: _Optional[_Iterable[_Union[CollectiveWave, _Mapping]]] = ..., wire_version: _Optional[int] = ..., wave_columns: _Optional[_Union[WaveColumns, _Mapping]] = ..., collective_columns: _Optional[_Union[CollectiveColumns, _Mapping]] = ..., request_columns: _Optional[_Union[RequestColumns, _Mapping]] = ...) -> None: ...
 
 class Ack(_message.Message):
     __slots__ = ("batches", "waves")

@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry, Counter
 
-from telemetry import build_info, store
+from telemetry import build_info, request_store, store
 from telemetry.query import load_trace
 from telemetry.tempo_api import otlp, params, span_list_api, store_search, traceql_adapter
 from telemetry.tempo_api.params import BadParameter
@@ -67,6 +67,8 @@ def _trace(conn: sqlite3.Connection, req: Request, raw_id: str, v2: bool) -> Rep
     trace_id = params.trace_id(urllib.parse.unquote(raw_id))
     params.search_window(req.get("start"), req.get("end"))  # validated; the id decides
     spans = load_trace(conn, trace_id)
+    request_store.link_wave_spans(conn, spans)  # a wave links to its requests' traces
+    spans = spans or request_store.load_request_trace(conn, trace_id)
     if not spans:
         return _text(
             404,

@@ -26,6 +26,7 @@ ATTR_REQUEST = schema.attr("request_id")
 ALIASES = {
     "run": schema.ATTR_RUN,
     "request": ATTR_REQUEST,
+    "ascend_guard.request": ATTR_REQUEST,  # request traces' spans (telemetry/request_store.py)
     "incident": schema.attr("incident_type"),
 }
 SPAN_STATUS = "unset"  # the exporter sets no span status
@@ -73,6 +74,9 @@ def kind_keys() -> dict[str, frozenset[str]]:
     """Span kind -> the attribute keys its spans carry (incidents: with the request id)."""
     keys = {kind: frozenset(spans[0].attributes) for kind, spans in _sample_spans().items()}
     keys["incident"] = keys["incident"] | {ATTR_REQUEST}
+    from telemetry.request_store import REQUEST_ATTRIBUTE_KEYS  # request traces' spans
+
+    keys["request"] = frozenset(REQUEST_ATTRIBUTE_KEYS)
     return keys
 
 

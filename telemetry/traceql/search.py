@@ -19,7 +19,7 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from telemetry import store
+from telemetry import request_traceql, store
 from telemetry.spans import Span
 from telemetry.traceql import ast, fields
 from telemetry.traceql.columns import _scalar_cmp, mask_of, value_of
@@ -437,7 +437,10 @@ def search(
     finder = CandidatePass(conn, parsed)
     cache = BlockCache(conn)
     done: set[tuple[int, int]] = set()
-    out: list[TraceMatch] = []
+    # request traces (telemetry/request_traceql.py), when the query names request spans
+    out: list[TraceMatch] = request_traceql.search(
+        conn, parsed, start_ns, end_ns, limit, spans_per_spanset, finder.nodes
+    )
     for lo, hi in windows(start_ns, end_ns):
         finder.scan(lo, hi)
         for _, key, wave in finder.candidates(parsed):
@@ -450,8 +453,8 @@ def search(
             if found is not None:
                 out.append(found)
                 if len(out) >= limit:
-                    return _newest_first(out)
-    return _newest_first(out)
+                    return _newest_first(out)[:limit]
+    return _newest_first(out)[:limit]
 
 
 def _newest_first(matches: list[TraceMatch]) -> list[TraceMatch]:

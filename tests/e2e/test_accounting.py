@@ -13,6 +13,13 @@ done on both sides (`GuardedServer.settle`: conditions, no sleeps). Rows hold ex
 where the guard and vLLM count different things by design, and there the relation is checked:
 tokens sampled for a request after vLLM's front end stopped counting it (client gone, stop
 string found) are counted by the guard only.
+
+Per request (issue 15 item 4): every row also checks each request's trace (the store's request
+membership) against that request's usage, and every wave's membership against its stored wave
+record: requests = num_reqs, tokens scheduled = prefill + decode + recompute, tokens sampled =
+sampled_tokens. The by-design exceptions are the same two, per request: a client gone mid-stream
+(the trace holds at least what was delivered, at most max_tokens) and a stop string (at least
+the usage, at most max_tokens).
 """
 
 from __future__ import annotations
@@ -21,7 +28,13 @@ import json
 
 import pytest
 
-from tests.support.accounting import GuardedServer, guard_lines, usage_sum
+from telemetry import request_store, store
+from tests.support.accounting import ENGINE, GuardedServer, guard_lines, usage_sum
+from tests.support.request_checks import (
+    membership_vs_wave_records,
+    sampled_per_response,
+    wait_stored,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -79,6 +92,20 @@ def pressured(tiny_model, tmp_path_factory):
 def assert_ranks_agree(delta) -> None:
     ranks = delta.per_rank()
     assert len(set(ranks)) == 1, ranks
+
+
+def request_tokens(s: GuardedServer, after, responses: list[dict]) -> list[int]:
+    """Tokens each response's request trace sampled, after checking that every wave's
+    membership matches its stored wave record."""
+    wait_stored(s.sidecar.store_path, ENGINE, after.g("ascend_guard_last_wave", 0))
+    compared, mismatches = membership_vs_wave_records(s.sidecar.store_path, ENGINE)
+    assert compared and not mismatches, mismatches[:10]
+    return sampled_per_response(s.sidecar.store_path, ENGINE, responses)
+
+
+def assert_traces_match_usage(s: GuardedServer, after, responses: list[dict]) -> None:
+    traced = request_tokens(s, after, responses)
+    assert traced == [r["usage"]["completion_tokens"] for r in responses]
 
 
 def assert_clean(after) -> None:
@@ -156,6 +183,7 @@ def test_structured_outputs_are_counted_exactly(chunked: GuardedServer) -> None:
     assert delta.scheduled("recompute") == 0
     assert_ranks_agree(delta)
     assert_clean(after)
+    assert_traces_match_usage(s, after, responses)
 
 
 def test_streaming_n_min_tokens_logprobs_and_chunked_prefill_are_exact(
@@ -240,6 +268,7 @@ def test_streaming_n_min_tokens_logprobs_and_chunked_prefill_are_exact(
     assert delta.scheduled("recompute") == 0
     assert_ranks_agree(delta)
     assert_clean(after)
+    assert_traces_match_usage(s, after, results)  # n=3: its three children summed
 
 
 def test_stop_strings_and_a_client_gone_mid_stream_are_counted_by_the_guard_only(
@@ -301,6 +330,13 @@ def test_stop_strings_and_a_client_gone_mid_stream_are_counted_by_the_guard_only
     assert delta.scheduled("prefill") == delta.prompt, guard_lines(after.guard)
     assert_ranks_agree(delta)
     assert_clean(after)
+    # per request, the same relation: the gone client's trace holds at least what it was sent,
+    # the stopped ones at least their usage; none more than max_tokens
+    gone_tokens, *stopped_tokens = request_tokens(s, after, [gone, *stopped])
+    assert gone["chunks"] <= gone_tokens <= max_stream
+    for tokens, response in zip(stopped_tokens, stopped, strict=True):
+        assert response["usage"]["completion_tokens"] <= tokens <= stop_max
+    assert sum(stopped_tokens) + gone_tokens == delta.sampled()  # the phase's requests, all
 
 
 # -- server B: prefix caching, n-gram drafts, a small KV cache -----------------------------------
@@ -349,6 +385,7 @@ def test_prefix_cache_hits_are_not_prefill_and_drafts_past_a_stop_are_not_sample
     assert_spec_counters_agree(delta)
     assert_ranks_agree(delta)
     assert_clean(after)
+    assert_traces_match_usage(s, after, responses)  # drafts past max_tokens trimmed per request
 
 
 def test_preempted_requests_recompute_without_counting_their_prompt_again(
@@ -402,6 +439,18 @@ def test_preempted_requests_recompute_without_counting_their_prompt_again(
     assert_spec_counters_agree(delta)
     assert_ranks_agree(delta)
     assert_clean(after)
+    assert_traces_match_usage(s, after, responses)
+    # each preemption shows in its request's trace (V1: the wave it resumed in)
+    conn = store.connect(s.sidecar.store_path, readonly=True)
+    try:
+        traces = [t for r in responses for t in request_store.request_traces(conn, r["id"])]
+    finally:
+        conn.close()
+    seen = sum(1 for t in traces for w in t.waves if w.preempted)
+    assert seen == preemptions, [
+        (t.request_id, [w.wave for w in t.waves if w.preempted]) for t in traces
+    ]
+    assert all(w.recompute for t in traces for w in t.waves if w.preempted)
 
 
 def assert_spec_counters_agree(delta) -> None:

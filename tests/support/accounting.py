@@ -153,8 +153,8 @@ class GuardedServer:
             return json.loads(resp.read())
 
     def stream(self, path: str, body: dict[str, Any], *, read_chunks: int | None = None) -> dict:
-        """A streaming request. Returns the last usage seen and the number of chunks read;
-        with `read_chunks`, hangs up after that many chunks (the client goes away)."""
+        """A streaming request. Returns the last usage seen, the number of chunks read and the
+        response id; with `read_chunks`, hangs up after that many chunks (the client goes away)."""
         conn = http.client.HTTPConnection("127.0.0.1", self.server.port, timeout=300)
         payload = {"model": self.model, "stream": True, **body}
         if read_chunks is None:
@@ -162,13 +162,14 @@ class GuardedServer:
         conn.request("POST", path, json.dumps(payload), {"Content-Type": "application/json"})
         resp = conn.getresponse()
         assert resp.status == 200, resp.read()
-        chunks, usage = 0, None
+        chunks, usage, response_id = 0, None, None
         try:
             for raw in resp:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 data = json.loads(line[len("data: ") :])
+                response_id = response_id or data.get("id")
                 if data.get("usage"):
                     usage = data["usage"]
                 if data.get("choices"):
@@ -177,7 +178,7 @@ class GuardedServer:
                     break
         finally:
             conn.close()
-        return {"usage": usage, "chunks": chunks}
+        return {"usage": usage, "chunks": chunks, "id": response_id}
 
     def all_at_once(self, calls: list[Any]) -> list[Any]:
         """Run zero-argument callables concurrently (requests back to back, no pauses)."""

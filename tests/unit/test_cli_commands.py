@@ -20,6 +20,7 @@ EXPECTED = {
     "incidents",
     "hangs",
     "timeline",
+    "request",
     "doctor",
     "ready",
     "config",
@@ -43,19 +44,19 @@ def test_every_subcommand_runs_its_own_modules_handler():
 
 
 def test_a_new_subcommand_module_takes_one_line(monkeypatch, capsys):
-    """What another branch's `request` module needs: add_parser(sub) and run(args), and its
-    name in COMMANDS."""
-    module = types.ModuleType("fake_request_cli")
+    """What a new subcommand module needs: add_parser(sub) and run(args), and its name in
+    COMMANDS."""
+    module = types.ModuleType("fake_example_cli")
 
     def add_parser(sub):
-        sub.add_parser("request", help="a request's trace").add_argument("request_id")
+        sub.add_parser("example", help="an example").add_argument("item_id")
 
     module.add_parser = add_parser
-    module.run = lambda args: print(f"request {args.request_id}") or 7
-    monkeypatch.setitem(sys.modules, "fake_request_cli", module)
-    monkeypatch.setattr(cli, "COMMANDS", (*cli.COMMANDS, "fake_request_cli"))
-    assert cli.main(["request", "req-1"]) == 7
-    assert capsys.readouterr().out == "request req-1\n"
+    module.run = lambda args: print(f"example {args.item_id}") or 7
+    monkeypatch.setitem(sys.modules, "fake_example_cli", module)
+    monkeypatch.setattr(cli, "COMMANDS", (*cli.COMMANDS, "fake_example_cli"))
+    assert cli.main(["example", "req-1"]) == 7
+    assert capsys.readouterr().out == "example req-1\n"
     assert cli.main(["query", "--limit", "0"]) == 2  # the others still there
 
 

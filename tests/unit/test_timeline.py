@@ -387,12 +387,13 @@ def test_cli_since_engine_and_stdout(store_path, capsys):
     assert captured.err.startswith("timeline: ") and "-> stdout" in captured.err
 
 
-def test_cli_request_needs_request_traces(store_path, tmp_path, capsys):
+def test_cli_request_that_is_not_stored(store_path, tmp_path, capsys):
+    """A request the store has no trace of: exit 1, no file (the request's own waves are
+    tested in tests/unit/test_request_traces.py)."""
     out = tmp_path / "r.json"
     argv = ["timeline", "--request", "cmpl-1", "-o", str(out), "--store", str(store_path)]
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    assert "--request cmpl-1: needs request traces" in err
+    assert cli.main(argv) == 1
+    assert "no request 'cmpl-1' with stored waves" in capsys.readouterr().out
     assert not out.exists()
 
 
