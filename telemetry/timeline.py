@@ -171,19 +171,6 @@ def _ranks(conn: sqlite3.Connection, query: TimelineQuery) -> dict[int, RankRow]
     return {r.id: r for r in store.ranks(conn, " AND ".join(where), params)}
 
 
-def _time_of_wave_range(
-    conn: sqlite3.Connection, rank_ids: list[int], first: int, last: int
-) -> tuple[int, int] | None:
-    """The time span of the blocks that hold waves first..last (to prune blocks by time)."""
-    marks = ",".join("?" * len(rank_ids))
-    low, high = conn.execute(
-        f"SELECT MIN(start_ns), MAX(end_ns) FROM wave_blocks WHERE rank IN ({marks}) "
-        "AND last_wave >= ? AND first_wave <= ?",
-        (*rank_ids, first, last),
-    ).fetchone()
-    return None if low is None else (low, high)
-
-
 @dataclasses.dataclass
 class _RankWave:
     rank: RankRow
@@ -199,7 +186,7 @@ def _select(conn: sqlite3.Connection, query: TimelineQuery) -> tuple[list[_RankW
         return [], 0
     since, until = query.since_ns, query.until_ns
     if query.first_wave is not None:
-        window = _time_of_wave_range(conn, list(ranks), query.first_wave, query.last_wave)
+        window = store.time_of_waves(conn, list(ranks), query.first_wave, query.last_wave)
         if window is None:
             return [], 0
         since = window[0] if since is None else max(since, window[0])

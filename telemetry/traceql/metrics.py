@@ -30,11 +30,10 @@ from telemetry.traceql.source import (
     CollectiveTable,
     SpanTable,
     block_template,
-    collective_waves_in_range,
+    collective_blocks_in,
     incident_spans,
     load_trace_cached,
     wave_blocks_in,
-    wave_range,
 )
 
 MAX_STEPS = 11_000  # as Prometheus: more points than a panel can show is a mistake
@@ -220,10 +219,7 @@ def _scan_fast(finder: CandidatePass, collector: _Collector, lo: int, hi: int) -
             collector.add(table, np.flatnonzero(keep), table.start)
     for rank_id, kinds in plan.kinds.items():
         if "collective" in kinds:
-            waves = wave_range(conn, rank_id, lo, hi)
-            if waves is None:
-                continue
-            for records in collective_waves_in_range(conn, rank_id, *waves):
+            for _, records in collective_blocks_in(conn, (rank_id,), lo, hi - 1, plan.min_step_ns):
                 table = CollectiveTable(finder.ranks[rank_id], records)
                 keep = mask_of(plan.expr, table) & (table.start >= lo) & (table.start < hi)
                 collector.add(table, np.flatnonzero(keep), table.start)

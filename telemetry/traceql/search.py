@@ -32,12 +32,11 @@ from telemetry.traceql.source import (
     CollectiveTable,
     SpanTable,
     block_template,
-    collective_waves_in_range,
+    collective_blocks_in,
     incident_spans,
     load_trace_cached,
     node_map,
     wave_blocks_in,
-    wave_range,
 )
 from telemetry.traces import format_trace_id, wave_trace_key
 
@@ -201,10 +200,9 @@ class CandidatePass:
             plans = [p for p in self.plans if "collective" in p.kinds.get(rank_id, ())]
             if not plans:
                 continue
-            waves = wave_range(self.conn, rank_id, lo, hi)
-            if waves is None:
-                continue
-            for records in collective_waves_in_range(self.conn, rank_id, *waves):
+            bounds = [p.min_step_ns for p in plans]
+            min_ns = None if None in bounds else min(bounds)
+            for _, records in collective_blocks_in(self.conn, (rank_id,), lo, hi - 1, min_ns):
                 self.blocks_read += 1
                 table = CollectiveTable(rank, records)
                 in_window = (table.start >= lo) & (table.start < hi)

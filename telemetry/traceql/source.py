@@ -8,7 +8,6 @@ The one place that knows how collectives are stored is the "collectives" section
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import sqlite3
 from collections.abc import Iterable, Iterator
@@ -50,20 +49,26 @@ def collective_waves_in_range(
 ) -> Iterator[list]:
     """The stored collective records of one rank's waves first_wave..last_wave, a block at a
     time (each block read once, not a look-up per wave)."""
-    # newest first down the (rank, first_wave) key; a rank's blocks hold consecutive waves, so
-    # the first block that ends before first_wave ends the walk
-    rows = conn.execute(
-        "SELECT rowid, last_wave FROM collective_blocks WHERE rank = ? AND first_wave <= ? "
-        "ORDER BY first_wave DESC",
-        (rank_id, last_wave),
-    )
-    for rowid, block_last in rows:
-        if block_last < first_wave:
-            return
-        (blob,) = conn.execute(
-            "SELECT columns FROM collective_blocks WHERE rowid = ?", (rowid,)
-        ).fetchone()
-        yield to_waves(store.decode_collectives(blob), range(first_wave, last_wave + 1))
+    for block in store.blocks_by_wave(
+        conn, store.COLLECTIVE_BLOCKS, rank_id, first_wave, last_wave
+    ):
+        yield to_waves(store.block_columns(conn, block), range(first_wave, last_wave + 1))
+
+
+def collective_blocks_in(
+    conn: sqlite3.Connection,
+    rank_ids: Iterable[int],
+    lo: int,
+    hi: int,
+    min_ns: int | None = None,
+) -> Iterator[tuple[int, list]]:
+    """(rank id, collective records) of the ranks' collective blocks that may hold a span
+    starting in [lo, hi] lasting at least `min_ns` (blocks whose slowest (op, group) is
+    shorter are not read)."""
+    for block in store.blocks_by_time(
+        conn, store.COLLECTIVE_BLOCKS, rank_ids, lo, hi, min_ns=min_ns
+    ):
+        yield block.rank, to_waves(store.block_columns(conn, block))
 
 
 class CollectiveTable:
@@ -141,9 +146,6 @@ def _span_constant(name: str):
     raise ValueError(f"trace-level {name} is not known per block")  # the planner relaxes it
 
 
-OVERLAP_LOOKBACK = 8  # blocks looked at before a wave, for a block holding it
-
-
 class BlockCache:
     """Decoded wave and collective blocks, kept for one search: neighbouring traces share their
     blocks, so each is decoded once however many of its waves are loaded."""
@@ -161,16 +163,8 @@ class BlockCache:
         return value
 
     def _holding(self, table: str, rank_id: int, wave: int) -> list[int]:
-        """Row ids of the rank's blocks holding `wave`: the few that start at or before it, read
-        down the (rank, first_wave) key (a `last_wave >= ?` filter would read every older
-        block). Blocks of a rank do not overlap unless a batch was re-cut and sent again, so
-        a few are enough."""
-        rows = self.conn.execute(
-            f"SELECT rowid, last_wave FROM {table} WHERE rank = ? AND first_wave <= ? "
-            f"ORDER BY first_wave DESC LIMIT {OVERLAP_LOOKBACK}",
-            (rank_id, wave),
-        )
-        return [rowid for rowid, last in rows if last >= wave]
+        """Row ids of the rank's blocks holding `wave` (telemetry/store.py's block walk)."""
+        return [b.rowid for b in store.blocks_by_wave(self.conn, table, rank_id, wave, wave)]
 
     def wave_blocks(self, rank_id: int, wave: int) -> list[tuple]:
         """(columns, {wave: index}) of the rank's blocks that hold `wave`."""
@@ -236,52 +230,6 @@ def load_trace_cached(conn: sqlite3.Connection, trace_id: str, cache: BlockCache
     return spans
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockRow:
-    rowid: int
-    rank: int
-    first_wave: int
-    last_wave: int
-    start_ns: int
-    end_ns: int
-    max_step_ns: int
-
-
-def overlapping_blocks(
-    conn: sqlite3.Connection, rank_ids: Iterable[int], lo: int, hi: int
-) -> Iterator[BlockRow]:
-    """The wave blocks of these ranks that overlap [lo, hi], newest first, reading only those
-    (plus one per rank). A rank's blocks hold consecutive waves, so they follow each other in
-    time: walking its blocks back from `hi` by start time, the first that ends before `lo`
-    means no older one can reach it. (A `start_ns <= hi AND end_ns >= lo` filter would read
-    every older block, since only start_ns is indexed.)"""
-    wanted = set()
-    for rank_id in rank_ids:
-        first = conn.execute(
-            "SELECT start_ns FROM wave_blocks WHERE rank = ? ORDER BY first_wave LIMIT 1",
-            (rank_id,),
-        ).fetchone()
-        if first is not None and first[0] <= hi:
-            wanted.add(rank_id)
-    if not wanted:
-        return
-    rows = conn.execute(
-        "SELECT rowid, rank, first_wave, last_wave, start_ns, end_ns, max_step_ns "
-        "FROM wave_blocks WHERE start_ns <= ? ORDER BY start_ns DESC",
-        (hi,),
-    )
-    for row in rows:
-        if row[1] not in wanted:
-            continue
-        block = BlockRow(*row)
-        if block.end_ns < lo:
-            wanted.discard(block.rank)
-            if not wanted:
-                return
-            continue
-        yield block
-
-
 def wave_blocks_in(
     conn: sqlite3.Connection,
     rank_ids: Iterable[int],
@@ -290,24 +238,11 @@ def wave_blocks_in(
     min_step_ns: int | None = None,
 ) -> Iterator[tuple[int, guard_pb2.WaveColumns]]:
     """(rank id, columns) of the blocks overlapping [lo, hi] whose slowest step is at least
-    `min_step_ns`, newest first."""
-    for block in overlapping_blocks(conn, rank_ids, lo, hi):
-        if min_step_ns is not None and block.max_step_ns < min_step_ns:
-            continue
-        (blob,) = conn.execute(
-            "SELECT columns FROM wave_blocks WHERE rowid = ?", (block.rowid,)
-        ).fetchone()
-        yield block.rank, store.decode_waves(blob)
-
-
-def wave_range(
-    conn: sqlite3.Connection, rank_id: int, since_ns: int, until_ns: int
-) -> tuple[int, int] | None:
-    """The waves a rank ran in [since, until] by the blocks' own bounds (no block decoded)."""
-    blocks = list(overlapping_blocks(conn, [rank_id], since_ns, until_ns))
-    if not blocks:
-        return None
-    return min(b.first_wave for b in blocks), max(b.last_wave for b in blocks)
+    `min_step_ns`, newest first per rank."""
+    for block in store.blocks_by_time(
+        conn, store.WAVE_BLOCKS, rank_ids, lo, hi, min_ns=min_step_ns
+    ):
+        yield block.rank, store.block_columns(conn, block)
 
 
 def incident_spans(conn: sqlite3.Connection, since_ns: int, until_ns: int) -> list[Span]:

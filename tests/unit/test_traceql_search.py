@@ -421,11 +421,14 @@ def test_cached_trace_loading_builds_what_load_trace_builds(conn):
 
 
 def test_block_walk_finds_exactly_the_overlapping_blocks(tmp_path):
-    """Walking back from the window's end reads the same blocks as the plain (full scan)
-    overlap filter, for ranks that run throughout, start late or stop early."""
+    """Walking back from the window's end (telemetry/store.py `blocks_by_time`) reads the same
+    blocks as the plain (full scan) overlap filter, and the walk by waves (`blocks_by_wave`)
+    the same as the plain wave filter, for ranks that run throughout, start late or stop
+    early."""
     import random
 
-    from telemetry.traceql.source import overlapping_blocks, wave_range
+    blocks_by_time, blocks_by_wave = store_mod.blocks_by_time, store_mod.blocks_by_wave
+    wave_range = store_mod.wave_range
 
     path = tmp_path / "walk.db"
     items = []
@@ -446,7 +449,7 @@ def test_block_walk_finds_exactly_the_overlapping_blocks(tmp_path):
         lo = _start(rng.randrange(-5, 66)) + rng.randrange(-STEP_NS, STEP_NS)
         hi = lo + rng.randrange(0, 30 * STEP_NS)
         want = rng.sample(ids, rng.randrange(1, 4))
-        got = sorted(b.rowid for b in overlapping_blocks(conn, want, lo, hi))
+        got = sorted(b.rowid for b in blocks_by_time(conn, "wave_blocks", want, lo, hi))
         expected = [
             rowid
             for (rowid,) in conn.execute(
@@ -465,6 +468,18 @@ def test_block_walk_finds_exactly_the_overlapping_blocks(tmp_path):
             assert wave_range(conn, rank_id, lo, hi) == (
                 None if bounds[0] is None else tuple(bounds)
             )
+            first = rng.randrange(-5, 66)
+            last = first + rng.randrange(0, 10)
+            got = sorted(b.rowid for b in blocks_by_wave(conn, "wave_blocks", rank_id, first, last))
+            expected = [
+                rowid
+                for (rowid,) in conn.execute(
+                    "SELECT rowid FROM wave_blocks WHERE rank = ? AND last_wave >= ? "
+                    "AND first_wave <= ? ORDER BY rowid",
+                    (rank_id, first, last),
+                )
+            ]
+            assert got == expected, (rank_id, first, last)
     conn.close()
 
 
