@@ -44,6 +44,7 @@ MS = 1_000_000
 RUN = "bench-run"
 SLOW_EVERY = 997
 SLOW_TP = 3
+SLOW_CALL_NS = 55 * MS
 SEARCHES = {
     "tp3 all_reduce > 50ms": '{ .tp = 3 && name = "collective:all_reduce" && duration > 50ms }',
     "execute_model > 50ms": '{ name = "execute_model" && duration > 50ms }',
@@ -87,6 +88,10 @@ def _batch(rank: guard_pb2.RankInfo, waves: range, starts: np.ndarray, rng) -> I
         cw.stats.add(op="all_gather", group="tp", backend="hccl", dtype="bfloat16", calls=1,
                      bytes=4096, host_ns=150_000, max_host_ns=150_000, first_seq=wave,
                      last_seq=wave)  # fmt: skip
+        if ar >= SLOW_CALL_NS:  # the slowed all_reduce: one of its calls took 55 ms
+            cw.slow_calls.add(op="all_reduce", group="tp", backend="hccl", dtype="bfloat16",
+                              seq=64 * wave - 10, bytes=8192, start_unix_nano=start + 2 * MS,
+                              host_ns=SLOW_CALL_NS)  # fmt: skip
     records = validate_batch(batch)
     labels = ("eng", "0", str(tp), "0")
     return Item(RankSource(rank, "eng", labels, (RUN, "eng", 0, tp, 0, rank.pid)), batch,

@@ -955,6 +955,37 @@ def collective_waves(
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class SlowCallRow:
+    """One `slow_calls` row (CollectiveCall's fields, plus its rank and wave)."""
+
+    rank: int
+    group: str
+    seq: int
+    wave: int
+    op: str
+    backend: str
+    dtype: str
+    bytes: int
+    start_unix_nano: int
+    host_ns: int
+
+
+def slow_calls_in(
+    conn: sqlite3.Connection, rank_ids: Sequence[int], lo: int, hi: int
+) -> list[SlowCallRow]:
+    """The slow calls of these ranks that started in [lo, hi] (down the start_ns index)."""
+    if not rank_ids:
+        return []
+    rows = conn.execute(
+        "SELECT rank, group_name, seq, wave, op, backend, dtype, bytes, start_ns, host_ns "
+        f"FROM slow_calls WHERE start_ns >= ? AND start_ns <= ? "
+        f"AND rank IN ({','.join('?' * len(rank_ids))})",
+        (lo, hi, *rank_ids),
+    )
+    return [SlowCallRow(*row) for row in rows]
+
+
 # -- block summaries (telemetry/block_summary.py) -------------------------------------------
 HIST_COLUMNS = {
     "rank": "rank_hist",

@@ -51,8 +51,15 @@ from typing import Any
 from telemetry import build_info, schema, store
 from telemetry.collective_columns import to_waves
 from telemetry.query import QueryError
-from telemetry.spans import Span, collective_spans, incident_span, wave_spans
+from telemetry.spans import (
+    Span,
+    collective_spans,
+    incident_span,
+    slow_call_span_id,
+    wave_spans,
+)
 from telemetry.store import RankRow
+from telemetry.traces import format_span_id
 
 DEFAULT_MIN_WAIT_NS = 1_000_000  # below 1 ms the wait is scheduling noise, not a straggler
 DEFAULT_MAX_RANK_WAVES = 20_000  # ~30 MB of JSON, ~3 s (bench/timeline.py); viewers slow beyond
@@ -304,7 +311,11 @@ def _rank_slices(pid: int, rw: _RankWave, coll: RankCollectives | None) -> list[
         )  # fmt: skip
     for call in coll.slow_calls:
         args = dataclasses.asdict(call)
-        args.update(wave=rw.wave, trace_id=rw.spans[0].trace_hex if rw.spans else "")
+        r = rw.rank
+        span_id = slow_call_span_id(r.run_id, rw.wave, (r.dp, r.tp, r.pp), call.op, call.group,
+                                    call.seq)  # fmt: skip
+        args.update(wave=rw.wave, trace_id=rw.spans[0].trace_hex if rw.spans else "",
+                    span_id=format_span_id(span_id))  # fmt: skip
         out.append(
             _Slice(pid, SLOW_TRACK, f"slow {call.op} {call.group} #{call.seq}", "slow_call",
                    call.start_ns, call.start_ns + call.host_ns, args)

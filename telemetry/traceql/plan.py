@@ -13,12 +13,17 @@ from __future__ import annotations
 import dataclasses
 
 from telemetry import schema, store
-from telemetry.spans import is_root_rank
+from telemetry.spans import SLOW_CALL_PREFIX, STATUS_ERROR, is_root_rank
 from telemetry.traceql import ast, fields
 from telemetry.traceql.columns import ABSENT, UNKNOWN, Prefixed, lower_bounds, maybe
 from telemetry.traceql.source import ALL_KINDS, WAVE_KINDS
 
 _DURATION = ast.Intrinsic("duration")
+_PREFIXES = {
+    "collective": fields.COLLECTIVE_PREFIX,
+    "slow_call": SLOW_CALL_PREFIX,
+    "incident": fields.INCIDENT_PREFIX,
+}
 
 
 def relax(expr: ast.FieldExpr | None, positive: bool = True):
@@ -69,12 +74,12 @@ def _known(kind: str, rank: store.RankRow | None):
             if field.name == "name":
                 if kind in WAVE_KINDS:
                     return kind
-                prefix = (
-                    fields.COLLECTIVE_PREFIX if kind == "collective" else fields.INCIDENT_PREFIX
-                )
-                return Prefixed(prefix)
+                return Prefixed(_PREFIXES[kind])
             if field.name == "status":
-                return fields.SPAN_STATUS
+                if kind == "incident":
+                    return STATUS_ERROR
+                # a rank span (and its wave root) has status error where it raised an incident
+                return UNKNOWN if kind in ("wave", "rank") else fields.SPAN_STATUS
             if field.name == "kind":
                 return fields.SPAN_KIND
             if field.name == "rootServiceName":
@@ -91,6 +96,12 @@ def _known(kind: str, rank: store.RankRow | None):
         return ABSENT
 
     return known
+
+
+def known_values(kind: str, rank: store.RankRow | None):
+    """`known(field)` for one span kind on one rank: the value every such span has, ABSENT, or
+    UNKNOWN (the field differs span by span)."""
+    return _known(kind, rank)
 
 
 @dataclasses.dataclass

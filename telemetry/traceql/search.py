@@ -36,6 +36,7 @@ from telemetry.traceql.source import (
     incident_spans,
     load_trace_cached,
     node_map,
+    slow_call_spans_in,
     wave_blocks_in,
 )
 from telemetry.traces import format_trace_id, wave_trace_key
@@ -146,6 +147,7 @@ class CandidatePass:
         """Add the matches among spans starting in [lo, hi)."""
         self._scan_waves(lo, hi)
         self._scan_collectives(lo, hi)
+        self._scan_slow_calls(lo, hi)
         self._scan_incidents(lo, hi)
 
     def _scan_waves(self, lo: int, hi: int) -> None:
@@ -171,7 +173,7 @@ class CandidatePass:
                 template = block_template(rank, cols, kind)
                 if template is None:
                     continue
-                table = BlockTable(rank, cols, kind, template)
+                table = BlockTable(rank, cols, kind, template, self.conn)
                 in_window = table.exists & (table.start >= lo) & (table.start < hi)
                 for plan in plans:
                     rows = np.flatnonzero(mask_of(plan.expr, table) & in_window)
@@ -212,6 +214,14 @@ class CandidatePass:
                         self.sets[id(plan.leaf)].add(
                             self.keys[rank_id], table.waves[rows], table.start[rows]
                         )
+
+    def _scan_slow_calls(self, lo: int, hi: int) -> None:
+        plans = [p for p in self.plans if any("slow_call" in k for k in p.kinds.values())]
+        if not plans:
+            return
+        ids = {rid for p in plans for rid, kinds in p.kinds.items() if "slow_call" in kinds}
+        ranks = {rid: self.ranks[rid] for rid in ids}
+        self._add_spans(slow_call_spans_in(self.conn, ranks, lo, hi - 1), plans, lo, hi)
 
     def _scan_incidents(self, lo: int, hi: int) -> None:
         plans = [p for p in self.plans if p.incidents]

@@ -18,14 +18,24 @@ from telemetry import schema, store
 from telemetry.collective_columns import to_waves
 from telemetry.incidents import IncidentFilter, incidents_of_wave, list_incidents
 from telemetry.proto import guard_pb2
-from telemetry.spans import Span, collective_spans, incident_span, wave_spans
+from telemetry.spans import (
+    STATUS_ERROR,
+    STATUS_UNSET,
+    Span,
+    collective_spans,
+    incident_span,
+    mark_errors,
+    slow_call_span,
+    slow_call_spans,
+    wave_spans,
+)
 from telemetry.traceql import ast, fields
 from telemetry.traceql.columns import ABSENT, Coded
 from telemetry.traceql.parser import TraceQLError
-from telemetry.traces import format_trace_id, split_trace_id
+from telemetry.traces import format_trace_id, split_trace_id, wave_trace_id
 
 WAVE_KINDS = ("wave", "rank", "execute_model", "sample_tokens")
-ALL_KINDS = (*WAVE_KINDS, "collective", "incident")
+ALL_KINDS = (*WAVE_KINDS, "collective", "slow_call", "incident")
 _WAVE_KEYS = {schema.attr(f): f for f in schema.WAVE_FIELDS}
 
 
@@ -41,6 +51,7 @@ def rank_collective_spans(
     out: list[Span] = []
     for cw in waves:
         out += collective_spans(rank, cw)
+        out += slow_call_spans(rank, cw)
     return out
 
 
@@ -222,12 +233,12 @@ def load_trace_cached(conn: sqlite3.Connection, trace_id: str, cache: BlockCache
     seen = set()
     for run_id in runs or {""}:
         for row in incidents_of_wave(conn, run_id, wave):
-            if row["trace_id"] == text and row["id"] not in seen:
+            if row["id"] not in seen:
                 seen.add(row["id"])
                 spans.append(incident_span(row))
     spans = [s for s in spans if format_trace_id(s.trace_id) == text]
     spans.sort(key=lambda s: (s.start_ns, s.name))
-    return spans
+    return mark_errors(spans)
 
 
 def wave_blocks_in(
@@ -243,6 +254,34 @@ def wave_blocks_in(
         conn, store.WAVE_BLOCKS, rank_ids, lo, hi, min_ns=min_step_ns
     ):
         yield block.rank, store.block_columns(conn, block)
+
+
+def slow_call_spans_in(
+    conn: sqlite3.Connection, ranks: dict[int, store.RankRow], lo: int, hi: int
+) -> list[Span]:
+    """The `slow_call:<op>` spans of these ranks (id -> rank) starting in [lo, hi]."""
+    out: list[Span] = []
+    for row in store.slow_calls_in(conn, list(ranks), lo, hi):
+        rank = ranks[row.rank]
+        trace_id = wave_trace_id(rank.run_id, row.wave, rank.dp)
+        out.append(slow_call_span(rank, trace_id, row.wave, row, (rank.dp, rank.tp, rank.pp)))
+    return out
+
+
+def error_waves(conn: sqlite3.Connection, rank: store.RankRow, kind: str, first: int, last: int):
+    """Waves first..last whose `kind` span ("rank" or "wave") of this rank has status error:
+    an incident raised on that rank in that wave (for the wave root: on any rank of its
+    replica, or by the sidecar)."""
+    try:
+        rows = conn.execute(
+            "SELECT wave, dp, tp, pp FROM incidents WHERE run_id = ? AND wave BETWEEN ? AND ?",
+            (rank.run_id, first, last),
+        ).fetchall()
+    except sqlite3.OperationalError:  # a store without the incident ledger
+        return set()
+    if kind == "wave":
+        return {w for w, dp, _, _ in rows if (dp if dp is not None else 0) == rank.dp}
+    return {w for w, dp, tp, pp in rows if (dp, tp, pp) == (rank.dp, rank.tp, rank.pp)}
 
 
 def incident_spans(conn: sqlite3.Connection, since_ns: int, until_ns: int) -> list[Span]:
@@ -290,7 +329,7 @@ class SpanTable:
             if name == "duration":
                 return np.fromiter((s.end_ns - s.start_ns for s in spans), np.int64, self.n), True
             if name == "status":
-                return fields.SPAN_STATUS, True
+                return Coded([s.status for s in spans]), True
             if name == "kind":
                 return fields.SPAN_KIND, True
             if name == "statusMessage":
@@ -354,8 +393,16 @@ class BlockTable:
     as columns, without building them. Attribute keys and constant values come from a span the
     builder made for the block's first wave (so this follows telemetry/spans.py)."""
 
-    def __init__(self, rank: store.RankRow, cols, kind: str, template: Span) -> None:
+    def __init__(
+        self,
+        rank: store.RankRow,
+        cols,
+        kind: str,
+        template: Span,
+        conn: sqlite3.Connection | None = None,
+    ) -> None:
         self.rank, self.cols, self.kind = rank, cols, kind
+        self.conn = conn  # where incidents are looked up for `status` (None: unset)
         self.n = len(cols.wave)
         self._template = template
         self._arrays: dict[str, np.ndarray] = {}
@@ -388,6 +435,14 @@ class BlockTable:
                 return self.kind, True
             if name == "duration":
                 return self.end - self.start, True
+            if name == "status" and self.kind in ("wave", "rank") and self.conn is not None:
+                waves = self.array("wave")
+                bad = error_waves(
+                    self.conn, self.rank, self.kind, int(waves.min()), int(waves.max())
+                )
+                if bad:
+                    errors = np.isin(waves, list(bad))
+                    return Coded([STATUS_ERROR if e else STATUS_UNSET for e in errors]), True
             return _span_constant(name)
         key = fields.attribute_key(field.name)
         if field.scope in (None, "span") and key in self._template.attributes:

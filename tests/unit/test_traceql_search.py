@@ -208,7 +208,12 @@ def test_resource_and_status_fields(conn):
         len(search(conn, '{ resource.host.name = "node0" && .tp = 1 }', START, END, limit=50))
         == WAVES
     )
-    assert search(conn, "{ status = error }", START, END) == []
+    # the incident of wave 5, the rank span it hangs under (tp1) and the wave root
+    (errors,) = search(conn, "{ status = error }", START, END, spans_per_spanset=None)
+    assert _waves([errors]) == {5}
+    assert sorted((s.name, s.tp) for s in errors.spans) == [
+        ("incident:nan_logits", 1), ("rank", 1), ("wave", None)
+    ]  # fmt: skip
     assert len(search(conn, "{ kind = internal && status = unset }", START, END, limit=50)) == WAVES
     assert search(conn, '{ .no_such_attribute = "x" }', START, END) == []
     assert len(search(conn, "{ .no_such_attribute = nil }", START, END, limit=50)) == WAVES
@@ -257,9 +262,11 @@ def test_rank_coordinates_and_kinds_prune_before_decoding(conn):
     tp1 = next(r for r in ranks if r.tp == 1)
     plan = plan_leaf(parse("{ .tp = 1 }").spanset, ranks)
     assert set(plan.kinds) == {tp1.id}
-    assert plan.kinds[tp1.id] == {"rank", "execute_model", "sample_tokens", "collective"}
+    assert plan.kinds[tp1.id] == {
+        "rank", "execute_model", "sample_tokens", "collective", "slow_call"
+    }  # fmt: skip
     plan = plan_leaf(parse('{ .op = "all_reduce" }').spanset, ranks)
-    assert all(kinds == {"collective"} for kinds in plan.kinds.values())
+    assert all(kinds == {"collective", "slow_call"} for kinds in plan.kinds.values())
     assert not plan.incidents
     plan = plan_leaf(parse('{ name = "wave" }').spanset, ranks)
     assert all(kinds == {"wave"} for kinds in plan.kinds.values())
