@@ -211,9 +211,16 @@ def _fast(query: ast.Query) -> bool:
 
 
 def metrics_range(
-    conn: sqlite3.Connection, query: str | ast.Query, start_ns: int, end_ns: int, step_ns: int
+    conn: sqlite3.Connection,
+    query: str | ast.Query,
+    start_ns: int,
+    end_ns: int,
+    step_ns: int,
+    *,
+    summaries: bool = True,
 ) -> list[Series]:
-    """The series a TraceQL metrics query gives over [start_ns, end_ns] in steps of step_ns."""
+    """The series a TraceQL metrics query gives over [start_ns, end_ns] in steps of step_ns
+    (`summaries=False`: decode every block, for exact quantiles)."""
     parsed = parse(query) if isinstance(query, str) else query
     if parsed.metrics is None:
         raise TraceQLError("not a metrics query: end it with | rate(), count_over_time(), ...")
@@ -227,7 +234,8 @@ def metrics_range(
     finder = CandidatePass(conn, parsed)
     lo, hi = start_ns, end_ns + 1
     if _fast(parsed):
-        _scan_fast(finder, collector, lo, hi, start_ns - start_ns % step_ns, step_ns)
+        base = start_ns - start_ns % step_ns
+        _scan_fast(finder, collector, lo, hi, base, step_ns, summaries)
     else:
         finder.scan(lo, hi)
         cache = BlockCache(conn)
@@ -274,7 +282,13 @@ def _summary_labels(plan, metric: ast.MetricsAggregate, kind: str, rank) -> tupl
 
 
 def _scan_fast(
-    finder: CandidatePass, collector: _Collector, lo: int, hi: int, base: int, step_ns: int
+    finder: CandidatePass,
+    collector: _Collector,
+    lo: int,
+    hi: int,
+    base: int,
+    step_ns: int,
+    summaries: bool = True,
 ) -> None:
     (plan,) = finder.plans
     conn = finder.conn
@@ -284,7 +298,7 @@ def _scan_fast(
         kinds = [k for k in WAVE_KINDS if k in plan.kinds[rank_id]]
         read: dict[str, set[int]] = {}  # kind -> rowids answered from histograms
         for kind in kinds:
-            labels = _summary_labels(plan, collector.metric, kind, rank)
+            labels = _summary_labels(plan, collector.metric, kind, rank) if summaries else None
             if labels is None:
                 continue
             found = store.wave_histograms(conn, (rank_id,), _HISTOGRAM_OF[kind], lo, hi)
