@@ -328,8 +328,8 @@ def _scan_fast(
                 collector.add(table, np.flatnonzero(keep), table.start)
     for rank_id, kinds in plan.kinds.items():
         if "collective" in kinds:
-            for _, records in collective_blocks_in(conn, (rank_id,), lo, hi - 1, plan.min_step_ns):
-                table = CollectiveTable(finder.ranks[rank_id], records)
+            for _, cols in collective_blocks_in(conn, (rank_id,), lo, hi - 1, plan.min_step_ns):
+                table = CollectiveTable(finder.ranks[rank_id], cols=cols)
                 keep = mask_of(plan.expr, table) & (table.start >= lo) & (table.start < hi)
                 collector.add(table, np.flatnonzero(keep), table.start)
     slow = {rid: finder.ranks[rid] for rid, kinds in plan.kinds.items() if "slow_call" in kinds}

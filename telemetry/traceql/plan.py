@@ -113,6 +113,8 @@ class LeafPlan:
     kinds: dict[int, set[str]]  # rank id -> span kinds (wave kinds and "collective")
     incidents: bool
     min_step_ns: int | None
+    # wave-kind spans match only where they have status error (raised an incident)
+    error_only: bool = False
 
 
 def plan_leaf(leaf: ast.SpansetFilter, ranks: list[store.RankRow]) -> LeafPlan:
@@ -129,7 +131,25 @@ def plan_leaf(leaf: ast.SpansetFilter, ranks: list[store.RankRow]) -> LeafPlan:
         if possible:
             kinds[rank.id] = possible
     incidents = expr is None or maybe(expr, _known("incident", None)) is not False
-    return LeafPlan(leaf, expr, kinds, incidents, lower_bounds(expr, _DURATION))
+    # every wave kind that can match at all can only with status error
+    possible = [k for k in WAVE_KINDS if expr is None or maybe(expr, _known(k, None)) is not False]
+    error_only = (
+        expr is not None
+        and bool(possible)
+        and all(maybe(expr, _unset(_known(k, None))) is False for k in possible)
+    )
+    return LeafPlan(leaf, expr, kinds, incidents, lower_bounds(expr, _DURATION), error_only)
+
+
+def _unset(known):
+    """`known` with status unset (a span that raised no incident)."""
+
+    def with_status(field):
+        if isinstance(field, ast.Intrinsic) and field.name == "status":
+            return fields.SPAN_STATUS
+        return known(field)
+
+    return with_status
 
 
 def leaves(expr: ast.SpansetExpr) -> list[ast.SpansetFilter]:

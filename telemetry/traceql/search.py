@@ -33,11 +33,11 @@ from telemetry.traceql.source import (
     SpanTable,
     block_template,
     collective_blocks_in,
+    error_waves,
     incident_spans,
     load_trace_cached,
     node_map,
     slow_call_spans_in,
-    wave_blocks_in,
 )
 from telemetry.traces import format_trace_id, wave_trace_key
 
@@ -162,10 +162,19 @@ class CandidatePass:
         if not wanted:
             return
         min_step = None if None in bounds else min(bounds)
-        blocks = wave_blocks_in(self.conn, list(wanted), lo, hi, min_step)
-        for rank_id, cols in blocks:
-            self.blocks_read += 1
+        error_only = all(p.error_only for plans in wanted.values() for p in plans)
+        blocks = store.blocks_by_time(
+            self.conn, store.WAVE_BLOCKS, list(wanted), lo, hi, min_ns=min_step
+        )
+        for block in blocks:
+            rank_id = block.rank
             rank = self.ranks[rank_id]
+            if error_only and not error_waves(
+                self.conn, rank, "wave", block.first_wave, block.last_wave
+            ):
+                continue  # no incident in the block's waves: none of its spans is an error
+            cols = store.block_columns(self.conn, block)
+            self.blocks_read += 1
             for kind in WAVE_KINDS:
                 plans = [p for p in wanted[rank_id] if kind in p.kinds[rank_id]]
                 if not plans:
@@ -204,9 +213,9 @@ class CandidatePass:
                 continue
             bounds = [p.min_step_ns for p in plans]
             min_ns = None if None in bounds else min(bounds)
-            for _, records in collective_blocks_in(self.conn, (rank_id,), lo, hi - 1, min_ns):
+            for _, cols in collective_blocks_in(self.conn, (rank_id,), lo, hi - 1, min_ns):
                 self.blocks_read += 1
-                table = CollectiveTable(rank, records)
+                table = CollectiveTable(rank, cols=cols)
                 in_window = (table.start >= lo) & (table.start < hi)
                 for plan in plans:
                     rows = np.flatnonzero(mask_of(plan.expr, table) & in_window)

@@ -17,7 +17,6 @@ import numpy as np
 from telemetry import schema, store
 from telemetry.collective_columns import to_waves
 from telemetry.incidents import IncidentFilter, incidents_of_wave, list_incidents
-from telemetry.proto import guard_pb2
 from telemetry.spans import (
     STATUS_ERROR,
     STATUS_UNSET,
@@ -73,13 +72,13 @@ def collective_blocks_in(
     hi: int,
     min_ns: int | None = None,
 ) -> Iterator[tuple[int, list]]:
-    """(rank id, collective records) of the ranks' collective blocks that may hold a span
+    """(rank id, `CollectiveColumns`) of the ranks' collective blocks that may hold a span
     starting in [lo, hi] lasting at least `min_ns` (blocks whose slowest (op, group) is
     shorter are not read)."""
     for block in store.blocks_by_time(
         conn, store.COLLECTIVE_BLOCKS, rank_ids, lo, hi, min_ns=min_ns
     ):
-        yield block.rank, to_waves(store.block_columns(conn, block))
+        yield block.rank, store.block_columns(conn, block)
 
 
 class CollectiveTable:
@@ -87,15 +86,27 @@ class CollectiveTable:
     without building them (the same values telemetry/spans.py `collective_spans` gives:
     a unit test holds the two together)."""
 
-    def __init__(self, rank: store.RankRow, waves: list) -> None:
+    def __init__(self, rank: store.RankRow, waves: list | None = None, cols=None) -> None:
+        """From `CollectiveWave` records, or straight from a block's `CollectiveColumns`
+        (`cols`: numpy over the columns, no message per wave)."""
         self.rank = rank
-        self.rows = [(cw, stat) for cw in waves for stat in cw.stats]
-        self.n = len(self.rows)
-        self.start = np.fromiter(
-            (cw.first_arrival_unix_nano for cw, _ in self.rows), np.int64, self.n
-        )
-        self.waves = np.fromiter((cw.wave for cw, _ in self.rows), np.int64, self.n)
+        self._cols = cols
         self._cache: dict = {}
+        if cols is None:
+            self.rows = [(cw, stat) for cw in waves for stat in cw.stats]
+            self.n = len(self.rows)
+            self.start = np.fromiter(
+                (cw.first_arrival_unix_nano for cw, _ in self.rows), np.int64, self.n
+            )
+            self.waves = np.fromiter((cw.wave for cw, _ in self.rows), np.int64, self.n)
+        else:
+            wave_index = np.array(cols.stats.wave_index, np.int64)
+            # rows in the order to_waves gives them: by wave row, then stat
+            self._order = np.argsort(wave_index, kind="stable")
+            wave_index = wave_index[self._order]
+            self.n = len(wave_index)
+            self.start = np.array(cols.first_arrival_unix_nano, np.int64)[wave_index]
+            self.waves = np.array(cols.wave, np.int64)[wave_index]
         rank_values = {
             schema.ATTR_RUN: rank.run_id,
             schema.ATTR_ENGINE: rank.engine,
@@ -108,6 +119,15 @@ class CollectiveTable:
         }
 
     def _stat(self, name: str):
+        if name not in self._cache and self._cols is not None:
+            stats = self._cols.stats
+            if name in schema.COLLECTIVE_KEY_FIELDS:
+                out = Coded([])
+                out.levels = [getattr(k, name) for k in self._cols.keys]
+                out.codes = np.array(stats.key, np.int64)[self._order]
+            else:
+                out = np.array(getattr(stats, name), np.int64)[self._order]
+            self._cache[name] = out
         if name not in self._cache:
             values = [getattr(stat, name) for _, stat in self.rows]
             if values and isinstance(values[0], str):
@@ -194,17 +214,17 @@ class BlockCache:
         return out
 
     def collective_blocks(self, rank_id: int, wave: int) -> list:
+        """The rank's collective records of `wave` (each block decoded once, its records
+        made for the waves asked for only)."""
         out: list = []
         for rowid in self._holding("collective_blocks", rank_id, wave):
-            block = self._collectives.get(rowid)
-            if block is None:
+            cols = self._collectives.get(rowid)
+            if cols is None:
                 (blob,) = self.conn.execute(
                     "SELECT columns FROM collective_blocks WHERE rowid = ?", (rowid,)
                 ).fetchone()
-                block = self._keep(
-                    self._collectives, rowid, to_waves(store.decode_collectives(blob))
-                )
-            out += block
+                cols = self._keep(self._collectives, rowid, store.decode_collectives(blob))
+            out += to_waves(cols, (wave,))
         return out
 
 
@@ -239,21 +259,6 @@ def load_trace_cached(conn: sqlite3.Connection, trace_id: str, cache: BlockCache
     spans = [s for s in spans if format_trace_id(s.trace_id) == text]
     spans.sort(key=lambda s: (s.start_ns, s.name))
     return mark_errors(spans)
-
-
-def wave_blocks_in(
-    conn: sqlite3.Connection,
-    rank_ids: Iterable[int],
-    lo: int,
-    hi: int,
-    min_step_ns: int | None = None,
-) -> Iterator[tuple[int, guard_pb2.WaveColumns]]:
-    """(rank id, columns) of the blocks overlapping [lo, hi] whose slowest step is at least
-    `min_step_ns`, newest first per rank."""
-    for block in store.blocks_by_time(
-        conn, store.WAVE_BLOCKS, rank_ids, lo, hi, min_ns=min_step_ns
-    ):
-        yield block.rank, store.block_columns(conn, block)
 
 
 def slow_call_spans_in(

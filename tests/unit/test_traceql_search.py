@@ -388,7 +388,12 @@ def test_wrong_query_shapes_are_errors(conn):
 
 def test_collective_tables_agree_with_the_span_builder(conn):
     from telemetry.spans import collective_spans
-    from telemetry.traceql.source import CollectiveTable, collective_waves_in_range, node_map
+    from telemetry.traceql.source import (
+        CollectiveTable,
+        collective_blocks_in,
+        collective_waves_in_range,
+        node_map,
+    )
 
     fields = [parse(f"{{ {f} != nil }}").spanset.expr.left for f in
               ["name", "duration", ".tp", ".dp", ".pp", ".wave", ".run", ".engine", ".op",
@@ -396,25 +401,35 @@ def test_collective_tables_agree_with_the_span_builder(conn):
                ".last_seq", ".device_ns", ".replayed", ".backend", ".dtype", ".num_reqs",
                "resource.host.name", "resource.service.name"]]  # fmt: skip
     checked = 0
+    blocks = {
+        rank.id: list(collective_blocks_in(conn, [rank.id], START, END))
+        for rank in store_mod.ranks(conn)
+    }
     for rank in store_mod.ranks(conn):
         for records in collective_waves_in_range(conn, rank.id, 1, WAVES):
             spans = [s for cw in records for s in collective_spans(rank, cw)]
             nodes = node_map(store_mod.ranks(conn))
-            table, built = CollectiveTable(rank, records), SpanTable(spans, nodes=nodes)
-            assert list(table.start) == [s.start_ns for s in spans]
-            assert list(table.waves) == [s.wave for s in spans]
-            for field in fields:
-                tv, tp = value_of(field, table)
-                sv, sp = value_of(field, built)
-                tp = np.broadcast_to(tp, (table.n,))
-                assert list(tp) == list(np.broadcast_to(sp, (built.n,))), field
-                tv = np.broadcast_to(np.asarray(tv, dtype=object), (table.n,))
-                sv = np.broadcast_to(np.asarray(sv, dtype=object), (built.n,))
-                assert [v for v, p in zip(tv, tp, strict=True) if p] == [
-                    v for v, p in zip(sv, tp, strict=True) if p
-                ], field
+            # from the block's columns (as searches read them) and from records, the same
+            (cols,) = [c for _, c in blocks[rank.id] if records[0].wave in c.wave]
+            for table in (CollectiveTable(rank, records), CollectiveTable(rank, cols=cols)):
+                _same_columns(table, SpanTable(spans, nodes=nodes), spans, fields)
             checked += len(spans)
     assert checked == 2 * 2 * WAVES
+
+
+def _same_columns(table, built, spans, fields):
+    assert list(table.start) == [s.start_ns for s in spans]
+    assert list(table.waves) == [s.wave for s in spans]
+    for field in fields:
+        tv, tp = value_of(field, table)
+        sv, sp = value_of(field, built)
+        tp = np.broadcast_to(tp, (table.n,))
+        assert list(tp) == list(np.broadcast_to(sp, (built.n,))), field
+        tv = np.broadcast_to(np.asarray(tv, dtype=object), (table.n,))
+        sv = np.broadcast_to(np.asarray(sv, dtype=object), (built.n,))
+        assert [v for v, p in zip(tv, tp, strict=True) if p] == [
+            v for v, p in zip(sv, tp, strict=True) if p
+        ], field
 
 
 def test_cached_trace_loading_builds_what_load_trace_builds(conn):
