@@ -177,6 +177,11 @@ def _value(cols: guard_pb2.WaveColumns, field: str, i: int):
     return getattr(cols, field)[i]
 
 
+# per-wave collective aggregates each collective span carries (`ascend_guard.collective.<f>`):
+# how long the rank waited in its collectives that wave, the fire drill's delay, calls dropped
+COLLECTIVE_WAVE_SPAN_FIELDS = ("wait_ns", "injected_delay_ns", "slow_calls_dropped")
+
+
 def collective_spans(rank: RankRow, cw: guard_pb2.CollectiveWave) -> list[Span]:
     """One span per (op, group) the rank ran in the wave, under its rank span. The calls of one
     wave are aggregated on the worker: the span starts at the wave's first collective and
@@ -199,6 +204,8 @@ def collective_spans(rank: RankRow, cw: guard_pb2.CollectiveWave) -> list[Span]:
                 schema.attr(f"collective.{f}"): getattr(stat, f)
                 for f in schema.COLLECTIVE_STAT_FIELDS
             },
+            # the rank's wave as a whole, on each of its (op, group) spans
+            **{schema.attr(f"collective.{f}"): getattr(cw, f) for f in COLLECTIVE_WAVE_SPAN_FIELDS},
         }
         span_id = phase_span_id(run_id, wave, *where, f"collective/{stat.op}/{stat.group}")
         out.append(

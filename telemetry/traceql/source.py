@@ -18,6 +18,7 @@ from telemetry import schema, store
 from telemetry.collective_columns import to_waves
 from telemetry.incidents import IncidentFilter, incidents_of_wave, list_incidents
 from telemetry.spans import (
+    COLLECTIVE_WAVE_SPAN_FIELDS,
     STATUS_ERROR,
     STATUS_UNSET,
     Span,
@@ -105,6 +106,7 @@ class CollectiveTable:
             self._order = np.argsort(wave_index, kind="stable")
             wave_index = wave_index[self._order]
             self.n = len(wave_index)
+            self._wave_index = wave_index
             self.start = np.array(cols.first_arrival_unix_nano, np.int64)[wave_index]
             self.waves = np.array(cols.wave, np.int64)[wave_index]
         rank_values = {
@@ -117,6 +119,17 @@ class CollectiveTable:
         self._constants = {
             k: v for k, v in rank_values.items() if k in fields.kind_keys()["collective"]
         }
+
+    def _per_wave(self, name: str):
+        """A per-wave aggregate (`COLLECTIVE_WAVE_SPAN_FIELDS`) on every stat row."""
+        key = ("wave", name)
+        if key not in self._cache:
+            if self._cols is not None:
+                values = np.array(getattr(self._cols, name), np.int64)[self._wave_index]
+            else:
+                values = np.fromiter((getattr(cw, name) for cw, _ in self.rows), np.int64, self.n)
+            self._cache[key] = values
+        return self._cache[key]
 
     def _stat(self, name: str):
         if name not in self._cache and self._cols is not None:
@@ -153,6 +166,8 @@ class CollectiveTable:
             stat = key.removeprefix(schema.attr("collective."))
             if stat != key and stat in schema.COLLECTIVE_STAT_FIELDS:
                 return self._stat(stat), True
+            if stat != key and stat in COLLECTIVE_WAVE_SPAN_FIELDS:
+                return self._per_wave(stat), True
             if key == schema.ATTR_WAVE:
                 return self.waves, True
             if key in self._constants:

@@ -399,6 +399,7 @@ def test_collective_tables_agree_with_the_span_builder(conn):
               ["name", "duration", ".tp", ".dp", ".pp", ".wave", ".run", ".engine", ".op",
                ".group", ".bytes", ".calls", ".host_ns", ".max_host_ns", ".first_seq",
                ".last_seq", ".device_ns", ".replayed", ".backend", ".dtype", ".num_reqs",
+               ".wait_ns", ".injected_delay_ns", ".slow_calls_dropped",
                "resource.host.name", "resource.service.name"]]  # fmt: skip
     checked = 0
     blocks = {
