@@ -149,7 +149,10 @@ CREATE INDEX IF NOT EXISTS slow_calls_start ON slow_calls (start_ns);
 """
 # columns added to block tables after their first release: (table, column, type). A store
 # written before has them added (NULL in its old rows: readers decode such a block), and the
-# per-rank time indexes the block readers walk are created after them.
+# per-rank time indexes the block readers walk are created after them. The indexes cover what
+# the walks and the range queries read (a block's bounds, slowest span, histograms), so
+# neither touches the table's pages, which hold the large `columns` blobs: about 190 bytes
+# per block of 256 waves (bench/README.md, `query.py`).
 _ADDED_COLUMNS = (
     ("wave_blocks", "rank_hist", "BLOB"),
     ("wave_blocks", "execute_hist", "BLOB"),
@@ -158,8 +161,10 @@ _ADDED_COLUMNS = (
     ("collective_blocks", "max_host_ns", "INTEGER"),
 )
 _BLOCK_INDEXES = """
-CREATE INDEX IF NOT EXISTS wave_blocks_rank_start ON wave_blocks (rank, start_ns);
-CREATE INDEX IF NOT EXISTS collective_blocks_rank_start ON collective_blocks (rank, start_ns);
+CREATE INDEX IF NOT EXISTS wave_blocks_by_rank_time ON wave_blocks (rank, start_ns, end_ns,
+    first_wave, last_wave, max_step_ns, rank_hist, execute_hist, sample_hist);
+CREATE INDEX IF NOT EXISTS collective_blocks_by_rank_time ON collective_blocks (rank, start_ns,
+    end_ns, first_wave, last_wave, max_host_ns);
 """
 # (table, time column) pairs retention deletes from, in time buckets
 _RETAINED = (
@@ -845,6 +850,16 @@ def blocks_by_wave(
                 return
             continue
         yield block
+
+
+def blocks_by_rowid(conn: sqlite3.Connection, table: str, rowids: Sequence[int]) -> list[BlockRow]:
+    """The blocks with these row ids (as another reader listed them)."""
+    select = _block_select(table)
+    return [
+        BlockRow(table, *row)
+        for rowid in rowids
+        for row in conn.execute(f"{select} WHERE rowid = ?", (rowid,))
+    ]
 
 
 def block_blob(conn: sqlite3.Connection, block: BlockRow) -> bytes:

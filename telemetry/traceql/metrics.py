@@ -297,6 +297,7 @@ def _scan_fast(
         rank = finder.ranks[rank_id]
         kinds = [k for k in WAVE_KINDS if k in plan.kinds[rank_id]]
         read: dict[str, set[int]] = {}  # kind -> rowids answered from histograms
+        starting: set[int] = set()  # rowids of the blocks that start in the range
         for kind in kinds:
             labels = _summary_labels(plan, collector.metric, kind, rank) if summaries else None
             if labels is None:
@@ -311,9 +312,19 @@ def _scan_fast(
             rows = np.flatnonzero(whole)
             collector.add_histograms(labels, first_step[rows], [found.blobs[i] for i in rows])
             read[kind] = set(found.rowid[rows].tolist())
-        for block in store.blocks_by_time(
-            conn, store.WAVE_BLOCKS, (rank_id,), lo, hi - 1, min_ns=plan.min_step_ns
-        ):
+            starting |= set(found.rowid.tolist())
+        if read and len(read) == len(kinds):
+            # every kind from histograms: decode only the blocks starting in the range that
+            # one did not cover (across a step or the range's end, no histogram), and those
+            # that began before the range
+            wanted = set().union(*(starting - r for r in read.values()))
+            blocks = list(store.blocks_by_time(conn, store.WAVE_BLOCKS, (rank_id,), lo, lo - 1))
+            blocks += store.blocks_by_rowid(conn, store.WAVE_BLOCKS, sorted(wanted))
+        else:
+            blocks = store.blocks_by_time(
+                conn, store.WAVE_BLOCKS, (rank_id,), lo, hi - 1, min_ns=plan.min_step_ns
+            )
+        for block in blocks:
             left = [k for k in kinds if block.rowid not in read.get(k, ())]
             if not left:
                 continue

@@ -166,13 +166,11 @@ class CandidatePass:
         blocks = store.blocks_by_time(
             self.conn, store.WAVE_BLOCKS, list(wanted), lo, hi, min_ns=min_step
         )
+        if error_only:  # only blocks whose waves raised an incident: one look-up per rank
+            blocks = self._with_errors(list(blocks))
         for block in blocks:
             rank_id = block.rank
             rank = self.ranks[rank_id]
-            if error_only and not error_waves(
-                self.conn, rank, "wave", block.first_wave, block.last_wave
-            ):
-                continue  # no incident in the block's waves: none of its spans is an error
             cols = store.block_columns(self.conn, block)
             self.blocks_read += 1
             for kind in WAVE_KINDS:
@@ -189,6 +187,23 @@ class CandidatePass:
                     if len(rows):
                         waves = table.array("wave")[rows]
                         self.sets[id(plan.leaf)].add(self.keys[rank_id], waves, table.start[rows])
+
+    def _with_errors(self, blocks: list) -> list:
+        by_rank: dict[int, list] = {}
+        for block in blocks:
+            by_rank.setdefault(block.rank, []).append(block)
+        out = []
+        for rank_id, own in by_rank.items():
+            first = min(b.first_wave for b in own)
+            last = max(b.last_wave for b in own)
+            bad = np.array(sorted(error_waves(self.conn, self.ranks[rank_id], "wave", first, last)))
+            if not len(bad):
+                continue
+            for b in own:  # a wave with an incident in the block's wave range
+                i = np.searchsorted(bad, b.first_wave)
+                if i < len(bad) and bad[i] <= b.last_wave:
+                    out.append(b)
+        return out
 
     def _add_spans(self, spans: list[Span], plans: Iterable[LeafPlan], lo: int, hi: int) -> None:
         spans = [s for s in spans if lo <= s.start_ns < hi]

@@ -186,6 +186,13 @@ def test_range_queries_read_block_histograms_for_whole_blocks(conn, monkeypatch)
             assert (t - base) % step == 0
     counts = metrics_range(conn, '{ name = "rank" } | count_over_time() by (.tp)', START, END, step)
     assert [sum(v for _, v in s.samples) for s in counts] == [WAVES, WAVES]
+    # a range that starts and ends inside blocks: those are decoded, counts stay exact
+    lo, hi = _start(6) + STEP_NS // 2, _start(WAVES - 5) + STEP_NS // 2
+    q = '{ name = "execute_model" } | count_over_time() by (.tp)'
+    for got, want in zip(metrics_range(conn, q, lo, hi, step),
+                         metrics_range(conn, q, lo, hi, step, summaries=False), strict=True):  # fmt: skip
+        assert got == want
+        assert sum(v for _, v in got.samples) == WAVES - 11
 
 
 def test_a_store_written_before_the_block_summaries_is_brought_up_and_read(tmp_path, path):
