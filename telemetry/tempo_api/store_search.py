@@ -186,7 +186,12 @@ def _match(spans, trace_id, wanted, min_ns, max_ns, spss) -> Hit | None:
     res = otlp.resources(spans)
     matched: list[tuple[Span, dict[str, Any]]] = []
     for span in spans:
-        seen = {**res[otlp.rank_key(span)], **span.attributes, "name": span.name, "status": "unset"}
+        seen = {
+            **res[otlp.rank_key(span)],
+            **span.attributes,
+            "name": span.name,
+            "status": span.status,
+        }
         if min_ns is not None and span.duration_ns < min_ns:
             continue
         if max_ns is not None and span.duration_ns > max_ns:
