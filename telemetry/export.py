@@ -34,7 +34,16 @@ from prometheus_client import CollectorRegistry, Counter
 
 from telemetry.collective_columns import columns_of, to_waves
 from telemetry.pipeline import STAGE_EXPORT, Drops, Item
-from telemetry.spans import Span, collective_spans, incident_span, rank_end_ns, wave_spans
+from telemetry.spans import (
+    STATUS_ERROR,
+    Span,
+    collective_spans,
+    incident_span,
+    mark_errors,
+    rank_end_ns,
+    slow_call_spans,
+    wave_spans,
+)
 from telemetry.store import RankRow
 
 log = structlog.get_logger("ascend_guard.export")
@@ -94,6 +103,8 @@ def to_otlp(span: Span) -> trace_pb2.Span:
     )
     if span.parent_id is not None:
         out.parent_span_id = span.parent_id.to_bytes(8, "big")
+    if span.status == STATUS_ERROR:
+        out.status.code = trace_pb2.Status.STATUS_CODE_ERROR
     for event in span.events:
         out.events.add(
             name=event["name"],
@@ -241,6 +252,8 @@ class OtlpExporter:
             keep_waves.update(w for w in coll.wave if (run_id, w) in marked)
             for cw in to_waves(coll, keep_waves):
                 spans += collective_spans(rank, cw)
+                spans += slow_call_spans(rank, cw)
+        mark_errors(spans)
         if kept:
             self.decisions.labels("exported").inc(kept)
         if sampled_out:

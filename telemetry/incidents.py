@@ -123,9 +123,8 @@ class IncidentLedger:
         """Record an incident once; False when this id was seen before."""
         run_id = rank.run_id if rank is not None else ""
         dp = rank.dp_rank if rank is not None else 0
-        trace_id = (
-            format_trace_id(wave_trace_id(run_id, incident.wave, dp)) if incident.wave else ""
-        )
+        # an incident not tied to a wave (wave 0) is in its run's wave-0 trace (telemetry/spans.py)
+        trace_id = format_trace_id(wave_trace_id(run_id, incident.wave, dp))
         row = (
             incident.id, incident.schema_version, incident.type, incident.severity,
             rank.run_id if rank is not None else "", engine,

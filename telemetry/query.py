@@ -19,7 +19,15 @@ import numpy as np
 
 from telemetry import store
 from telemetry.incidents import incidents_of_wave
-from telemetry.spans import Span, collective_spans, incident_span, is_root_rank, wave_spans
+from telemetry.spans import (
+    Span,
+    collective_spans,
+    incident_span,
+    is_root_rank,
+    mark_errors,
+    slow_call_spans,
+    wave_spans,
+)
 from telemetry.traces import format_trace_id, split_trace_id
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ns|us|µs|ms|s|m|h|d)\s*$")
@@ -210,15 +218,16 @@ def load_trace(conn: sqlite3.Connection, trace_id: str) -> list[Span]:
                     spans += wave_spans(rank, cols, i)
         for cw in store.collective_waves(conn, rank.id, wave):
             spans += collective_spans(rank, cw)
+            spans += slow_call_spans(rank, cw)
     seen = set()
     for run_id in runs or {""}:
         for row in incidents_of_wave(conn, run_id, wave):
-            if row["trace_id"] == text and row["id"] not in seen:
+            if row["id"] not in seen:
                 seen.add(row["id"])
                 spans.append(incident_span(row))
     spans = [s for s in spans if format_trace_id(s.trace_id) == text]
     spans.sort(key=lambda s: (s.start_ns, s.name))
-    return spans
+    return mark_errors(spans)
 
 
 def span_tree(spans: list) -> list[tuple[int, Span]]:

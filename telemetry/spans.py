@@ -4,6 +4,12 @@ Nothing stores spans. `ascend-guard trace` and `query` read wave blocks, collect
 incidents from the store and call the functions here; the OTLP exporter calls the same
 functions on the same rows (a batch's columns, before or after they reach the store), so both
 produce the same spans with the same ids (telemetry/traces.py).
+
+Span status: an incident span has status "error", and so do the rank span it hangs under and
+its wave's root (`mark_errors`, applied where a whole trace is put together); every other span
+is "unset". Span names: `wave`, `rank`, `execute_model`, `sample_tokens`, `collective:<op>` (a
+rank's calls of one (op, group) in one wave, aggregated), `slow_call:<op>` (one call the worker
+recorded as slow, under its (op, group)'s collective span), `incident:<type>`.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ from telemetry.traces import (
     wave_trace_id,
 )
 
+STATUS_UNSET = "unset"
+STATUS_ERROR = "error"
+SLOW_CALL_PREFIX = "slow_call:"
+
 
 @dataclasses.dataclass
 class Span:
@@ -44,6 +54,7 @@ class Span:
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     # span links: {"trace_id": int, "span_id": int, "attributes": {...}} (request traces)
     links: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    status: str = STATUS_UNSET  # STATUS_ERROR: an incident, or a rank / wave that raised one
 
     @property
     def duration_ns(self) -> int:
@@ -168,6 +179,11 @@ def _value(cols: guard_pb2.WaveColumns, field: str, i: int):
     return getattr(cols, field)[i]
 
 
+# per-wave collective aggregates each collective span carries (`ascend_guard.collective.<f>`):
+# how long the rank waited in its collectives that wave, the fire drill's delay, calls dropped
+COLLECTIVE_WAVE_SPAN_FIELDS = ("wait_ns", "injected_delay_ns", "slow_calls_dropped")
+
+
 def collective_spans(rank: RankRow, cw: guard_pb2.CollectiveWave) -> list[Span]:
     """One span per (op, group) the rank ran in the wave, under its rank span. The calls of one
     wave are aggregated on the worker: the span starts at the wave's first collective and
@@ -190,6 +206,8 @@ def collective_spans(rank: RankRow, cw: guard_pb2.CollectiveWave) -> list[Span]:
                 schema.attr(f"collective.{f}"): getattr(stat, f)
                 for f in schema.COLLECTIVE_STAT_FIELDS
             },
+            # the rank's wave as a whole, on each of its (op, group) spans
+            **{schema.attr(f"collective.{f}"): getattr(cw, f) for f in COLLECTIVE_WAVE_SPAN_FIELDS},
         }
         span_id = phase_span_id(run_id, wave, *where, f"collective/{stat.op}/{stat.group}")
         out.append(
@@ -208,6 +226,68 @@ def collective_spans(rank: RankRow, cw: guard_pb2.CollectiveWave) -> list[Span]:
             )
         )
     return out
+
+
+def slow_call_spans(rank: RankRow, cw: guard_pb2.CollectiveWave) -> list[Span]:
+    """One span per slow call the rank recorded in the wave (`slow_call:<op>`), under the
+    collective span of its (op, group): it lasts that one call's host time."""
+    run_id, wave = rank.run_id, cw.wave
+    trace_id = wave_trace_id(run_id, wave, rank.dp)
+    where = (rank.dp, rank.tp, rank.pp)
+    out = []
+    for call in cw.slow_calls:
+        out.append(slow_call_span(rank, trace_id, wave, call, where))
+    return out
+
+
+def slow_call_span(rank: RankRow, trace_id: int, wave: int, call, where: tuple) -> Span:
+    """The span of one slow call (`call` has CollectiveCall's fields: a message or a row)."""
+    run_id = rank.run_id
+    parent = phase_span_id(run_id, wave, *where, f"collective/{call.op}/{call.group}")
+    attrs = {
+        schema.ATTR_RUN: run_id,
+        schema.ATTR_ENGINE: rank.engine,
+        schema.ATTR_WAVE: wave,
+        schema.ATTR_DP: rank.dp,
+        schema.ATTR_TP: rank.tp,
+        schema.ATTR_PP: rank.pp,
+        **{schema.attr(f"collective.{f}"): getattr(call, f) for f in SLOW_CALL_FIELDS},
+    }
+    return Span(
+        trace_id,
+        slow_call_span_id(run_id, wave, where, call.op, call.group, call.seq),
+        parent,
+        f"{SLOW_CALL_PREFIX}{call.op}",
+        call.start_unix_nano,
+        call.start_unix_nano + call.host_ns,
+        run_id,
+        rank.engine,
+        wave,
+        *where,
+        attributes=attrs,
+    )
+
+
+def slow_call_span_id(run_id: str, wave: int, where: tuple, op: str, group: str, seq: int) -> int:
+    """The span id of one slow call; `where` is (dp, tp, pp)."""
+    return phase_span_id(run_id, wave, *where, f"slow_call/{op}/{group}/{seq}")
+
+
+# a slow call's attributes (as `ascend_guard.collective.<field>`); its time is the span's own
+SLOW_CALL_FIELDS = ("op", "group", "backend", "dtype", "seq", "bytes")
+
+
+def mark_errors(spans: list[Span]) -> list[Span]:
+    """Give the rank span an incident hangs under, and its wave root, status error (in place;
+    the incident spans have it already)."""
+    parents = {s.parent_id for s in spans if s.status == STATUS_ERROR and s.parent_id}
+    if not parents:
+        return spans
+    traces = {s.trace_id for s in spans if s.status == STATUS_ERROR}
+    for span in spans:
+        if span.span_id in parents or (span.parent_id is None and span.trace_id in traces):
+            span.status = STATUS_ERROR
+    return spans
 
 
 def incident_span(row) -> Span:
@@ -258,4 +338,5 @@ def incident_span(row) -> Span:
         *dims,
         attributes=attrs,
         events=[{"name": "incident", "time_ns": at, "attributes": event}],
+        status=STATUS_ERROR,
     )

@@ -53,7 +53,7 @@ import struct
 import threading
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +62,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from telemetry import block_summary
 from telemetry.collective_columns import columns_of, to_waves
 from telemetry.pipeline import STAGE_STORE, Item
 from telemetry.proto import guard_pb2
@@ -113,6 +114,9 @@ CREATE TABLE IF NOT EXISTS wave_blocks (
     waves       INTEGER NOT NULL,
     max_step_ns INTEGER NOT NULL,
     columns     BLOB NOT NULL,
+    rank_hist    BLOB,
+    execute_hist BLOB,
+    sample_hist  BLOB,
     UNIQUE (rank, first_wave)
 );
 CREATE INDEX IF NOT EXISTS wave_blocks_start ON wave_blocks (start_ns);
@@ -123,6 +127,8 @@ CREATE TABLE IF NOT EXISTS collective_blocks (
     start_ns    INTEGER NOT NULL,
     waves       INTEGER NOT NULL,
     columns     BLOB NOT NULL,
+    end_ns      INTEGER,
+    max_host_ns INTEGER,
     UNIQUE (rank, first_wave)
 );
 CREATE INDEX IF NOT EXISTS collective_blocks_start ON collective_blocks (start_ns);
@@ -140,6 +146,25 @@ CREATE TABLE IF NOT EXISTS slow_calls (
     PRIMARY KEY (rank, group_name, seq)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS slow_calls_start ON slow_calls (start_ns);
+"""
+# columns added to block tables after their first release: (table, column, type). A store
+# written before has them added (NULL in its old rows: readers decode such a block), and the
+# per-rank time indexes the block readers walk are created after them. The indexes cover what
+# the walks and the range queries read (a block's bounds, slowest span, histograms), so
+# neither touches the table's pages, which hold the large `columns` blobs: about 190 bytes
+# per block of 256 waves (bench/README.md, `query.py`).
+_ADDED_COLUMNS = (
+    ("wave_blocks", "rank_hist", "BLOB"),
+    ("wave_blocks", "execute_hist", "BLOB"),
+    ("wave_blocks", "sample_hist", "BLOB"),
+    ("collective_blocks", "end_ns", "INTEGER"),
+    ("collective_blocks", "max_host_ns", "INTEGER"),
+)
+_BLOCK_INDEXES = """
+CREATE INDEX IF NOT EXISTS wave_blocks_by_rank_time ON wave_blocks (rank, start_ns, end_ns,
+    first_wave, last_wave, max_step_ns, rank_hist, execute_hist, sample_hist);
+CREATE INDEX IF NOT EXISTS collective_blocks_by_rank_time ON collective_blocks (rank, start_ns,
+    end_ns, first_wave, last_wave, max_host_ns);
 """
 # (table, time column) pairs retention deletes from, in time buckets
 _RETAINED = (
@@ -260,8 +285,18 @@ def connect(path: str | os.PathLike, *, readonly: bool = False) -> sqlite3.Conne
         from telemetry import request_store  # its tables (request traces) live here too
 
         conn.executescript(request_store.SCHEMA)
+        _add_block_columns(conn)
     conn.row_factory = sqlite3.Row
     return conn
+
+
+def _add_block_columns(conn: sqlite3.Connection) -> None:
+    """Bring a store written by an earlier version up to the block schema (writer only)."""
+    for table, column, kind in _ADDED_COLUMNS:
+        present = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if column not in present:
+            conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+    conn.executescript(_BLOCK_INDEXES)
 
 
 def failure_reason(exc: BaseException) -> str:
@@ -358,6 +393,8 @@ def collective_block_row(rank_id: int, cols: guard_pb2.CollectiveColumns) -> tup
     arrivals = np.array(cols.first_arrival_unix_nano, dtype=np.int64)
     arrivals = arrivals[arrivals > 0]
     start = int(arrivals.min()) if arrivals.size else time.time_ns()
+    end = int(arrivals.max()) if arrivals.size else start
+    host = cols.stats.host_ns
     return (
         rank_id,
         int(numbers.min()),
@@ -365,6 +402,8 @@ def collective_block_row(rank_id: int, cols: guard_pb2.CollectiveColumns) -> tup
         start,
         len(numbers),
         encode_collectives(cols),
+        end,
+        max(host) if len(host) else 0,
     )
 
 
@@ -379,9 +418,8 @@ def wave_block_row(rank_id: int, cols: guard_pb2.WaveColumns) -> tuple:
         + np.fromiter(cols.sample_offset_ns, np.int64, n)
         + np.fromiter(cols.sample_ns, np.int64, n)
     )
-    ends = np.where(
-        np.fromiter(cols.sampled, bool, n), np.maximum(execute_end, sample_end), execute_end
-    )
+    sampled = np.fromiter(cols.sampled, bool, n)
+    ends = np.where(sampled, np.maximum(execute_end, sample_end), execute_end)
     waves = cols.wave
     return (
         rank_id,
@@ -392,7 +430,20 @@ def wave_block_row(rank_id: int, cols: guard_pb2.WaveColumns) -> tuple:
         n,
         int((ends - starts).max()),
         encode_waves(cols),
+        block_summary.encode(ends - starts),
+        block_summary.encode(execute_end - starts),
+        block_summary.encode(np.fromiter(cols.sample_ns, np.int64, n)[sampled]),
     )
+
+
+_INSERT_WAVE_BLOCK = (
+    "INSERT OR IGNORE INTO wave_blocks (rank, first_wave, last_wave, start_ns, end_ns, waves, "
+    "max_step_ns, columns, rank_hist, execute_hist, sample_hist) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+)
+_INSERT_COLLECTIVE_BLOCK = (
+    "INSERT OR IGNORE INTO collective_blocks (rank, first_wave, last_wave, start_ns, waves, "
+    "columns, end_ns, max_host_ns) VALUES (?,?,?,?,?,?,?,?)"
+)
 
 
 class Store:
@@ -516,15 +567,11 @@ class Store:
             conn = self._conn
             with conn:
                 for row in wave_rows:  # one block per batch: a few rows per write
-                    if conn.execute(
-                        "INSERT OR IGNORE INTO wave_blocks VALUES (?,?,?,?,?,?,?,?)", row
-                    ).rowcount:
+                    if conn.execute(_INSERT_WAVE_BLOCK, row).rowcount:
                         self.stored_waves += row[5]
                     else:
                         self.ignored_waves += row[5]
-                conn.executemany(
-                    "INSERT OR IGNORE INTO collective_blocks VALUES (?,?,?,?,?,?)", coll_rows
-                )
+                conn.executemany(_INSERT_COLLECTIVE_BLOCK, coll_rows)
                 conn.executemany(
                     "INSERT OR IGNORE INTO slow_calls VALUES (?,?,?,?,?,?,?,?,?,?)", slow_rows
                 )
@@ -722,6 +769,125 @@ def ranks_of_trace_key(conn: sqlite3.Connection, trace_key: int) -> list[RankRow
     return ranks(conn, "ranks.trace_key = ?", (_signed(trace_key),))
 
 
+# -- block readers: the one way to find a rank's blocks -----------------------------------------
+# A rank's blocks hold consecutive waves, so they follow each other in wave and in time. The
+# readers walk a rank's blocks back from the newest that can matter, down the (rank, first_wave)
+# key or the (rank, start_ns) index, and stop once blocks end before the range: a filter like
+# `last_wave >= ?` or `end_ns >= ?` would read every older block of the rank (neither is
+# indexed). Blocks overlap only where a batch was cut differently and sent again, so the walk
+# stops after OVERLAP_LOOKBACK blocks in a row that end before the range.
+WAVE_BLOCKS = "wave_blocks"
+COLLECTIVE_BLOCKS = "collective_blocks"
+OVERLAP_LOOKBACK = 8
+# per table: its block-wide slowest span (NULL in collective blocks stored before the column)
+_MAX_COLUMN = {WAVE_BLOCKS: "max_step_ns", COLLECTIVE_BLOCKS: "max_host_ns"}
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockRow:
+    """A stored block's typed columns (no blob). `end_ns`: the latest span end in a wave block,
+    the latest collective start in a collective block (None where not stored); `max_ns`: the
+    longest rank span (wave block) or collective (op, group) host time (None: not stored)."""
+
+    table: str
+    rowid: int
+    rank: int
+    first_wave: int
+    last_wave: int
+    start_ns: int
+    end_ns: int | None
+    max_ns: int | None
+
+
+def _block_select(table: str) -> str:
+    return (
+        f"SELECT rowid, rank, first_wave, last_wave, start_ns, end_ns, {_MAX_COLUMN[table]} "
+        f"FROM {table}"
+    )
+
+
+def blocks_by_time(
+    conn: sqlite3.Connection,
+    table: str,
+    rank_ids: Iterable[int],
+    lo: int | None,
+    hi: int | None,
+    *,
+    min_ns: int | None = None,
+) -> Iterator[BlockRow]:
+    """The blocks of these ranks that may hold spans in [lo, hi] (None: open), newest first
+    per rank; with `min_ns`, only those whose slowest span (`max_ns`) may reach it."""
+    select = _block_select(table)
+    for rank_id in rank_ids:
+        if hi is None:
+            rows = conn.execute(f"{select} WHERE rank = ? ORDER BY start_ns DESC", (rank_id,))
+        else:
+            rows = conn.execute(
+                f"{select} WHERE rank = ? AND start_ns <= ? ORDER BY start_ns DESC",
+                (rank_id, hi),
+            )
+        before = 0
+        for row in rows:
+            block = BlockRow(table, *row)
+            # a block without end_ns reaches at most to the start of the one after it
+            end = block.end_ns if block.end_ns is not None else None
+            if lo is not None and (end if end is not None else block.start_ns) < lo:
+                if end is None and not before:
+                    yield from _kept(block, min_ns)  # it may still hold spans after lo
+                before += 1
+                if before >= OVERLAP_LOOKBACK:
+                    break
+                continue
+            yield from _kept(block, min_ns)
+
+
+def _kept(block: BlockRow, min_ns: int | None) -> Iterator[BlockRow]:
+    if min_ns is None or block.max_ns is None or block.max_ns >= min_ns:
+        yield block
+
+
+def blocks_by_wave(
+    conn: sqlite3.Connection, table: str, rank_id: int, first_wave: int, last_wave: int
+) -> Iterator[BlockRow]:
+    """The blocks of one rank that hold waves in [first_wave, last_wave], newest first."""
+    rows = conn.execute(
+        f"{_block_select(table)} WHERE rank = ? AND first_wave <= ? ORDER BY first_wave DESC",
+        (rank_id, last_wave),
+    )
+    before = 0
+    for row in rows:
+        block = BlockRow(table, *row)
+        if block.last_wave < first_wave:
+            before += 1
+            if before >= OVERLAP_LOOKBACK:
+                return
+            continue
+        yield block
+
+
+def blocks_by_rowid(conn: sqlite3.Connection, table: str, rowids: Sequence[int]) -> list[BlockRow]:
+    """The blocks with these row ids (as another reader listed them)."""
+    select = _block_select(table)
+    return [
+        BlockRow(table, *row)
+        for rowid in rowids
+        for row in conn.execute(f"{select} WHERE rowid = ?", (rowid,))
+    ]
+
+
+def block_blob(conn: sqlite3.Connection, block: BlockRow) -> bytes:
+    (blob,) = conn.execute(
+        f"SELECT columns FROM {block.table} WHERE rowid = ?", (block.rowid,)
+    ).fetchone()
+    return blob
+
+
+def block_columns(conn: sqlite3.Connection, block: BlockRow):
+    """A block's decoded columns: `WaveColumns` or `CollectiveColumns` by its table."""
+    blob = block_blob(conn, block)
+    return decode_waves(blob) if block.table == WAVE_BLOCKS else decode_collectives(blob)
+
+
 def wave_blocks(
     conn: sqlite3.Connection,
     rank_ids: Sequence[int],
@@ -732,37 +898,78 @@ def wave_blocks(
     wave: int | None = None,
 ) -> Iterator[tuple[int, guard_pb2.WaveColumns]]:
     """(rank id, columns) of the blocks that may hold matching waves."""
-    if not rank_ids:
-        return
-    where = [f"rank IN ({','.join('?' * len(rank_ids))})"]
-    params: list = list(rank_ids)
-    if since_ns is not None:
-        where.append("end_ns >= ?")
-        params.append(since_ns)
-    if until_ns is not None:
-        where.append("start_ns <= ?")
-        params.append(until_ns)
-    if min_step_ns is not None:
-        where.append("max_step_ns >= ?")
-        params.append(min_step_ns)
-    if wave is not None:
-        where.append("first_wave <= ? AND last_wave >= ?")
-        params += [wave, wave]
-    sql = f"SELECT rank, columns FROM wave_blocks WHERE {' AND '.join(where)}"
-    for rank_id, blob in conn.execute(sql, params):
-        yield rank_id, decode_waves(blob)
+    for rank_id in rank_ids:
+        if wave is not None:
+            found = blocks_by_wave(conn, WAVE_BLOCKS, rank_id, wave, wave)
+        else:
+            found = blocks_by_time(
+                conn, WAVE_BLOCKS, (rank_id,), since_ns, until_ns, min_ns=min_step_ns
+            )
+        for block in found:
+            if wave is not None and not (
+                (since_ns is None or (block.end_ns or 0) >= since_ns)
+                and (until_ns is None or block.start_ns <= until_ns)
+                and (min_step_ns is None or block.max_ns >= min_step_ns)
+            ):
+                continue
+            yield rank_id, decode_waves(block_blob(conn, block))
+
+
+def wave_range(
+    conn: sqlite3.Connection, rank_id: int, since_ns: int, until_ns: int
+) -> tuple[int, int] | None:
+    """The waves a rank ran in [since, until] by its blocks' own bounds (no block decoded)."""
+    blocks = list(blocks_by_time(conn, WAVE_BLOCKS, (rank_id,), since_ns, until_ns))
+    if not blocks:
+        return None
+    return min(b.first_wave for b in blocks), max(b.last_wave for b in blocks)
+
+
+def time_bounds(
+    conn: sqlite3.Connection, rank_ids: Iterable[int], table: str = WAVE_BLOCKS
+) -> tuple[int, int] | None:
+    """(earliest block start, latest block end) of these ranks, from each rank's ends of the
+    (rank, start_ns) index."""
+    lows, highs = [], []
+    for rank_id in rank_ids:
+        (low,) = conn.execute(
+            f"SELECT MIN(start_ns) FROM {table} WHERE rank = ?", (rank_id,)
+        ).fetchone()
+        if low is None:
+            continue
+        lows.append(low)
+        newest = next(blocks_by_time(conn, table, (rank_id,), None, None))
+        recent = [newest.end_ns or newest.start_ns]
+        recent += [
+            b.end_ns or b.start_ns
+            for b in blocks_by_time(conn, table, (rank_id,), newest.start_ns, None)
+        ]
+        highs.append(max(recent))
+    if not lows:
+        return None
+    return min(lows), max(highs)
+
+
+def time_of_waves(
+    conn: sqlite3.Connection, rank_ids: Iterable[int], first_wave: int, last_wave: int
+) -> tuple[int, int] | None:
+    """(earliest start, latest end) of the ranks' blocks that hold waves first..last."""
+    blocks = [
+        b
+        for rank_id in rank_ids
+        for b in blocks_by_wave(conn, WAVE_BLOCKS, rank_id, first_wave, last_wave)
+    ]
+    if not blocks:
+        return None
+    return min(b.start_ns for b in blocks), max(b.end_ns for b in blocks)
 
 
 def collective_blocks(
     conn: sqlite3.Connection, rank_id: int, first_wave: int, last_wave: int
 ) -> Iterator[guard_pb2.CollectiveColumns]:
     """The collective columns of one rank's blocks that hold waves in [first, last]."""
-    for (blob,) in conn.execute(
-        "SELECT columns FROM collective_blocks WHERE rank = ? AND first_wave <= ? "
-        "AND last_wave >= ?",
-        (rank_id, last_wave, first_wave),
-    ):
-        yield decode_collectives(blob)
+    for block in blocks_by_wave(conn, COLLECTIVE_BLOCKS, rank_id, first_wave, last_wave):
+        yield decode_collectives(block_blob(conn, block))
 
 
 def collective_waves(
@@ -774,6 +981,85 @@ def collective_waves(
     for cols in collective_blocks(conn, rank_id, wave, wave):
         out += to_waves(cols, (wave,))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class SlowCallRow:
+    """One `slow_calls` row (CollectiveCall's fields, plus its rank and wave)."""
+
+    rank: int
+    group: str
+    seq: int
+    wave: int
+    op: str
+    backend: str
+    dtype: str
+    bytes: int
+    start_unix_nano: int
+    host_ns: int
+
+
+def slow_calls_in(
+    conn: sqlite3.Connection, rank_ids: Sequence[int], lo: int, hi: int
+) -> list[SlowCallRow]:
+    """The slow calls of these ranks that started in [lo, hi] (down the start_ns index)."""
+    if not rank_ids:
+        return []
+    rows = conn.execute(
+        "SELECT rank, group_name, seq, wave, op, backend, dtype, bytes, start_ns, host_ns "
+        f"FROM slow_calls WHERE start_ns >= ? AND start_ns <= ? "
+        f"AND rank IN ({','.join('?' * len(rank_ids))})",
+        (lo, hi, *rank_ids),
+    )
+    return [SlowCallRow(*row) for row in rows]
+
+
+# -- block summaries (telemetry/block_summary.py) -------------------------------------------
+HIST_COLUMNS = {
+    "rank": "rank_hist",
+    "execute_model": "execute_hist",
+    "sample_tokens": "sample_hist",
+}
+
+
+@dataclasses.dataclass
+class BlockHistograms:
+    """One phase's stored histograms of the blocks that start in a window, as columns."""
+
+    rowid: np.ndarray
+    rank: np.ndarray
+    start_ns: np.ndarray
+    end_ns: np.ndarray
+    blobs: list  # bytes, or None where the block has no histogram
+
+
+def wave_histograms(
+    conn: sqlite3.Connection, rank_ids: Iterable[int], phase: str, lo: int, hi: int
+) -> BlockHistograms:
+    """The `phase` histograms ("rank", "execute_model", "sample_tokens") of the ranks' wave
+    blocks whose first span starts in [lo, hi); no block is decoded."""
+    column = HIST_COLUMNS[phase]
+    rows: list = []
+    for rank_id in rank_ids:
+        rows += conn.execute(
+            f"SELECT rowid, rank, start_ns, end_ns, {column} FROM wave_blocks "
+            "WHERE rank = ? AND start_ns >= ? AND start_ns < ?",
+            (rank_id, lo, hi),
+        ).fetchall()
+    n = len(rows)
+    columns = list(zip(*rows, strict=True)) if rows else [()] * 5
+    return BlockHistograms(
+        np.fromiter(columns[0], np.int64, n),
+        np.fromiter(columns[1], np.int64, n),
+        np.fromiter(columns[2], np.int64, n),
+        np.fromiter(columns[3], np.int64, n),
+        list(columns[4]),
+    )
+
+
+def wave_block_by_rowid(conn: sqlite3.Connection, rowid: int) -> guard_pb2.WaveColumns:
+    (blob,) = conn.execute("SELECT columns FROM wave_blocks WHERE rowid = ?", (rowid,)).fetchone()
+    return decode_waves(blob)
 
 
 def count_waves(conn: sqlite3.Connection) -> int:

@@ -51,8 +51,15 @@ from typing import Any
 from telemetry import build_info, schema, store
 from telemetry.collective_columns import to_waves
 from telemetry.query import QueryError
-from telemetry.spans import Span, collective_spans, incident_span, wave_spans
+from telemetry.spans import (
+    Span,
+    collective_spans,
+    incident_span,
+    slow_call_span_id,
+    wave_spans,
+)
 from telemetry.store import RankRow
+from telemetry.traces import format_span_id
 
 DEFAULT_MIN_WAIT_NS = 1_000_000  # below 1 ms the wait is scheduling noise, not a straggler
 DEFAULT_MAX_RANK_WAVES = 20_000  # ~30 MB of JSON, ~3 s (bench/timeline.py); viewers slow beyond
@@ -177,19 +184,6 @@ def _ranks(conn: sqlite3.Connection, query: TimelineQuery) -> dict[int, RankRow]
     return {r.id: r for r in store.ranks(conn, " AND ".join(where), params)}
 
 
-def _time_of_wave_range(
-    conn: sqlite3.Connection, rank_ids: list[int], first: int, last: int
-) -> tuple[int, int] | None:
-    """The time span of the blocks that hold waves first..last (to prune blocks by time)."""
-    marks = ",".join("?" * len(rank_ids))
-    low, high = conn.execute(
-        f"SELECT MIN(start_ns), MAX(end_ns) FROM wave_blocks WHERE rank IN ({marks}) "
-        "AND last_wave >= ? AND first_wave <= ?",
-        (*rank_ids, first, last),
-    ).fetchone()
-    return None if low is None else (low, high)
-
-
 @dataclasses.dataclass
 class _RankWave:
     rank: RankRow
@@ -205,7 +199,7 @@ def _select(conn: sqlite3.Connection, query: TimelineQuery) -> tuple[list[_RankW
         return [], 0
     since, until = query.since_ns, query.until_ns
     if query.first_wave is not None:
-        window = _time_of_wave_range(conn, list(ranks), query.first_wave, query.last_wave)
+        window = store.time_of_waves(conn, list(ranks), query.first_wave, query.last_wave)
         if window is None:
             return [], 0
         since = window[0] if since is None else max(since, window[0])
@@ -325,7 +319,11 @@ def _rank_slices(pid: int, rw: _RankWave, coll: RankCollectives | None) -> list[
         )  # fmt: skip
     for call in coll.slow_calls:
         args = dataclasses.asdict(call)
-        args.update(wave=rw.wave, trace_id=rw.spans[0].trace_hex if rw.spans else "")
+        r = rw.rank
+        span_id = slow_call_span_id(r.run_id, rw.wave, (r.dp, r.tp, r.pp), call.op, call.group,
+                                    call.seq)  # fmt: skip
+        args.update(wave=rw.wave, trace_id=rw.spans[0].trace_hex if rw.spans else "",
+                    span_id=format_span_id(span_id))  # fmt: skip
         out.append(
             _Slice(pid, SLOW_TRACK, f"slow {call.op} {call.group} #{call.seq}", "slow_call",
                    call.start_ns, call.start_ns + call.host_ns, args)

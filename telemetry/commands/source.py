@@ -28,7 +28,7 @@ from typing import Any
 from telemetry import paths, schema
 from telemetry.http_client import Unreachable, add_token_argument, refusal_hint, token_of
 from telemetry.query import QueryError
-from telemetry.spans import Span
+from telemetry.spans import STATUS_ERROR, STATUS_UNSET, Span
 from telemetry.transport import TOKEN_HEADER
 
 SOURCES = ("auto", "api", "store")
@@ -203,6 +203,8 @@ def _attrs(key_values) -> dict[str, Any]:
 def spans_of_otlp(data) -> list[Span]:
     """The telemetry/spans.py `Span`s an OTLP `TracesData` holds (what tempo_api/otlp.py wrote),
     in start order."""
+    from opentelemetry.proto.trace.v1 import trace_pb2
+
     out = []
     for rs in data.resource_spans:
         for ss in rs.scope_spans:
@@ -233,6 +235,17 @@ def spans_of_otlp(data) -> list[Span]:
                             }
                             for e in s.events
                         ],
+                        links=[
+                            {
+                                "trace_id": int.from_bytes(link.trace_id, "big"),
+                                "span_id": int.from_bytes(link.span_id, "big"),
+                                "attributes": _attrs(link.attributes),
+                            }
+                            for link in s.links
+                        ],
+                        status=STATUS_ERROR
+                        if s.status.code == trace_pb2.Status.STATUS_CODE_ERROR
+                        else STATUS_UNSET,
                     )
                 )
     out.sort(key=lambda s: (s.start_ns, s.name))

@@ -14,7 +14,7 @@ import sqlite3
 import time
 from typing import Any
 
-from telemetry.spans import Span
+from telemetry.spans import STATUS_UNSET, Span
 from telemetry.tempo_api import params
 from telemetry.tempo_api.params import BadParameter
 
@@ -82,6 +82,15 @@ def span_json(span: Span) -> dict[str, Any]:
         "pp": span.pp,
         "attributes": span.attributes,
         "events": span.events,
+        "links": [
+            {
+                "traceID": _hex(link["trace_id"], 32),
+                "spanID": _hex(link["span_id"], 16),
+                "attributes": link.get("attributes", {}),
+            }
+            for link in span.links
+        ],
+        "status": span.status,
     }
 
 
@@ -101,4 +110,13 @@ def span_from_json(d: dict[str, Any]) -> Span:
         pp=d["pp"],
         attributes=d["attributes"],
         events=d["events"],
+        links=[
+            {
+                "trace_id": int(link["traceID"], 16),
+                "span_id": int(link["spanID"], 16),
+                "attributes": link.get("attributes", {}),
+            }
+            for link in d.get("links", [])
+        ],
+        status=d.get("status", STATUS_UNSET),
     )

@@ -143,13 +143,10 @@ def _windows(conn, ranks, start_ns, end_ns, min_ns, result) -> Iterator[list[tup
     walk starts at the newest stored wave, so a broad search reads one small window."""
     if not ranks:
         return
-    oldest, newest = conn.execute(
-        "SELECT MIN(start_ns), MAX(end_ns) FROM wave_blocks "
-        f"WHERE rank IN ({','.join('?' * len(ranks))})",
-        list(ranks),
-    ).fetchone()
-    if oldest is None:
+    bounds = store.time_bounds(conn, list(ranks))
+    if bounds is None:
         return
+    oldest, newest = bounds
     lo_bound = max(start_ns or 0, oldest)
     hi = min(end_ns, newest) if end_ns is not None else newest
     keys = {rank_id: wave_trace_key(r.run_id, r.dp) for rank_id, r in ranks.items()}
@@ -189,7 +186,12 @@ def _match(spans, trace_id, wanted, min_ns, max_ns, spss) -> Hit | None:
     res = otlp.resources(spans)
     matched: list[tuple[Span, dict[str, Any]]] = []
     for span in spans:
-        seen = {**res[otlp.rank_key(span)], **span.attributes, "name": span.name, "status": "unset"}
+        seen = {
+            **res[otlp.rank_key(span)],
+            **span.attributes,
+            "name": span.name,
+            "status": span.status,
+        }
         if min_ns is not None and span.duration_ns < min_ns:
             continue
         if max_ns is not None and span.duration_ns > max_ns:
@@ -214,11 +216,14 @@ def _window(start_ns: int | None, end_ns: int | None) -> tuple[int, int]:
 
 def _recent_ranks(conn, start_ns, end_ns) -> list[store.RankRow]:
     lo, hi = _window(start_ns, end_ns)
-    ids = {row[0] for row in conn.execute(
-        "SELECT rank FROM wave_blocks WHERE end_ns >= ? AND start_ns <= ? UNION "
-        "SELECT rank FROM collective_blocks WHERE start_ns >= ? AND start_ns <= ?",
-        (lo, hi, lo, hi))}  # fmt: skip
-    return [r for r in store.ranks(conn) if r.id in ids]
+    return [
+        r
+        for r in store.ranks(conn)
+        if any(
+            next(store.blocks_by_time(conn, table, (r.id,), lo, hi), None)
+            for table in (store.WAVE_BLOCKS, store.COLLECTIVE_BLOCKS)
+        )
+    ]
 
 
 def _collective_values(conn, ranks, start_ns, end_ns, field: str, blocks: int = 64) -> set:

@@ -12,7 +12,14 @@ import functools
 
 from telemetry import schema
 from telemetry.proto import guard_pb2
-from telemetry.spans import Span, collective_spans, incident_span, wave_spans
+from telemetry.spans import (
+    SLOW_CALL_PREFIX,
+    Span,
+    collective_spans,
+    incident_span,
+    slow_call_spans,
+    wave_spans,
+)
 from telemetry.store import RankRow
 
 # the OTLP exporter's resource (telemetry/export.py): what `resource.` fields see
@@ -29,7 +36,7 @@ ALIASES = {
     "ascend_guard.request": ATTR_REQUEST,  # request traces' spans (telemetry/request_store.py)
     "incident": schema.attr("incident_type"),
 }
-SPAN_STATUS = "unset"  # the exporter sets no span status
+SPAN_STATUS = "unset"  # every span but incidents and the rank / wave spans that raised one
 SPAN_KIND = "internal"  # ... and SPAN_KIND_INTERNAL on every span
 # span kinds as the planner tells them apart (by name, or by name prefix)
 COLLECTIVE_PREFIX = "collective:"
@@ -44,6 +51,7 @@ def _sample_spans() -> dict[str, list[Span]]:
         getattr(cols, name).append(1)
     cw = guard_pb2.CollectiveWave(wave=1, first_arrival_unix_nano=1)
     cw.stats.add(op="all_reduce", group="tp")
+    cw.slow_calls.add(op="all_reduce", group="tp", start_unix_nano=1, host_ns=1)
     row = {
         "id": "i",
         "run_id": "sample-run",
@@ -65,6 +73,7 @@ def _sample_spans() -> dict[str, list[Span]]:
     for span in wave_spans(rank, cols, 0):
         out.setdefault(span.name, []).append(span)
     out["collective"] = collective_spans(rank, cw)
+    out["slow_call"] = slow_call_spans(rank, cw)
     out["incident"] = [incident_span(row)]
     return out
 
@@ -103,6 +112,8 @@ def kind_of(name: str) -> str:
         return "collective"
     if name.startswith(INCIDENT_PREFIX):
         return "incident"
+    if name.startswith(SLOW_CALL_PREFIX):
+        return "slow_call"
     return name
 
 

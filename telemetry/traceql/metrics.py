@@ -4,11 +4,21 @@ the other `*_over_time` functions, each with `by(...)`, as series for `/api/metr
 A span counts in the step its start falls in. Steps are aligned to multiples of `step_ns`;
 a sample's time is its step's start. rate and count_over_time give every step of a series (0
 where nothing matched); the others only steps with spans. Durations come out in seconds, as
-Tempo gives them. Quantiles are exact (numpy's linear interpolation), not read off a histogram.
+Tempo gives them.
 
 A query whose spanset is one `{ }` filter on span fields (the usual metrics query) is answered
 from block columns without building a span; any other shape runs the search's exact pass on
-each candidate trace.
+each candidate trace. In the first shape, rate, count_over_time and
+quantile_over_time(duration) read a wave block's stored duration histogram
+(telemetry/block_summary.py) instead of its columns where the whole block answers alike: every
+span of the phase on that rank matches the filter whatever its values (`{ name =
+"execute_model" }`, `{ .tp = 1 }`), the `by()` labels are the rank's own, and the block lies
+inside the range and inside one step. Only the blocks at the range's ends and those across a
+step boundary are decoded. Counts stay exact; a quantile of a step that used a histogram is read
+off the merged buckets and is within one bucket (block_summary.RELATIVE_WIDTH, 4.4 %) of the
+exact value; a step whose spans were all decoded keeps the exact quantile (numpy's linear
+interpolation). `{ }` alone is not read from histograms: incidents and collectives match it too
+and are decoded as before.
 """
 
 from __future__ import annotations
@@ -18,10 +28,11 @@ import sqlite3
 
 import numpy as np
 
+from telemetry import block_summary, store
 from telemetry.traceql import ast
-from telemetry.traceql.columns import mask_of, value_of
+from telemetry.traceql.columns import ABSENT, UNKNOWN, Prefixed, mask_of, maybe, value_of
 from telemetry.traceql.parser import TraceQLError, parse
-from telemetry.traceql.plan import uses_trace_level
+from telemetry.traceql.plan import known_values, uses_trace_level
 from telemetry.traceql.search import CandidatePass, TraceView, _trace_id, run_pipeline
 from telemetry.traceql.source import (
     WAVE_KINDS,
@@ -30,11 +41,10 @@ from telemetry.traceql.source import (
     CollectiveTable,
     SpanTable,
     block_template,
-    collective_waves_in_range,
+    collective_blocks_in,
     incident_spans,
     load_trace_cached,
-    wave_blocks_in,
-    wave_range,
+    slow_call_spans_in,
 )
 
 MAX_STEPS = 11_000  # as Prometheus: more points than a panel can show is a mistake
@@ -54,6 +64,16 @@ class _Collector:
     def __init__(self, metric: ast.MetricsAggregate) -> None:
         self.metric = metric
         self.groups: dict[tuple, list[tuple[np.ndarray, np.ndarray]]] = {}
+        # labels -> [(step indexes, [steps, BUCKETS] duration counts)] from block histograms
+        self.histograms: dict[tuple, list[tuple[np.ndarray, np.ndarray]]] = {}
+
+    def add_histograms(self, labels: tuple, steps: np.ndarray, blobs: list) -> None:
+        """Stored block histograms, block i counted in step index steps[i]."""
+        if not len(blobs):
+            return
+        unique, where = np.unique(steps, return_inverse=True)
+        counts = block_summary.accumulate(blobs, where, len(unique))
+        self.histograms.setdefault(labels, []).append((unique, counts))
 
     def _values(self, table, rows: np.ndarray) -> np.ndarray:
         n = len(rows)
@@ -115,12 +135,17 @@ class _Collector:
         steps = (end_ns - base) // step_ns + 1
         out = []
         names = [str(f) for f in metric.by]
-        for group, parts in sorted(self.groups.items(), key=lambda kv: repr(kv[0])):
+        keys = set(self.groups) | set(self.histograms)
+        for group in sorted(keys, key=repr):
+            parts = self.groups.get(group, [])
             labels = dict(zip(names, group, strict=True))
-            b = (np.concatenate([p[0] for p in parts]) - base) // step_ns
-            v = np.concatenate([p[1] for p in parts])
+            b = (np.concatenate([p[0] for p in parts] or [[]]).astype(np.int64) - base) // step_ns
+            v = np.concatenate([p[1] for p in parts] or [[]]).astype(float)
+            hist = self._step_histograms(group)
             if metric.fn in ("rate", "count_over_time"):
                 counts = np.bincount(b, minlength=steps)[:steps]
+                for k, h in hist.items():
+                    counts[k] += int(h.sum())
                 scale = 1e9 / step_ns if metric.fn == "rate" else 1.0
                 samples = [(base + k * step_ns, float(c) * scale) for k, c in enumerate(counts)]
                 out.append(Series(labels, samples))
@@ -132,11 +157,21 @@ class _Collector:
             cuts = np.flatnonzero(np.diff(b)) + 1
             chunks = list(zip(np.split(b, cuts), np.split(v, cuts), strict=True)) if len(b) else []
             if metric.fn == "quantile_over_time":
+                exact = {int(kb[0]): kv for kb, kv in chunks}
                 for q in metric.quantiles:
-                    samples = [
-                        (base + int(kb[0]) * step_ns, float(np.quantile(kv, q)))
-                        for kb, kv in chunks
-                    ]
+                    samples = []
+                    for k in sorted(set(exact) | set(hist)):
+                        if k not in hist:
+                            samples.append((base + k * step_ns, float(np.quantile(exact[k], q))))
+                            continue
+                        counts = hist[k].copy()
+                        if k in exact:  # decoded spans of the step join the buckets
+                            ns = exact[k] * 1e9
+                            counts += np.bincount(
+                                block_summary.bucket_of(ns), minlength=block_summary.BUCKETS
+                            )
+                        value = block_summary.quantile(counts, q) / 1e9
+                        samples.append((base + k * step_ns, value))
                     out.append(Series({**labels, "p": q}, samples))
                 continue
             reduce = {
@@ -147,6 +182,16 @@ class _Collector:
             }[metric.fn]
             samples = [(base + int(kb[0]) * step_ns, float(reduce(kv))) for kb, kv in chunks]
             out.append(Series(labels, samples))
+        return out
+
+    def _step_histograms(self, group: tuple) -> dict[int, np.ndarray]:
+        out: dict[int, np.ndarray] = {}
+        for unique, counts in self.histograms.get(group, []):
+            for k, row in zip(unique.tolist(), counts, strict=True):
+                if k in out:
+                    out[k] = out[k] + row
+                else:
+                    out[k] = row
         return out
 
 
@@ -166,9 +211,16 @@ def _fast(query: ast.Query) -> bool:
 
 
 def metrics_range(
-    conn: sqlite3.Connection, query: str | ast.Query, start_ns: int, end_ns: int, step_ns: int
+    conn: sqlite3.Connection,
+    query: str | ast.Query,
+    start_ns: int,
+    end_ns: int,
+    step_ns: int,
+    *,
+    summaries: bool = True,
 ) -> list[Series]:
-    """The series a TraceQL metrics query gives over [start_ns, end_ns] in steps of step_ns."""
+    """The series a TraceQL metrics query gives over [start_ns, end_ns] in steps of step_ns
+    (`summaries=False`: decode every block, for exact quantiles)."""
     parsed = parse(query) if isinstance(query, str) else query
     if parsed.metrics is None:
         raise TraceQLError("not a metrics query: end it with | rate(), count_over_time(), ...")
@@ -182,7 +234,8 @@ def metrics_range(
     finder = CandidatePass(conn, parsed)
     lo, hi = start_ns, end_ns + 1
     if _fast(parsed):
-        _scan_fast(finder, collector, lo, hi)
+        base = start_ns - start_ns % step_ns
+        _scan_fast(finder, collector, lo, hi, base, step_ns, summaries)
     else:
         finder.scan(lo, hi)
         cache = BlockCache(conn)
@@ -202,32 +255,97 @@ def metrics_range(
     return collector.series(start_ns, end_ns, step_ns)
 
 
-def _scan_fast(finder: CandidatePass, collector: _Collector, lo: int, hi: int) -> None:
+# span kind -> the stored histogram of its durations (the wave root lasts what tp0's rank does)
+_HISTOGRAM_OF = {"wave": "rank", "rank": "rank", "execute_model": "execute_model",
+                 "sample_tokens": "sample_tokens"}  # fmt: skip
+
+
+def _summary_labels(plan, metric: ast.MetricsAggregate, kind: str, rank) -> tuple | None:
+    """The by() labels every span of `kind` on `rank` has, if its block histograms can stand
+    for its spans (every such span matches, the labels are the rank's own); else None."""
+    if metric.fn not in ("rate", "count_over_time", "quantile_over_time"):
+        return None
+    if metric.fn == "quantile_over_time" and metric.field != ast.Intrinsic("duration"):
+        return None
+    if plan.expr is None:  # `{ }`: cheap to decode, and nothing to gain
+        return None
+    known = known_values(kind, rank)
+    if maybe(plan.expr, known) is not True:
+        return None
+    labels = []
+    for field in metric.by:
+        value = known(field)
+        if value is UNKNOWN or isinstance(value, Prefixed):
+            return None
+        labels.append(None if value is ABSENT else value)
+    return tuple(labels)
+
+
+def _scan_fast(
+    finder: CandidatePass,
+    collector: _Collector,
+    lo: int,
+    hi: int,
+    base: int,
+    step_ns: int,
+    summaries: bool = True,
+) -> None:
     (plan,) = finder.plans
     conn = finder.conn
     wave_ranks = [rid for rid, kinds in plan.kinds.items() if kinds & set(WAVE_KINDS)]
-    for rank_id, cols in wave_blocks_in(conn, wave_ranks, lo, hi, plan.min_step_ns):
+    for rank_id in wave_ranks:
         rank = finder.ranks[rank_id]
-        for kind in WAVE_KINDS:
-            if kind not in plan.kinds[rank_id]:
+        kinds = [k for k in WAVE_KINDS if k in plan.kinds[rank_id]]
+        read: dict[str, set[int]] = {}  # kind -> rowids answered from histograms
+        starting: set[int] = set()  # rowids of the blocks that start in the range
+        for kind in kinds:
+            labels = _summary_labels(plan, collector.metric, kind, rank) if summaries else None
+            if labels is None:
                 continue
-            template = block_template(rank, cols, kind)
-            if template is None:
+            found = store.wave_histograms(conn, (rank_id,), _HISTOGRAM_OF[kind], lo, hi)
+            first_step = (found.start_ns - base) // step_ns
+            whole = (
+                np.fromiter((b is not None for b in found.blobs), bool, len(found.blobs))
+                & (found.end_ns < hi)
+                & (first_step == (found.end_ns - base) // step_ns)
+            )
+            rows = np.flatnonzero(whole)
+            collector.add_histograms(labels, first_step[rows], [found.blobs[i] for i in rows])
+            read[kind] = set(found.rowid[rows].tolist())
+            starting |= set(found.rowid.tolist())
+        if read and len(read) == len(kinds):
+            # every kind from histograms: decode only the blocks starting in the range that
+            # one did not cover (across a step or the range's end, no histogram), and those
+            # that began before the range
+            wanted = set().union(*(starting - r for r in read.values()))
+            blocks = list(store.blocks_by_time(conn, store.WAVE_BLOCKS, (rank_id,), lo, lo - 1))
+            blocks += store.blocks_by_rowid(conn, store.WAVE_BLOCKS, sorted(wanted))
+        else:
+            blocks = store.blocks_by_time(
+                conn, store.WAVE_BLOCKS, (rank_id,), lo, hi - 1, min_ns=plan.min_step_ns
+            )
+        for block in blocks:
+            left = [k for k in kinds if block.rowid not in read.get(k, ())]
+            if not left:
                 continue
-            table = BlockTable(rank, cols, kind, template)
-            keep = mask_of(plan.expr, table) & table.exists
-            keep &= (table.start >= lo) & (table.start < hi)
-            collector.add(table, np.flatnonzero(keep), table.start)
+            cols = store.block_columns(conn, block)
+            for kind in left:
+                template = block_template(rank, cols, kind)
+                if template is None:
+                    continue
+                table = BlockTable(rank, cols, kind, template, conn)
+                keep = mask_of(plan.expr, table) & table.exists
+                keep &= (table.start >= lo) & (table.start < hi)
+                collector.add(table, np.flatnonzero(keep), table.start)
     for rank_id, kinds in plan.kinds.items():
         if "collective" in kinds:
-            waves = wave_range(conn, rank_id, lo, hi)
-            if waves is None:
-                continue
-            for records in collective_waves_in_range(conn, rank_id, *waves):
-                table = CollectiveTable(finder.ranks[rank_id], records)
+            for _, cols in collective_blocks_in(conn, (rank_id,), lo, hi - 1, plan.min_step_ns):
+                table = CollectiveTable(finder.ranks[rank_id], cols=cols)
                 keep = mask_of(plan.expr, table) & (table.start >= lo) & (table.start < hi)
                 collector.add(table, np.flatnonzero(keep), table.start)
-    spans = incident_spans(conn, lo, hi - 1) if plan.incidents else []
+    slow = {rid: finder.ranks[rid] for rid, kinds in plan.kinds.items() if "slow_call" in kinds}
+    spans = slow_call_spans_in(conn, slow, lo, hi - 1) if slow else []
+    spans += incident_spans(conn, lo, hi - 1) if plan.incidents else []
     spans = [s for s in spans if lo <= s.start_ns < hi]
     if spans:
         table = SpanTable(spans, nodes=finder.nodes)

@@ -13,12 +13,17 @@ from __future__ import annotations
 import dataclasses
 
 from telemetry import schema, store
-from telemetry.spans import is_root_rank
+from telemetry.spans import SLOW_CALL_PREFIX, STATUS_ERROR, is_root_rank
 from telemetry.traceql import ast, fields
 from telemetry.traceql.columns import ABSENT, UNKNOWN, Prefixed, lower_bounds, maybe
 from telemetry.traceql.source import ALL_KINDS, WAVE_KINDS
 
 _DURATION = ast.Intrinsic("duration")
+_PREFIXES = {
+    "collective": fields.COLLECTIVE_PREFIX,
+    "slow_call": SLOW_CALL_PREFIX,
+    "incident": fields.INCIDENT_PREFIX,
+}
 
 
 def relax(expr: ast.FieldExpr | None, positive: bool = True):
@@ -69,12 +74,12 @@ def _known(kind: str, rank: store.RankRow | None):
             if field.name == "name":
                 if kind in WAVE_KINDS:
                     return kind
-                prefix = (
-                    fields.COLLECTIVE_PREFIX if kind == "collective" else fields.INCIDENT_PREFIX
-                )
-                return Prefixed(prefix)
+                return Prefixed(_PREFIXES[kind])
             if field.name == "status":
-                return fields.SPAN_STATUS
+                if kind == "incident":
+                    return STATUS_ERROR
+                # a rank span (and its wave root) has status error where it raised an incident
+                return UNKNOWN if kind in ("wave", "rank") else fields.SPAN_STATUS
             if field.name == "kind":
                 return fields.SPAN_KIND
             if field.name == "rootServiceName":
@@ -93,6 +98,12 @@ def _known(kind: str, rank: store.RankRow | None):
     return known
 
 
+def known_values(kind: str, rank: store.RankRow | None):
+    """`known(field)` for one span kind on one rank: the value every such span has, ABSENT, or
+    UNKNOWN (the field differs span by span)."""
+    return _known(kind, rank)
+
+
 @dataclasses.dataclass
 class LeafPlan:
     """Where one `{ }` filter can match."""
@@ -102,6 +113,8 @@ class LeafPlan:
     kinds: dict[int, set[str]]  # rank id -> span kinds (wave kinds and "collective")
     incidents: bool
     min_step_ns: int | None
+    # wave-kind spans match only where they have status error (raised an incident)
+    error_only: bool = False
 
 
 def plan_leaf(leaf: ast.SpansetFilter, ranks: list[store.RankRow]) -> LeafPlan:
@@ -118,7 +131,25 @@ def plan_leaf(leaf: ast.SpansetFilter, ranks: list[store.RankRow]) -> LeafPlan:
         if possible:
             kinds[rank.id] = possible
     incidents = expr is None or maybe(expr, _known("incident", None)) is not False
-    return LeafPlan(leaf, expr, kinds, incidents, lower_bounds(expr, _DURATION))
+    # every wave kind that can match at all can only with status error
+    possible = [k for k in WAVE_KINDS if expr is None or maybe(expr, _known(k, None)) is not False]
+    error_only = (
+        expr is not None
+        and bool(possible)
+        and all(maybe(expr, _unset(_known(k, None))) is False for k in possible)
+    )
+    return LeafPlan(leaf, expr, kinds, incidents, lower_bounds(expr, _DURATION), error_only)
+
+
+def _unset(known):
+    """`known` with status unset (a span that raised no incident)."""
+
+    def with_status(field):
+        if isinstance(field, ast.Intrinsic) and field.name == "status":
+            return fields.SPAN_STATUS
+        return known(field)
+
+    return with_status
 
 
 def leaves(expr: ast.SpansetExpr) -> list[ast.SpansetFilter]:

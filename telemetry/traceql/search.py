@@ -32,12 +32,12 @@ from telemetry.traceql.source import (
     CollectiveTable,
     SpanTable,
     block_template,
-    collective_waves_in_range,
+    collective_blocks_in,
+    error_waves,
     incident_spans,
     load_trace_cached,
     node_map,
-    wave_blocks_in,
-    wave_range,
+    slow_call_spans_in,
 )
 from telemetry.traces import format_trace_id, wave_trace_key
 
@@ -147,6 +147,7 @@ class CandidatePass:
         """Add the matches among spans starting in [lo, hi)."""
         self._scan_waves(lo, hi)
         self._scan_collectives(lo, hi)
+        self._scan_slow_calls(lo, hi)
         self._scan_incidents(lo, hi)
 
     def _scan_waves(self, lo: int, hi: int) -> None:
@@ -161,10 +162,17 @@ class CandidatePass:
         if not wanted:
             return
         min_step = None if None in bounds else min(bounds)
-        blocks = wave_blocks_in(self.conn, list(wanted), lo, hi, min_step)
-        for rank_id, cols in blocks:
-            self.blocks_read += 1
+        error_only = all(p.error_only for plans in wanted.values() for p in plans)
+        blocks = store.blocks_by_time(
+            self.conn, store.WAVE_BLOCKS, list(wanted), lo, hi, min_ns=min_step
+        )
+        if error_only:  # only blocks whose waves raised an incident: one look-up per rank
+            blocks = self._with_errors(list(blocks))
+        for block in blocks:
+            rank_id = block.rank
             rank = self.ranks[rank_id]
+            cols = store.block_columns(self.conn, block)
+            self.blocks_read += 1
             for kind in WAVE_KINDS:
                 plans = [p for p in wanted[rank_id] if kind in p.kinds[rank_id]]
                 if not plans:
@@ -172,13 +180,30 @@ class CandidatePass:
                 template = block_template(rank, cols, kind)
                 if template is None:
                     continue
-                table = BlockTable(rank, cols, kind, template)
+                table = BlockTable(rank, cols, kind, template, self.conn)
                 in_window = table.exists & (table.start >= lo) & (table.start < hi)
                 for plan in plans:
                     rows = np.flatnonzero(mask_of(plan.expr, table) & in_window)
                     if len(rows):
                         waves = table.array("wave")[rows]
                         self.sets[id(plan.leaf)].add(self.keys[rank_id], waves, table.start[rows])
+
+    def _with_errors(self, blocks: list) -> list:
+        by_rank: dict[int, list] = {}
+        for block in blocks:
+            by_rank.setdefault(block.rank, []).append(block)
+        out = []
+        for rank_id, own in by_rank.items():
+            first = min(b.first_wave for b in own)
+            last = max(b.last_wave for b in own)
+            bad = np.array(sorted(error_waves(self.conn, self.ranks[rank_id], "wave", first, last)))
+            if not len(bad):
+                continue
+            for b in own:  # a wave with an incident in the block's wave range
+                i = np.searchsorted(bad, b.first_wave)
+                if i < len(bad) and bad[i] <= b.last_wave:
+                    out.append(b)
+        return out
 
     def _add_spans(self, spans: list[Span], plans: Iterable[LeafPlan], lo: int, hi: int) -> None:
         spans = [s for s in spans if lo <= s.start_ns < hi]
@@ -201,12 +226,11 @@ class CandidatePass:
             plans = [p for p in self.plans if "collective" in p.kinds.get(rank_id, ())]
             if not plans:
                 continue
-            waves = wave_range(self.conn, rank_id, lo, hi)
-            if waves is None:
-                continue
-            for records in collective_waves_in_range(self.conn, rank_id, *waves):
+            bounds = [p.min_step_ns for p in plans]
+            min_ns = None if None in bounds else min(bounds)
+            for _, cols in collective_blocks_in(self.conn, (rank_id,), lo, hi - 1, min_ns):
                 self.blocks_read += 1
-                table = CollectiveTable(rank, records)
+                table = CollectiveTable(rank, cols=cols)
                 in_window = (table.start >= lo) & (table.start < hi)
                 for plan in plans:
                     rows = np.flatnonzero(mask_of(plan.expr, table) & in_window)
@@ -214,6 +238,14 @@ class CandidatePass:
                         self.sets[id(plan.leaf)].add(
                             self.keys[rank_id], table.waves[rows], table.start[rows]
                         )
+
+    def _scan_slow_calls(self, lo: int, hi: int) -> None:
+        plans = [p for p in self.plans if any("slow_call" in k for k in p.kinds.values())]
+        if not plans:
+            return
+        ids = {rid for p in plans for rid, kinds in p.kinds.items() if "slow_call" in kinds}
+        ranks = {rid: self.ranks[rid] for rid in ids}
+        self._add_spans(slow_call_spans_in(self.conn, ranks, lo, hi - 1), plans, lo, hi)
 
     def _scan_incidents(self, lo: int, hi: int) -> None:
         plans = [p for p in self.plans if p.incidents]

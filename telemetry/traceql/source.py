@@ -8,7 +8,6 @@ The one place that knows how collectives are stored is the "collectives" section
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import sqlite3
 from collections.abc import Iterable, Iterator
@@ -18,15 +17,25 @@ import numpy as np
 from telemetry import schema, store
 from telemetry.collective_columns import to_waves
 from telemetry.incidents import IncidentFilter, incidents_of_wave, list_incidents
-from telemetry.proto import guard_pb2
-from telemetry.spans import Span, collective_spans, incident_span, wave_spans
+from telemetry.spans import (
+    COLLECTIVE_WAVE_SPAN_FIELDS,
+    STATUS_ERROR,
+    STATUS_UNSET,
+    Span,
+    collective_spans,
+    incident_span,
+    mark_errors,
+    slow_call_span,
+    slow_call_spans,
+    wave_spans,
+)
 from telemetry.traceql import ast, fields
 from telemetry.traceql.columns import ABSENT, Coded
 from telemetry.traceql.parser import TraceQLError
-from telemetry.traces import format_trace_id, split_trace_id
+from telemetry.traces import format_trace_id, split_trace_id, wave_trace_id
 
 WAVE_KINDS = ("wave", "rank", "execute_model", "sample_tokens")
-ALL_KINDS = (*WAVE_KINDS, "collective", "incident")
+ALL_KINDS = (*WAVE_KINDS, "collective", "slow_call", "incident")
 _WAVE_KEYS = {schema.attr(f): f for f in schema.WAVE_FIELDS}
 
 
@@ -42,6 +51,7 @@ def rank_collective_spans(
     out: list[Span] = []
     for cw in waves:
         out += collective_spans(rank, cw)
+        out += slow_call_spans(rank, cw)
     return out
 
 
@@ -50,20 +60,26 @@ def collective_waves_in_range(
 ) -> Iterator[list]:
     """The stored collective records of one rank's waves first_wave..last_wave, a block at a
     time (each block read once, not a look-up per wave)."""
-    # newest first down the (rank, first_wave) key; a rank's blocks hold consecutive waves, so
-    # the first block that ends before first_wave ends the walk
-    rows = conn.execute(
-        "SELECT rowid, last_wave FROM collective_blocks WHERE rank = ? AND first_wave <= ? "
-        "ORDER BY first_wave DESC",
-        (rank_id, last_wave),
-    )
-    for rowid, block_last in rows:
-        if block_last < first_wave:
-            return
-        (blob,) = conn.execute(
-            "SELECT columns FROM collective_blocks WHERE rowid = ?", (rowid,)
-        ).fetchone()
-        yield to_waves(store.decode_collectives(blob), range(first_wave, last_wave + 1))
+    for block in store.blocks_by_wave(
+        conn, store.COLLECTIVE_BLOCKS, rank_id, first_wave, last_wave
+    ):
+        yield to_waves(store.block_columns(conn, block), range(first_wave, last_wave + 1))
+
+
+def collective_blocks_in(
+    conn: sqlite3.Connection,
+    rank_ids: Iterable[int],
+    lo: int,
+    hi: int,
+    min_ns: int | None = None,
+) -> Iterator[tuple[int, list]]:
+    """(rank id, `CollectiveColumns`) of the ranks' collective blocks that may hold a span
+    starting in [lo, hi] lasting at least `min_ns` (blocks whose slowest (op, group) is
+    shorter are not read)."""
+    for block in store.blocks_by_time(
+        conn, store.COLLECTIVE_BLOCKS, rank_ids, lo, hi, min_ns=min_ns
+    ):
+        yield block.rank, store.block_columns(conn, block)
 
 
 class CollectiveTable:
@@ -71,15 +87,28 @@ class CollectiveTable:
     without building them (the same values telemetry/spans.py `collective_spans` gives:
     a unit test holds the two together)."""
 
-    def __init__(self, rank: store.RankRow, waves: list) -> None:
+    def __init__(self, rank: store.RankRow, waves: list | None = None, cols=None) -> None:
+        """From `CollectiveWave` records, or straight from a block's `CollectiveColumns`
+        (`cols`: numpy over the columns, no message per wave)."""
         self.rank = rank
-        self.rows = [(cw, stat) for cw in waves for stat in cw.stats]
-        self.n = len(self.rows)
-        self.start = np.fromiter(
-            (cw.first_arrival_unix_nano for cw, _ in self.rows), np.int64, self.n
-        )
-        self.waves = np.fromiter((cw.wave for cw, _ in self.rows), np.int64, self.n)
+        self._cols = cols
         self._cache: dict = {}
+        if cols is None:
+            self.rows = [(cw, stat) for cw in waves for stat in cw.stats]
+            self.n = len(self.rows)
+            self.start = np.fromiter(
+                (cw.first_arrival_unix_nano for cw, _ in self.rows), np.int64, self.n
+            )
+            self.waves = np.fromiter((cw.wave for cw, _ in self.rows), np.int64, self.n)
+        else:
+            wave_index = np.array(cols.stats.wave_index, np.int64)
+            # rows in the order to_waves gives them: by wave row, then stat
+            self._order = np.argsort(wave_index, kind="stable")
+            wave_index = wave_index[self._order]
+            self.n = len(wave_index)
+            self._wave_index = wave_index
+            self.start = np.array(cols.first_arrival_unix_nano, np.int64)[wave_index]
+            self.waves = np.array(cols.wave, np.int64)[wave_index]
         rank_values = {
             schema.ATTR_RUN: rank.run_id,
             schema.ATTR_ENGINE: rank.engine,
@@ -91,7 +120,27 @@ class CollectiveTable:
             k: v for k, v in rank_values.items() if k in fields.kind_keys()["collective"]
         }
 
+    def _per_wave(self, name: str):
+        """A per-wave aggregate (`COLLECTIVE_WAVE_SPAN_FIELDS`) on every stat row."""
+        key = ("wave", name)
+        if key not in self._cache:
+            if self._cols is not None:
+                values = np.array(getattr(self._cols, name), np.int64)[self._wave_index]
+            else:
+                values = np.fromiter((getattr(cw, name) for cw, _ in self.rows), np.int64, self.n)
+            self._cache[key] = values
+        return self._cache[key]
+
     def _stat(self, name: str):
+        if name not in self._cache and self._cols is not None:
+            stats = self._cols.stats
+            if name in schema.COLLECTIVE_KEY_FIELDS:
+                out = Coded([])
+                out.levels = [getattr(k, name) for k in self._cols.keys]
+                out.codes = np.array(stats.key, np.int64)[self._order]
+            else:
+                out = np.array(getattr(stats, name), np.int64)[self._order]
+            self._cache[name] = out
         if name not in self._cache:
             values = [getattr(stat, name) for _, stat in self.rows]
             if values and isinstance(values[0], str):
@@ -117,6 +166,8 @@ class CollectiveTable:
             stat = key.removeprefix(schema.attr("collective."))
             if stat != key and stat in schema.COLLECTIVE_STAT_FIELDS:
                 return self._stat(stat), True
+            if stat != key and stat in COLLECTIVE_WAVE_SPAN_FIELDS:
+                return self._per_wave(stat), True
             if key == schema.ATTR_WAVE:
                 return self.waves, True
             if key in self._constants:
@@ -141,9 +192,6 @@ def _span_constant(name: str):
     raise ValueError(f"trace-level {name} is not known per block")  # the planner relaxes it
 
 
-OVERLAP_LOOKBACK = 8  # blocks looked at before a wave, for a block holding it
-
-
 class BlockCache:
     """Decoded wave and collective blocks, kept for one search: neighbouring traces share their
     blocks, so each is decoded once however many of its waves are loaded."""
@@ -161,16 +209,8 @@ class BlockCache:
         return value
 
     def _holding(self, table: str, rank_id: int, wave: int) -> list[int]:
-        """Row ids of the rank's blocks holding `wave`: the few that start at or before it, read
-        down the (rank, first_wave) key (a `last_wave >= ?` filter would read every older
-        block). Blocks of a rank do not overlap unless a batch was re-cut and sent again, so
-        a few are enough."""
-        rows = self.conn.execute(
-            f"SELECT rowid, last_wave FROM {table} WHERE rank = ? AND first_wave <= ? "
-            f"ORDER BY first_wave DESC LIMIT {OVERLAP_LOOKBACK}",
-            (rank_id, wave),
-        )
-        return [rowid for rowid, last in rows if last >= wave]
+        """Row ids of the rank's blocks holding `wave` (telemetry/store.py's block walk)."""
+        return [b.rowid for b in store.blocks_by_wave(self.conn, table, rank_id, wave, wave)]
 
     def wave_blocks(self, rank_id: int, wave: int) -> list[tuple]:
         """(columns, {wave: index}) of the rank's blocks that hold `wave`."""
@@ -189,17 +229,17 @@ class BlockCache:
         return out
 
     def collective_blocks(self, rank_id: int, wave: int) -> list:
+        """The rank's collective records of `wave` (each block decoded once, its records
+        made for the waves asked for only)."""
         out: list = []
         for rowid in self._holding("collective_blocks", rank_id, wave):
-            block = self._collectives.get(rowid)
-            if block is None:
+            cols = self._collectives.get(rowid)
+            if cols is None:
                 (blob,) = self.conn.execute(
                     "SELECT columns FROM collective_blocks WHERE rowid = ?", (rowid,)
                 ).fetchone()
-                block = self._keep(
-                    self._collectives, rowid, to_waves(store.decode_collectives(blob))
-                )
-            out += block
+                cols = self._keep(self._collectives, rowid, store.decode_collectives(blob))
+            out += to_waves(cols, (wave,))
         return out
 
 
@@ -228,86 +268,40 @@ def load_trace_cached(conn: sqlite3.Connection, trace_id: str, cache: BlockCache
     seen = set()
     for run_id in runs or {""}:
         for row in incidents_of_wave(conn, run_id, wave):
-            if row["trace_id"] == text and row["id"] not in seen:
+            if row["id"] not in seen:
                 seen.add(row["id"])
                 spans.append(incident_span(row))
     spans = [s for s in spans if format_trace_id(s.trace_id) == text]
     spans.sort(key=lambda s: (s.start_ns, s.name))
-    return spans
+    return mark_errors(spans)
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockRow:
-    rowid: int
-    rank: int
-    first_wave: int
-    last_wave: int
-    start_ns: int
-    end_ns: int
-    max_step_ns: int
+def slow_call_spans_in(
+    conn: sqlite3.Connection, ranks: dict[int, store.RankRow], lo: int, hi: int
+) -> list[Span]:
+    """The `slow_call:<op>` spans of these ranks (id -> rank) starting in [lo, hi]."""
+    out: list[Span] = []
+    for row in store.slow_calls_in(conn, list(ranks), lo, hi):
+        rank = ranks[row.rank]
+        trace_id = wave_trace_id(rank.run_id, row.wave, rank.dp)
+        out.append(slow_call_span(rank, trace_id, row.wave, row, (rank.dp, rank.tp, rank.pp)))
+    return out
 
 
-def overlapping_blocks(
-    conn: sqlite3.Connection, rank_ids: Iterable[int], lo: int, hi: int
-) -> Iterator[BlockRow]:
-    """The wave blocks of these ranks that overlap [lo, hi], newest first, reading only those
-    (plus one per rank). A rank's blocks hold consecutive waves, so they follow each other in
-    time: walking its blocks back from `hi` by start time, the first that ends before `lo`
-    means no older one can reach it. (A `start_ns <= hi AND end_ns >= lo` filter would read
-    every older block, since only start_ns is indexed.)"""
-    wanted = set()
-    for rank_id in rank_ids:
-        first = conn.execute(
-            "SELECT start_ns FROM wave_blocks WHERE rank = ? ORDER BY first_wave LIMIT 1",
-            (rank_id,),
-        ).fetchone()
-        if first is not None and first[0] <= hi:
-            wanted.add(rank_id)
-    if not wanted:
-        return
-    rows = conn.execute(
-        "SELECT rowid, rank, first_wave, last_wave, start_ns, end_ns, max_step_ns "
-        "FROM wave_blocks WHERE start_ns <= ? ORDER BY start_ns DESC",
-        (hi,),
-    )
-    for row in rows:
-        if row[1] not in wanted:
-            continue
-        block = BlockRow(*row)
-        if block.end_ns < lo:
-            wanted.discard(block.rank)
-            if not wanted:
-                return
-            continue
-        yield block
-
-
-def wave_blocks_in(
-    conn: sqlite3.Connection,
-    rank_ids: Iterable[int],
-    lo: int,
-    hi: int,
-    min_step_ns: int | None = None,
-) -> Iterator[tuple[int, guard_pb2.WaveColumns]]:
-    """(rank id, columns) of the blocks overlapping [lo, hi] whose slowest step is at least
-    `min_step_ns`, newest first."""
-    for block in overlapping_blocks(conn, rank_ids, lo, hi):
-        if min_step_ns is not None and block.max_step_ns < min_step_ns:
-            continue
-        (blob,) = conn.execute(
-            "SELECT columns FROM wave_blocks WHERE rowid = ?", (block.rowid,)
-        ).fetchone()
-        yield block.rank, store.decode_waves(blob)
-
-
-def wave_range(
-    conn: sqlite3.Connection, rank_id: int, since_ns: int, until_ns: int
-) -> tuple[int, int] | None:
-    """The waves a rank ran in [since, until] by the blocks' own bounds (no block decoded)."""
-    blocks = list(overlapping_blocks(conn, [rank_id], since_ns, until_ns))
-    if not blocks:
-        return None
-    return min(b.first_wave for b in blocks), max(b.last_wave for b in blocks)
+def error_waves(conn: sqlite3.Connection, rank: store.RankRow, kind: str, first: int, last: int):
+    """Waves first..last whose `kind` span ("rank" or "wave") of this rank has status error:
+    an incident raised on that rank in that wave (for the wave root: on any rank of its
+    replica, or by the sidecar)."""
+    try:
+        rows = conn.execute(
+            "SELECT wave, dp, tp, pp FROM incidents WHERE run_id = ? AND wave BETWEEN ? AND ?",
+            (rank.run_id, first, last),
+        ).fetchall()
+    except sqlite3.OperationalError:  # a store without the incident ledger
+        return set()
+    if kind == "wave":
+        return {w for w, dp, _, _ in rows if (dp if dp is not None else 0) == rank.dp}
+    return {w for w, dp, tp, pp in rows if (dp, tp, pp) == (rank.dp, rank.tp, rank.pp)}
 
 
 def incident_spans(conn: sqlite3.Connection, since_ns: int, until_ns: int) -> list[Span]:
@@ -355,7 +349,7 @@ class SpanTable:
             if name == "duration":
                 return np.fromiter((s.end_ns - s.start_ns for s in spans), np.int64, self.n), True
             if name == "status":
-                return fields.SPAN_STATUS, True
+                return Coded([s.status for s in spans]), True
             if name == "kind":
                 return fields.SPAN_KIND, True
             if name == "statusMessage":
@@ -419,8 +413,16 @@ class BlockTable:
     as columns, without building them. Attribute keys and constant values come from a span the
     builder made for the block's first wave (so this follows telemetry/spans.py)."""
 
-    def __init__(self, rank: store.RankRow, cols, kind: str, template: Span) -> None:
+    def __init__(
+        self,
+        rank: store.RankRow,
+        cols,
+        kind: str,
+        template: Span,
+        conn: sqlite3.Connection | None = None,
+    ) -> None:
         self.rank, self.cols, self.kind = rank, cols, kind
+        self.conn = conn  # where incidents are looked up for `status` (None: unset)
         self.n = len(cols.wave)
         self._template = template
         self._arrays: dict[str, np.ndarray] = {}
@@ -453,6 +455,14 @@ class BlockTable:
                 return self.kind, True
             if name == "duration":
                 return self.end - self.start, True
+            if name == "status" and self.kind in ("wave", "rank") and self.conn is not None:
+                waves = self.array("wave")
+                bad = error_waves(
+                    self.conn, self.rank, self.kind, int(waves.min()), int(waves.max())
+                )
+                if bad:
+                    errors = np.isin(waves, list(bad))
+                    return Coded([STATUS_ERROR if e else STATUS_UNSET for e in errors]), True
             return _span_constant(name)
         key = fields.attribute_key(field.name)
         if field.scope in (None, "span") and key in self._template.attributes:
@@ -471,6 +481,12 @@ class BlockTable:
         out: list[Span] = []
         for i in rows:
             out += wave_spans(self.rank, self.cols, int(i), wanted)
+        if out and self.kind in ("wave", "rank") and self.conn is not None:
+            waves = [span.wave for span in out]
+            bad = error_waves(self.conn, self.rank, self.kind, min(waves), max(waves))
+            for span in out:
+                if span.wave in bad:
+                    span.status = STATUS_ERROR
         return out
 
 

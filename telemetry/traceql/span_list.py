@@ -30,8 +30,6 @@ from telemetry.traceql.source import (
     collective_waves_in_range,
     incident_spans,
     node_map,
-    wave_blocks_in,
-    wave_range,
 )
 
 _GROUP = schema.attr("collective.group")
@@ -112,7 +110,9 @@ def top_spans(
 
     wave_ranks = [rid for rid, kinds in plan.kinds.items() if kinds & set(WAVE_KINDS)]
     min_step = plan.min_step_ns
-    for rank_id, cols in wave_blocks_in(conn, wave_ranks, start_ns, end_ns, min_step):
+    for rank_id, cols in store.wave_blocks(
+        conn, wave_ranks, since_ns=start_ns, until_ns=end_ns, min_step_ns=min_step
+    ):
         rank = ranks[rank_id]
         for kind in WAVE_KINDS:
             if kind not in plan.kinds[rank_id]:
@@ -120,7 +120,7 @@ def top_spans(
             template = block_template(rank, cols, kind)
             if template is None:
                 continue
-            table = BlockTable(rank, cols, kind, template)
+            table = BlockTable(rank, cols, kind, template, conn)
             ok = table.exists & (table.start >= start_ns) & (table.start <= end_ns)
             rows = np.flatnonzero(mask_of(expr, table) & ok)
             keys = _sort_key(sort, table.end - table.start, table.start, table.array("wave"))
@@ -129,7 +129,7 @@ def top_spans(
     for rank_id, kinds in plan.kinds.items():
         if "collective" not in kinds:
             continue
-        waves = wave_range(conn, rank_id, start_ns, end_ns)
+        waves = store.wave_range(conn, rank_id, start_ns, end_ns)
         if waves is None:
             continue
         rank = ranks[rank_id]

@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
 
 import pytest
@@ -55,12 +56,14 @@ class Deployment:
         self.root = root
         self.model = model
         self.health_port = free_port()
+        self.query_port = free_port()  # the sidecar's Tempo-compatible query API
         sock = root / "guard.sock"
         live = root / "live"  # the workers' liveness records (guard/liveness_record.py)
         self.sidecar = SidecarProcess.start(
             root, address=f"unix://{sock}",
             extra_args=("--health-port", str(self.health_port), "--health-host", "127.0.0.1",
-                        "--liveness-dir", str(live)),
+                        "--liveness-dir", str(live), "--query-port", str(self.query_port),
+                        "--query-host", "127.0.0.1"),
         )  # fmt: skip
         guard = {
             "sidecar": f"unix://{sock}", "engine": ENGINE, "flush_interval_ms": 20,
@@ -76,6 +79,16 @@ class Deployment:
 
     def get(self, path: str) -> tuple[int, dict]:
         return get_json(f"http://127.0.0.1:{self.health_port}{path}")
+
+    def traceql(self, query: str, since_s: float = 900.0) -> list[dict]:
+        """The traces `/api/search?q=` answers (newest first), over the last `since_s`."""
+        now = time.time()
+        url = (f"http://127.0.0.1:{self.query_port}/api/search?" + urllib.parse.urlencode(
+            {"q": query, "start": int(now - since_s), "end": int(now) + 60, "limit": 100,
+             "spss": 100}))  # fmt: skip
+        status, body = get_json(url, timeout=30.0)
+        assert status == 200, body
+        return body.get("traces", [])
 
     def metrics(self) -> str:
         return self.sidecar.metrics_text()
@@ -264,6 +277,49 @@ def _settled(dep: Deployment, *, watchdog: bool, timeout: float = 20.0) -> tuple
         if agree or time.monotonic() > deadline:
             return history, rows, text
         time.sleep(0.3)
+
+
+def _span_tp(span: dict) -> int:
+    (tp,) = [int(a["value"]["intValue"]) for a in span.get("attributes", [])
+             if a["key"] == "ascend_guard.tp"]  # fmt: skip
+    return tp
+
+
+def test_traceql_finds_the_rank_the_drill_slowed_and_only_it(dep: Deployment) -> None:
+    """Over the sidecar's real query API (`/api/search?q=`, as Grafana asks it): the fire
+    drill's delay is on rank 1's collective spans of the drill wave and nowhere else, and the
+    rank that waited for it (rank 0, a long `wait_ns` in that wave) is not the one found."""
+    drill_trace = None
+    deadline = time.monotonic() + 20
+    while True:  # the store is written a moment after /skew judged the wave
+        found = dep.traceql("{ .injected_delay_ns > 0 } | select(span.tp, span.wave)")
+        if found:
+            break
+        assert time.monotonic() < deadline, "no span carries the drill's delay"
+        time.sleep(0.5)
+    (trace,) = found  # one drill wave: one trace
+    drill_trace = trace["traceID"]
+    spans = [sp for ss in trace["spanSets"] for sp in ss["spans"]]
+    assert spans and all(sp["name"].startswith("collective:") for sp in spans), spans
+    assert {_span_tp(sp) for sp in spans} == {1}, spans
+    waves = {int(a["value"]["intValue"]) for sp in spans for a in sp["attributes"]
+             if a["key"] == "ascend_guard.wave"}  # fmt: skip
+    assert waves == {DRILL_WAVE}
+    # the same trace holds rank 0 waiting for rank 1 in all_reduce for about the delay; the
+    # bound (0.9 x the delay) is the one the /skew check above uses
+    waited = dep.traceql(
+        f'{{ name = "collective:all_reduce" && .wave = {DRILL_WAVE} '
+        f"&& .wait_ns > {int(DRILL_DELAY_S * 0.9 * 1e9)} }} | select(span.tp)"
+    )
+    assert [t["traceID"] for t in waited] == [drill_trace], waited
+    assert {_span_tp(sp) for t in waited for ss in t["spanSets"] for sp in ss["spans"]} == {0}
+    # the drilled rank's own step (execute_model starts after the drill's sleep) is not slow
+    slow_steps = dep.traceql(
+        f'{{ name = "execute_model" && .wave = {DRILL_WAVE} && duration > '
+        f"{int(DRILL_DELAY_S * 0.9 * 1000)}ms }} | select(span.tp)"
+    )
+    print(f"drill trace {drill_trace}; execute_model over 0.9 x delay: {slow_steps}")
+    assert {_span_tp(sp) for t in slow_steps for ss in t["spanSets"] for sp in ss["spans"]} <= {0}
 
 
 def test_sigstop_of_a_worker_is_named_within_3s_and_recovery_is_recorded(dep: Deployment) -> None:

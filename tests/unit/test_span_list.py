@@ -9,6 +9,7 @@ span the builder makes (each stored trace loaded whole), filtered by Python pred
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import time
 
@@ -209,7 +210,11 @@ def test_the_flags_as_traceql_find_what_the_old_flag_search_found(store_path, gi
         got = top_spans(conn, text, BASE, NOW, sort, limit)
         assert [_key(s, sort) for s in got] == [_key(s, sort) for s in want[:limit]], text
     key = lambda s: (s.trace_id, s.span_id)  # noqa: E731
-    assert sorted(got, key=key) == sorted(want, key=key), text
+    # the old flag search leaves every status unset; the span list reads it (an incident's
+    # rank and wave are "error"), so the fields are compared without it
+    plain = lambda spans: [dataclasses.replace(s, status="unset") for s in spans]  # noqa: E731
+    assert plain(sorted(got, key=key)) == plain(sorted(want, key=key)), text
+    assert {s.wave for s in got if s.status == "error"} <= {9, 30}, text
     if given.get("run_id") != "other" and given.get("engine", "eng") == "eng":
         assert got, f"{text} found nothing: the case proves nothing"
 

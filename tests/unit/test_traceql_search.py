@@ -208,7 +208,12 @@ def test_resource_and_status_fields(conn):
         len(search(conn, '{ resource.host.name = "node0" && .tp = 1 }', START, END, limit=50))
         == WAVES
     )
-    assert search(conn, "{ status = error }", START, END) == []
+    # the incident of wave 5, the rank span it hangs under (tp1) and the wave root
+    (errors,) = search(conn, "{ status = error }", START, END, spans_per_spanset=None)
+    assert _waves([errors]) == {5}
+    assert sorted((s.name, s.tp) for s in errors.spans) == [
+        ("incident:nan_logits", 1), ("rank", 1), ("wave", None)
+    ]  # fmt: skip
     assert len(search(conn, "{ kind = internal && status = unset }", START, END, limit=50)) == WAVES
     assert search(conn, '{ .no_such_attribute = "x" }', START, END) == []
     assert len(search(conn, "{ .no_such_attribute = nil }", START, END, limit=50)) == WAVES
@@ -257,9 +262,11 @@ def test_rank_coordinates_and_kinds_prune_before_decoding(conn):
     tp1 = next(r for r in ranks if r.tp == 1)
     plan = plan_leaf(parse("{ .tp = 1 }").spanset, ranks)
     assert set(plan.kinds) == {tp1.id}
-    assert plan.kinds[tp1.id] == {"rank", "execute_model", "sample_tokens", "collective"}
+    assert plan.kinds[tp1.id] == {
+        "rank", "execute_model", "sample_tokens", "collective", "slow_call"
+    }  # fmt: skip
     plan = plan_leaf(parse('{ .op = "all_reduce" }').spanset, ranks)
-    assert all(kinds == {"collective"} for kinds in plan.kinds.values())
+    assert all(kinds == {"collective", "slow_call"} for kinds in plan.kinds.values())
     assert not plan.incidents
     plan = plan_leaf(parse('{ name = "wave" }').spanset, ranks)
     assert all(kinds == {"wave"} for kinds in plan.kinds.values())
@@ -381,33 +388,49 @@ def test_wrong_query_shapes_are_errors(conn):
 
 def test_collective_tables_agree_with_the_span_builder(conn):
     from telemetry.spans import collective_spans
-    from telemetry.traceql.source import CollectiveTable, collective_waves_in_range, node_map
+    from telemetry.traceql.source import (
+        CollectiveTable,
+        collective_blocks_in,
+        collective_waves_in_range,
+        node_map,
+    )
 
     fields = [parse(f"{{ {f} != nil }}").spanset.expr.left for f in
               ["name", "duration", ".tp", ".dp", ".pp", ".wave", ".run", ".engine", ".op",
                ".group", ".bytes", ".calls", ".host_ns", ".max_host_ns", ".first_seq",
                ".last_seq", ".device_ns", ".replayed", ".backend", ".dtype", ".num_reqs",
+               ".wait_ns", ".injected_delay_ns", ".slow_calls_dropped",
                "resource.host.name", "resource.service.name"]]  # fmt: skip
     checked = 0
+    blocks = {
+        rank.id: list(collective_blocks_in(conn, [rank.id], START, END))
+        for rank in store_mod.ranks(conn)
+    }
     for rank in store_mod.ranks(conn):
         for records in collective_waves_in_range(conn, rank.id, 1, WAVES):
             spans = [s for cw in records for s in collective_spans(rank, cw)]
             nodes = node_map(store_mod.ranks(conn))
-            table, built = CollectiveTable(rank, records), SpanTable(spans, nodes=nodes)
-            assert list(table.start) == [s.start_ns for s in spans]
-            assert list(table.waves) == [s.wave for s in spans]
-            for field in fields:
-                tv, tp = value_of(field, table)
-                sv, sp = value_of(field, built)
-                tp = np.broadcast_to(tp, (table.n,))
-                assert list(tp) == list(np.broadcast_to(sp, (built.n,))), field
-                tv = np.broadcast_to(np.asarray(tv, dtype=object), (table.n,))
-                sv = np.broadcast_to(np.asarray(sv, dtype=object), (built.n,))
-                assert [v for v, p in zip(tv, tp, strict=True) if p] == [
-                    v for v, p in zip(sv, tp, strict=True) if p
-                ], field
+            # from the block's columns (as searches read them) and from records, the same
+            (cols,) = [c for _, c in blocks[rank.id] if records[0].wave in c.wave]
+            for table in (CollectiveTable(rank, records), CollectiveTable(rank, cols=cols)):
+                _same_columns(table, SpanTable(spans, nodes=nodes), spans, fields)
             checked += len(spans)
     assert checked == 2 * 2 * WAVES
+
+
+def _same_columns(table, built, spans, fields):
+    assert list(table.start) == [s.start_ns for s in spans]
+    assert list(table.waves) == [s.wave for s in spans]
+    for field in fields:
+        tv, tp = value_of(field, table)
+        sv, sp = value_of(field, built)
+        tp = np.broadcast_to(tp, (table.n,))
+        assert list(tp) == list(np.broadcast_to(sp, (built.n,))), field
+        tv = np.broadcast_to(np.asarray(tv, dtype=object), (table.n,))
+        sv = np.broadcast_to(np.asarray(sv, dtype=object), (built.n,))
+        assert [v for v, p in zip(tv, tp, strict=True) if p] == [
+            v for v, p in zip(sv, tp, strict=True) if p
+        ], field
 
 
 def test_cached_trace_loading_builds_what_load_trace_builds(conn):
@@ -421,11 +444,14 @@ def test_cached_trace_loading_builds_what_load_trace_builds(conn):
 
 
 def test_block_walk_finds_exactly_the_overlapping_blocks(tmp_path):
-    """Walking back from the window's end reads the same blocks as the plain (full scan)
-    overlap filter, for ranks that run throughout, start late or stop early."""
+    """Walking back from the window's end (telemetry/store.py `blocks_by_time`) reads the same
+    blocks as the plain (full scan) overlap filter, and the walk by waves (`blocks_by_wave`)
+    the same as the plain wave filter, for ranks that run throughout, start late or stop
+    early."""
     import random
 
-    from telemetry.traceql.source import overlapping_blocks, wave_range
+    blocks_by_time, blocks_by_wave = store_mod.blocks_by_time, store_mod.blocks_by_wave
+    wave_range = store_mod.wave_range
 
     path = tmp_path / "walk.db"
     items = []
@@ -446,7 +472,7 @@ def test_block_walk_finds_exactly_the_overlapping_blocks(tmp_path):
         lo = _start(rng.randrange(-5, 66)) + rng.randrange(-STEP_NS, STEP_NS)
         hi = lo + rng.randrange(0, 30 * STEP_NS)
         want = rng.sample(ids, rng.randrange(1, 4))
-        got = sorted(b.rowid for b in overlapping_blocks(conn, want, lo, hi))
+        got = sorted(b.rowid for b in blocks_by_time(conn, "wave_blocks", want, lo, hi))
         expected = [
             rowid
             for (rowid,) in conn.execute(
@@ -465,6 +491,18 @@ def test_block_walk_finds_exactly_the_overlapping_blocks(tmp_path):
             assert wave_range(conn, rank_id, lo, hi) == (
                 None if bounds[0] is None else tuple(bounds)
             )
+            first = rng.randrange(-5, 66)
+            last = first + rng.randrange(0, 10)
+            got = sorted(b.rowid for b in blocks_by_wave(conn, "wave_blocks", rank_id, first, last))
+            expected = [
+                rowid
+                for (rowid,) in conn.execute(
+                    "SELECT rowid FROM wave_blocks WHERE rank = ? AND last_wave >= ? "
+                    "AND first_wave <= ? ORDER BY rowid",
+                    (rank_id, first, last),
+                )
+            ]
+            assert got == expected, (rank_id, first, last)
     conn.close()
 
 
