@@ -29,6 +29,7 @@ returns, freshly compiled or loaded as an AOT artifact, is one, and it keeps the
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -60,7 +61,7 @@ KERNELS: dict[str, tuple[str, int, str, int]] = {
 
 
 def kernel_name(target: Any) -> str | None:
-    """"namespace::name" of an FX node's op target (overload or packet), else None."""
+    """The "namespace::name" of an FX node's op target (overload or packet), else None."""
     name = getattr(target, "_qualified_op_name", None)  # OpOverloadPacket
     if name is None:
         schema = getattr(target, "_schema", None)  # OpOverload
@@ -206,17 +207,17 @@ def graph_of(
         label = f"compiled {prefix} #{next(_labels)}"
         found = scan(gm, label, offset) if gm is not None else _NONE
         if found.entries:
-            log.info("compiled_graph_collectives", graph=found.label, collectives=len(found.entries))
+            log.info(
+                "compiled_graph_collectives", graph=found.label, collectives=len(found.entries)
+            )
     except Exception as exc:  # noqa: BLE001 - an unreadable graph: its collectives stay unseen
         tracker = collectives._tracker
         if tracker is not None:
             tracker.errors += 1
         log.warning("compiled_graph_unreadable", error=f"{type(exc).__name__}: {exc}")
         found = _NONE
-    try:
+    with contextlib.suppress(AttributeError, TypeError):  # then read again at the next call
         setattr(owner, GRAPH_ATTR, found)
-    except (AttributeError, TypeError):
-        pass
     return found
 
 

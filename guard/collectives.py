@@ -137,9 +137,7 @@ class CompiledGraph:
 
     __slots__ = ("label", "entries", "locations", "rows", "groups", "first", "last_sizes")
 
-    def __init__(
-        self, label: str, entries: list[tuple], locations: list[tuple[int, int]]
-    ) -> None:
+    def __init__(self, label: str, entries: list[tuple], locations: list[tuple[int, int]]) -> None:
         self.label = label
         self.entries = entries
         self.locations = locations
@@ -167,7 +165,15 @@ class CompiledGraph:
             row = rows.get((op, meta.label))
             if row is None:
                 row = rows[(op, meta.label)] = [
-                    (op, meta.label), 0, 0, {}, meta, dtype, offset, offset, []
+                    (op, meta.label),
+                    0,
+                    0,
+                    {},
+                    meta,
+                    dtype,
+                    offset,
+                    offset,
+                    [],
                 ]
             row[1] += 1
             row[2] += constant
@@ -186,9 +192,7 @@ class CompiledGraph:
 
     def sizes(self, args: tuple) -> list[int]:
         """The symbolic sizes' values in one call, read from its arguments."""
-        return [
-            int(args[i]) if dim < 0 else int(args[i].shape[dim]) for i, dim in self.locations
-        ]
+        return [int(args[i]) if dim < 0 else int(args[i].shape[dim]) for i, dim in self.locations]
 
     def calls_at(self, sizes: list[int]) -> list[tuple[str, GroupMeta, int, str]]:
         """(op, group meta, bytes, dtype) of each collective at these sizes, in program order
@@ -763,7 +767,8 @@ def add_waves(cols: guard_pb2.CollectiveColumns, items: list[FinishedWave]) -> N
         injected.append(item.injected_delay_ns)
         replay.append(item.replay_device_ns)
         for (op, group), stat in item.stats.items():
-            n, b, h, m, f, last_seq, backend, dtype, r, g = stat
+            n, b, h, m, f, last_seq, backend, dtype, r = stat[:GRAPH_COUNTED]
+            g = stat[GRAPH_COUNTED] if len(stat) > GRAPH_COUNTED else 0  # a 9-field row: none
             key = (op, group, backend, dtype)
             index = keys.get(key)
             if index is None:
@@ -875,8 +880,8 @@ def wrap_collective(
 
     def guarded_collective(self: Any, *args: Any, **kwargs: Any) -> Any:
         tracker = _tracker
-        if tracker is None or is_compiling():
-            return fn(self, *args, **kwargs)
+        if tracker is None or tracker._depth or is_compiling():  # _depth: inside a counted
+            return fn(self, *args, **kwargs)  # call (a compiled graph, a nested collective)
         return tracker.run(op, fn, self, args, kwargs, payload)
 
     guarded_collective.__name__ = getattr(fn, "__name__", op)
