@@ -135,7 +135,9 @@ class CompiledGraph:
     `group` is the GroupCoordinator; its guard meta is bound at the first call (`bind`).
     """
 
-    __slots__ = ("label", "entries", "locations", "rows", "groups", "first", "last_sizes")
+    __slots__ = (
+        "label", "entries", "locations", "rows", "groups", "first", "last_sizes", "longest_ns"
+    )  # fmt: skip
 
     def __init__(self, label: str, entries: list[tuple], locations: list[tuple[int, int]]) -> None:
         self.label = label
@@ -147,6 +149,9 @@ class CompiledGraph:
         self.groups: list[tuple[GroupMeta, int]] = []  # seq advance per group and call
         self.first: tuple[str, GroupMeta] | None = None
         self.last_sizes: list[int] = []
+        # the longest call in a wave so far: compute runs inside the call too, so the
+        # watchdog gives a call this much on top of its deadline
+        self.longest_ns = 0
 
     def bind(self, meta_of: Callable[[Any], GroupMeta]) -> list[list]:
         """Resolve each entry's group meta and fold the entries into per-key rows."""
@@ -581,7 +586,10 @@ class CollectiveTracker:
             if record is not None:
                 record.leave()
             if self.wave:  # the whole call, compute included: what a peer's lateness adds to
-                self._wait_ns += time.perf_counter_ns() - start
+                spent = time.perf_counter_ns() - start
+                self._wait_ns += spent
+                if spent > graph.longest_ns:
+                    graph.longest_ns = spent
 
     def _run_graph_captured(
         self, graph: CompiledGraph, fn: Callable[..., Any], args: tuple, kwargs: dict

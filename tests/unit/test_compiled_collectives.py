@@ -265,3 +265,37 @@ def test_an_unreadable_graph_is_counted_as_an_error_and_runs(setup):
     compiled_collectives.KERNELS["ag_test::shm_allreduce"] = ("all_reduce", 1, "handle", 5)
     out = compile_counted(lambda x: inlined(group, x))(torch.ones(2, 8))
     assert out.shape == (2, 8) and tracker.errors == 1
+
+
+def test_the_watchdog_gives_a_compiled_call_its_compute_time_on_top_of_the_deadline(setup):
+    """A compiled call's age includes the graph's compute: twice the longest call seen in a
+    wave is added to the deadline before it reads as a hang."""
+    from guard.collectives import CompiledGraph, InReplay
+
+    group, tracker, _ = setup
+    counted = []
+    real = compiled_collectives.counted
+
+    def keep(gm, compiled):
+        counted.append(real(gm, compiled))
+        return counted[-1]
+
+    compiled_collectives.counted = keep
+    try:
+        compile_counted(lambda x: inlined(group, x))(torch.ones(3, 8))
+    finally:
+        compiled_collectives.counted = real
+    (call,) = counted
+    assert getattr(call, compiled_collectives.GRAPH_ATTR).longest_ns > 0  # measured in a wave
+    incidents = []
+    watchdog = CollectiveWatchdog(
+        tracker, deadline_s=3.0, interval_s=0.1, arm_after_waves=0,
+        report=lambda *args, **kwargs: incidents.append(kwargs),
+    )  # fmt: skip
+    g = CompiledGraph("compiled graph #x", [], [])
+    g.longest_ns = 2 * 10**9
+    tracker.current = ("all_reduce", "tp", "shm", 9, 0)
+    tracker.in_replay = InReplay(g, "all_reduce", "tp", "shm", 9, 0, None)
+    assert not watchdog.check(now_ns=int(6.9e9))  # 3 s + 2 x 2 s not passed yet
+    assert watchdog.check(now_ns=int(7.1e9))
+    assert incidents[0]["evidence"]["graph"] == "compiled graph #x"
