@@ -290,7 +290,12 @@ ATTACH_POINTS: tuple[AttachPoint, ...] = tuple(
     + _points(
         "collective", "vllm.compilation.caching", "VllmSerializableFunction",
         {"__call__": "compiled_graph"}, RUNTIMES,
-        note="compiled: counted per compiled-graph call from its FX graph",
+        note="VLLM_COMPILE: counted per compiled-graph call from its FX graph",
+    )  # fmt: skip
+    + _points(
+        "collective", "vllm.config.compilation", "CompilationConfig",
+        {"init_backend": "compiled_graph"}, RUNTIMES,
+        note="DYNAMO_TRACE_ONCE / stock torch.compile (CPU default): the backend counts",
     )  # fmt: skip
     # -- collectives inside captured graphs: the device graph classes' capture and replay ------
     + _points(

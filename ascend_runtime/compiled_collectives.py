@@ -21,10 +21,13 @@ Lost against per-call counting: each collective's own host time (host_ns 0 for t
 slow-call list and the wave's wait time come from eager calls only) and, in a hang, which of
 the graph's collectives a rank waits in (the verdict names the graph and its list).
 
-The hook is `vllm.compilation.caching.VllmSerializableFunction.__call__` (action
-"compiled_graph" in `ascend_runtime/attach_points.py`): every compiled graph vLLM's backend
-returns, freshly compiled or loaded as an AOT artifact, is one, and it keeps the Dynamo graph
-(`graph_module`).
+Two hooks (action "compiled_graph" in `ascend_runtime/attach_points.py`), one per compilation
+mode: `vllm.compilation.caching.VllmSerializableFunction.__call__` for `VLLM_COMPILE` (every
+compiled graph vLLM's own backend returns, freshly compiled or loaded as an AOT artifact, is
+one, and it keeps the Dynamo graph as `graph_module`), and
+`vllm.config.compilation.CompilationConfig.init_backend` for the modes that hand torch.compile
+a stock backend (`DYNAMO_TRACE_ONCE`, vLLM's CPU default, and `STOCK_TORCH_COMPILE`): that
+backend is wrapped so that its compiled callable is counted the same way.
 """
 
 from __future__ import annotations
@@ -238,7 +241,15 @@ def counted(gm: Any, compiled: Callable[..., Any], prefix: str = "graph") -> Cal
 
 
 def compiled_graph_wrapper(method_name: str, method: Callable[..., Any]) -> Callable[..., Any]:
-    """The wrapper of `VllmSerializableFunction.__call__` (the binder's "compiled_graph")."""
+    """The wrapper of `VllmSerializableFunction.__call__` and of
+    `CompilationConfig.init_backend` (the binder's "compiled_graph" action)."""
+    if method_name == "init_backend":
+        wrapper = _init_backend_wrapper(method)
+        wrapper.__qualname__ = getattr(method, "__qualname__", method_name)
+        wrapper.__doc__ = getattr(method, "__doc__", None)
+        wrapper.__wrapped__ = method  # type: ignore[attr-defined]
+        setattr(wrapper, collectives.GUARD_WRAPPED_ATTR, method)
+        return wrapper
     if method_name != "__call__":
         raise ValueError(f"no compiled-graph wrapper for {method_name!r}")
 
@@ -263,3 +274,42 @@ def compiled_graph_wrapper(method_name: str, method: Callable[..., Any]) -> Call
 def _prefix(fn: Any) -> str:
     prefix = getattr(fn, "prefix", "") or ""
     return prefix if isinstance(prefix, str) and prefix else "graph"
+
+
+def counting_backend(backend: Any, inductor_config: dict | None = None) -> Callable[..., Any]:
+    """A torch.compile backend (a name or a callable) whose compiled callables count their
+    collectives per call. "inductor" is compiled as torch.compile would (`compile_fx` with
+    the inductor options vLLM passes for it)."""
+    if isinstance(backend, str):
+        if backend == "inductor":
+            patches = dict(inductor_config or {})
+
+            def inner(gm: Any, example_inputs: Any) -> Any:
+                from torch._inductor.compile_fx import compile_fx
+
+                return compile_fx(gm, example_inputs, config_patches=patches)
+        else:
+            from torch._dynamo import lookup_backend
+
+            inner = lookup_backend(backend)
+    else:
+        inner = backend
+
+    def guard_counting_backend(gm: Any, example_inputs: Any) -> Any:
+        return counted(gm, inner(gm, example_inputs), "model")
+
+    return guard_counting_backend
+
+
+def _init_backend_wrapper(method: Callable[..., Any]) -> Callable[..., Any]:
+    def init_backend(self: Any, *args: Any, **kwargs: Any) -> Any:
+        backend = method(self, *args, **kwargs)
+        if type(backend).__name__ == "VllmBackend":  # its graphs: VllmSerializableFunction
+            return backend
+        try:
+            return counting_backend(backend, getattr(self, "inductor_compile_config", None))
+        except Exception as exc:  # noqa: BLE001 - the stock backend then, collectives unseen
+            log.warning("compiled_backend_unwrapped", error=f"{type(exc).__name__}: {exc}")
+            return backend
+
+    return init_backend

@@ -299,3 +299,25 @@ def test_the_watchdog_gives_a_compiled_call_its_compute_time_on_top_of_the_deadl
     assert not watchdog.check(now_ns=int(6.9e9))  # 3 s + 2 x 2 s not passed yet
     assert watchdog.check(now_ns=int(7.1e9))
     assert incidents[0]["evidence"]["graph"] == "compiled graph #x"
+
+
+def test_stock_backends_from_vllms_compilation_config_count_per_call(setup):
+    """vLLM's real `CompilationConfig.init_backend` in DYNAMO_TRACE_ONCE mode (vLLM's CPU
+    default) with the guard's wrapper: the stock backend it names comes back counting."""
+    from vllm.config import CompilationConfig, CompilationMode
+
+    group, tracker, _ = setup
+    config = CompilationConfig(mode=CompilationMode.DYNAMO_TRACE_ONCE, backend="aot_eager")
+    init_backend = compiled_collectives.compiled_graph_wrapper(
+        "init_backend", CompilationConfig.init_backend
+    )
+    backend = init_backend(config, None)
+    assert callable(backend) and backend.__name__ == "guard_counting_backend"
+    compiled = torch.compile(lambda x: inlined(group, x), backend=backend, fullgraph=True)
+    for n in (3, 4):
+        x = torch.ones(n, 8)
+        torch._dynamo.mark_dynamic(x, 0)
+        compiled(x)
+    tracker.roll(0)
+    stat = tracker.finished[0].stats[("all_reduce", "tp")]
+    assert stat[:2] == [6, 3 * (3 + 4) * 8 * 4] and stat[GRAPH_COUNTED] == 6
