@@ -232,7 +232,7 @@ def counted(gm: Any, compiled: Callable[..., Any], prefix: str = "graph") -> Cal
         tracker = collectives._tracker
         if tracker is None:
             return compiled(*args)
-        graph = graph_of(call, gm, prefix)
+        graph = call.__dict__.get(GRAPH_ATTR) or graph_of(call, gm, prefix)
         if graph is _NONE:
             return compiled(*args)
         return tracker.run_graph(graph, compiled, args, {})

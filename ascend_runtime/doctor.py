@@ -209,14 +209,19 @@ def collective_lines(rows: Sequence[Row], runtime: str, config: Any = None) -> d
     elif present("compiled_graph"):
         missing = unbound("compiled_graph")
         kernels = (
-            "vLLM's collective custom ops" if _custom_op_collectives(platform)
+            "vLLM's collective custom ops"
+            if _custom_op_collectives(platform)
             else "the communicator's kernels (torch.compile inlines it)"
-        )  # fmt: skip
-        compiled = why_not(missing) if missing else (
-            f"per compiled-graph call: {kernels} found in each compiled graph's FX graph (op, "
-            "group, bytes per batch size), all counted at each call of the graph as "
-            "graph_counted; no per-call host time; a hang names the graph and its list"
-        )  # fmt: skip
+        )
+        compiled = (
+            why_not(missing)
+            if missing
+            else (
+                f"per compiled-graph call: {kernels} found in each compiled graph's FX graph (op, "
+                "group, bytes per batch size), all counted at each call of the graph as "
+                "graph_counted; no per-call host time; a hang names the graph and its list"
+            )
+        )
     else:
         compiled = "not at all: no compiled-graph attach point for this runtime"
     if platform == "cpu":

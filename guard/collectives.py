@@ -136,8 +136,15 @@ class CompiledGraph:
     """
 
     __slots__ = (
-        "label", "entries", "locations", "rows", "groups", "first", "last_sizes", "longest_ns"
-    )  # fmt: skip
+        "label",
+        "entries",
+        "locations",
+        "rows",
+        "groups",
+        "first",
+        "last_sizes",
+        "longest_ns",
+    )
 
     def __init__(self, label: str, entries: list[tuple], locations: list[tuple[int, int]]) -> None:
         self.label = label
@@ -329,17 +336,23 @@ class CollectiveTracker:
         if self._replay_events or self._parked:
             self.poll_replays()
         if self.wave and (self._stats or self.injected_delay_ns):
-            item = FinishedWave(
-                self.wave,
-                self._first_arrival,
-                self._wait_ns,
-                self._stats,
-                self._slow,
-                self._slow_dropped,
-                self.injected_delay_ns,
-                self._replay_device_ns.pop(self.wave, 0),
+            # tuple.__new__: no Python frame for the NamedTuple's __new__ (frames cost most
+            # where this runs from compiled code)
+            item = _new_tuple(
+                FinishedWave,
+                (
+                    self.wave,
+                    self._first_arrival,
+                    self._wait_ns,
+                    self._stats,
+                    self._slow,
+                    self._slow_dropped,
+                    self.injected_delay_ns,
+                    self._replay_device_ns.pop(self.wave, 0),
+                ),
             )
-            if any(w == self.wave for w, _, _ in self._replay_events):
+            events = self._replay_events
+            if events and any(w == self.wave for w, _, _ in events):
                 self._parked.append(item)  # its replays' device times are not resolved yet
             else:
                 self.finished.append(item)
@@ -535,7 +548,10 @@ class CollectiveTracker:
             first_op, first_meta = first
             first_seq = first_meta.seq + 1
             if self.wave:
-                graph.last_sizes = sizes = graph.sizes(args) if graph.locations else []
+                sizes = []  # graph.sizes(args), inline: one Python frame fewer per call
+                for i, dim in graph.locations:
+                    sizes.append(args[i] if dim < 0 else args[i].shape[dim])
+                graph.last_sizes = sizes
                 stats = self._stats
                 for key, n, nbytes, terms, meta, dtype, first_off, last_off, exacts in rows:
                     for k, coef in terms:
@@ -546,9 +562,17 @@ class CollectiveTracker:
                     stat = stats.get(key)
                     if stat is None:
                         stats[key] = [
-                            n, nbytes, 0, 0, base + first_off, base + last_off, meta.backend,
-                            dtype, 0, n,
-                        ]  # fmt: skip
+                            n,
+                            nbytes,
+                            0,
+                            0,
+                            base + first_off,
+                            base + last_off,
+                            meta.backend,
+                            dtype,
+                            0,
+                            n,
+                        ]
                     else:
                         stat[0] += n
                         stat[1] += nbytes

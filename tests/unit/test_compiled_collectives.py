@@ -177,9 +177,12 @@ def test_inside_the_call_the_heartbeat_and_watchdog_name_the_graph(setup, monkey
     group, tracker, _ = setup
     incidents = []
     watchdog = CollectiveWatchdog(
-        tracker, deadline_s=1.0, interval_s=0.1, arm_after_waves=0,
+        tracker,
+        deadline_s=1.0,
+        interval_s=0.1,
+        arm_after_waves=0,
         report=lambda *args, **kwargs: incidents.append((args, kwargs)),
-    )  # fmt: skip
+    )
     inside = []
     bare = Coordinator._all_reduce_out_place
 
@@ -289,9 +292,12 @@ def test_the_watchdog_gives_a_compiled_call_its_compute_time_on_top_of_the_deadl
     assert getattr(call, compiled_collectives.GRAPH_ATTR).longest_ns > 0  # measured in a wave
     incidents = []
     watchdog = CollectiveWatchdog(
-        tracker, deadline_s=3.0, interval_s=0.1, arm_after_waves=0,
+        tracker,
+        deadline_s=3.0,
+        interval_s=0.1,
+        arm_after_waves=0,
         report=lambda *args, **kwargs: incidents.append(kwargs),
-    )  # fmt: skip
+    )
     g = CompiledGraph("compiled graph #x", [], [])
     g.longest_ns = 2 * 10**9
     tracker.current = ("all_reduce", "tp", "shm", 9, 0)
