@@ -171,7 +171,9 @@ def _bytes(tensor: Any, symbols: dict[Any, int]) -> tuple[int, tuple, Any]:
     return 0, (), lambda sizes: int(fn(*(sizes[k] for k in order)))
 
 
-def scan(gm: Any, label: str, offset: int = 0) -> collectives.CompiledGraph:
+def scan(
+    gm: Any, label: str, offset: int = 0, portable: list | None = None
+) -> collectives.CompiledGraph:
     """The collectives the Dynamo FX graph `gm` holds, in program order (the call's
     arguments are the graph's inputs after `offset` leading ones)."""
     locations = _symbol_locations(gm)
@@ -194,6 +196,8 @@ def scan(gm: Any, label: str, offset: int = 0) -> collectives.CompiledGraph:
         constant, terms, exact = _bytes(tensor, symbols)
         dtype = str(tensor.dtype).removeprefix("torch.")
         entries.append((op, group, dtype, constant, terms, exact))
+        if portable is not None:  # what a saved artifact keeps: groups by how they are named
+            portable.append((op, naming, naming_value, dtype, constant, terms, exact is not None))
     where = [(i + offset, dim) for i, dim in locations.values()]
     return collectives.CompiledGraph(label, entries, where)
 
@@ -296,7 +300,16 @@ def counting_backend(backend: Any, inductor_config: dict | None = None) -> Calla
         inner = backend
 
     def guard_counting_backend(gm: Any, example_inputs: Any) -> Any:
-        return counted(gm, inner(gm, example_inputs), "model")
+        compiled = inner(gm, example_inputs)
+        serializable = _serializable_base()
+        if serializable is not None and _aot_compiling():  # AOT compile saves what we return
+            if not isinstance(compiled, serializable) and getattr(compiled, "serialize", None):
+                from torch._dynamo.aot_compile import BundledAOTAutogradSerializableCallable
+
+                compiled = BundledAOTAutogradSerializableCallable(compiled)  # as torch does
+            if isinstance(compiled, serializable):
+                return _counted_serializable()(gm, compiled)
+        return counted(gm, compiled, "model")
 
     return guard_counting_backend
 
@@ -313,3 +326,101 @@ def _init_backend_wrapper(method: Callable[..., Any]) -> Callable[..., Any]:
             return backend
 
     return init_backend
+
+
+def _aot_compiling() -> bool:
+    try:
+        import torch._dynamo.config as dynamo_config
+
+        return bool(getattr(dynamo_config, "enable_aot_compile", False))
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def _serializable_base() -> Any:
+    try:
+        from torch._dynamo.aot_compile_types import SerializableCallable
+    except Exception:  # noqa: BLE001 - an older torch: no AOT compile
+        return None
+    return SerializableCallable
+
+
+_classes: dict[str, Any] = {}
+
+
+def _counted_serializable() -> Any:
+    """The counting wrapper as a torch `SerializableCallable` (what AOT compile saves and
+    loads, vLLM's default with the compile cache on): the stock backend's artifact plus the
+    graph's collective list, groups kept by name / handle / c10d name and resolved again at
+    load."""
+    cls = _classes.get("counted")
+    if cls is not None:
+        return cls
+    import importlib
+    import pickle
+
+    base = _serializable_base()
+
+    class GuardCountedCallable(base):  # type: ignore[misc, valid-type]
+        def __init__(self, gm: Any, inner: Any, portable: list | None = None) -> None:
+            self.inner = inner
+            self.portable: list = []
+            if portable is not None:
+                self.portable = portable
+                self.graph = _rebuild(portable, self)
+            else:
+                try:
+                    self.graph = scan(gm, f"compiled model #{next(_labels)}", 0, self.portable)
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("compiled_graph_unreadable", error=f"{type(exc).__name__}: {exc}")
+                    self.graph = _NONE
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            tracker = collectives._tracker
+            graph = self.graph
+            if tracker is None or graph is _NONE or not graph.entries:
+                return self.inner(*args, **kwargs)
+            return tracker.run_graph(graph, self.inner, args, kwargs)
+
+        @classmethod
+        def serialize_compile_artifacts(cls, fn: Any) -> bytes:
+            if any(entry[6] for entry in fn.portable):
+                raise ValueError("a collective's size is not linear in the batch size")
+            inner_cls = type(fn.inner)
+            data = inner_cls.serialize_compile_artifacts(fn.inner)
+            where = (inner_cls.__module__, inner_cls.__qualname__)
+            return pickle.dumps((where, data, fn.portable, fn.graph.locations))
+
+        @classmethod
+        def deserialize_compile_artifacts(cls, data: bytes) -> Any:
+            (module, qualname), inner_data, portable, locations = pickle.loads(data)
+            inner_cls: Any = importlib.import_module(module)
+            for part in qualname.split("."):
+                inner_cls = getattr(inner_cls, part)
+            fn = cls(None, inner_cls.deserialize_compile_artifacts(inner_data), portable)
+            if fn.graph is not _NONE:
+                fn.graph.locations = locations
+            return fn
+
+    GuardCountedCallable.__module__ = __name__
+    GuardCountedCallable.__qualname__ = "GuardCountedCallable"
+    _classes["counted"] = GuardCountedCallable
+    globals()["GuardCountedCallable"] = GuardCountedCallable  # found by module + qualname
+    return GuardCountedCallable
+
+
+def _rebuild(portable: list, owner: Any) -> collectives.CompiledGraph:
+    entries = []
+    for op, naming, value, dtype, constant, terms, _exact in portable:
+        group = _resolve(naming, value)
+        if group is None:
+            log.warning("compiled_graph_unreadable", error=f"no live group for {value!r}")
+            return _NONE
+        entries.append((op, group, dtype, constant, tuple(terms), None))
+    return collectives.CompiledGraph(f"compiled model #{next(_labels)}", entries, [])
+
+
+def __getattr__(name: str) -> Any:  # pickle / AOT load look the class up by name
+    if name == "GuardCountedCallable":
+        return _counted_serializable()
+    raise AttributeError(name)

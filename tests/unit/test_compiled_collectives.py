@@ -327,3 +327,26 @@ def test_stock_backends_from_vllms_compilation_config_count_per_call(setup):
     tracker.roll(0)
     stat = tracker.finished[0].stats[("all_reduce", "tp")]
     assert stat[:2] == [6, 3 * (3 + 4) * 8 * 4] and stat[GRAPH_COUNTED] == 6
+
+
+def test_an_aot_compiled_artifact_saves_and_loads_its_collective_list(setup, tmp_path):
+    """vLLM's default with the compile cache on: AOT compile saves what the backend returned
+    and a later process loads it. The counting wrapper saves the stock backend's artifact and
+    the graph's collective list; loaded, it counts with bytes per batch size as before."""
+    group, tracker, _ = setup
+    backend = compiled_collectives.counting_backend("inductor", {})
+    x = torch.ones(3, 8)
+    torch._dynamo.mark_dynamic(x, 0)
+    with torch._dynamo.config.patch(enable_aot_compile=True):
+        compiled = torch.compile(lambda t: inlined(group, t), backend=backend, fullgraph=True)
+        saved = compiled.aot_compile(((x,), {}))
+    path = tmp_path / "artifact.bin"
+    saved.save_compiled_function(str(path))
+    with path.open("rb") as f:
+        loaded = torch.compiler.load_compiled_function(f)
+    for n in (5, 7):
+        loaded(torch.ones(n, 8))
+    tracker.roll(0)
+    stat = tracker.finished[0].stats[("all_reduce", "tp")]
+    assert stat[:2] == [6, 3 * (5 + 7) * 8 * 4] and stat[GRAPH_COUNTED] == 6
+    assert tracker.errors == 0
