@@ -27,7 +27,11 @@ compiled graph vLLM's own backend returns, freshly compiled or loaded as an AOT 
 one, and it keeps the Dynamo graph as `graph_module`), and
 `vllm.config.compilation.CompilationConfig.init_backend` for the modes that hand torch.compile
 a stock backend (`DYNAMO_TRACE_ONCE`, vLLM's CPU default, and `STOCK_TORCH_COMPILE`): that
-backend is wrapped so that its compiled callable is counted the same way.
+backend is wrapped so that its compiled callable is counted the same way; under AOT compile
+(vLLM's default there with the compile cache on) the wrapper is a torch `SerializableCallable`
+that saves the stock artifact with the graph's collective list and counts again once loaded.
+An artifact saved by an unguarded process and loaded by a guarded one holds no list: its
+collectives stay unseen (separate caches, or VLLM_DISABLE_COMPILE_CACHE=1, avoid that).
 """
 
 from __future__ import annotations
