@@ -213,8 +213,9 @@ def test_fire_drill_straggler_is_found_by_collective_skew(dep: Deployment) -> No
 
 def test_the_guard_causes_no_graph_break_or_recompile(dep: Deployment) -> None:
     """Dynamo's log of the guarded server: one traced graph per rank (compile id 0/0 only), no
-    graph break, no recompile, every all-reduce of the graph is the backend's own kernel (no
-    guard op: the graph is the unguarded one), and the guard found each of them in it."""
+    graph break, no recompile, and every all-reduce of the graph is the backend's own kernel
+    (no guard op: the graph is the unguarded one). That the guard found each of them in it is
+    the counts test's per-step all-reduce count."""
     layers, _, _ = model_shape(dep.model)
     found = compile_log(dep.server.log_path)
     assert set(found) == {"0", "1"}, found
@@ -222,9 +223,6 @@ def test_the_guard_causes_no_graph_break_or_recompile(dep: Deployment) -> None:
         assert r["graphs"] == 1 and r["compile_ids"] == 1, (tp, r)
         assert r["breaks"] == 0 and r["recompiles"] == 0, (tp, r)
         assert r["guard_ops"] == 0 and r["backend_ops"] == 1 + 2 * layers, (tp, r)
-    log_text = dep.server.log_path.read_text(errors="replace")
-    scanned = re.findall(r"compiled_graph_collectives\s.*?collectives=(\d+)", log_text)
-    assert scanned == [str(1 + 2 * layers)] * 2, scanned  # one compiled graph per rank
     dep.compile_found = found
 
 
