@@ -236,10 +236,10 @@ def _collective(method: Callable[..., Any], point: AttachPoint) -> Callable[...,
     return collective_wrapper(point.method, method)
 
 
-def _collective_op(method: Callable[..., Any], point: AttachPoint) -> Callable[..., Any]:
-    from ascend_runtime.collective_ops import compiled_collective_wrapper
+def _compiled_graph(method: Callable[..., Any], point: AttachPoint) -> Callable[..., Any]:
+    from ascend_runtime.compiled_collectives import compiled_graph_wrapper
 
-    return compiled_collective_wrapper(point.method, method)
+    return compiled_graph_wrapper(point.method, method)
 
 
 def _graph_collectives(method: Callable[..., Any], point: AttachPoint) -> Callable[..., Any]:
@@ -262,7 +262,7 @@ WRAPPERS: dict[str, Wrapper] = {
     "verify_logits": _guard_decorator(runtime_guard_verify_logits),
     "schedule": _guard_decorator(guard_schedule),
     "collective": _collective,
-    "collective_op": _collective_op,
+    "compiled_graph": _compiled_graph,
     "graph_collectives": _graph_collectives,
 }
 assert set(WRAPPERS) == set(ACTIONS), "every action needs a wrapper"

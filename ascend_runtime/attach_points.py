@@ -39,8 +39,8 @@ ACTIONS = {
     "verify_logits": "spec-decode verification logits: the logits detectors",
     "schedule": "engine core: stamp hot-reloaded config onto the scheduler output",
     "collective": "op, group, backend, bytes, per-group sequence number; per-wave aggregates",
-    "collective_op": "under torch.compile: the communicator's collective as an opaque guard op, "
-    "counted per call at run time",
+    "compiled_graph": "torch.compile'd graphs: collectives found in the FX graph, counted per "
+    "compiled-graph call (graph_counted), no Python per collective",
     "graph_collectives": "captured device graphs: collectives noted at capture, counted at each "
     "replay (replayed), replay device time from events",
 }
@@ -55,10 +55,6 @@ COLLECTIVE_METHODS = (
     "send", "recv", "barrier", "dispatch", "combine",
 )  # fmt: skip
 
-# Device communicator methods that torch.compile inlines where the platform does not route
-# collectives through vLLM's custom ops (CPU): wrapped so the compiled graph keeps them opaque
-# (ascend_runtime/collective_ops.py). Elsewhere vLLM's custom ops already are opaque.
-COMPILED_COLLECTIVE_METHODS = ("all_reduce", "all_gather")
 # Device graph classes' own capture/replay hooks: every capture path (vLLM's CUDAGraphWrapper,
 # MRV2's graph managers, vllm-ascend's ACLGraphWrapper; piecewise and FULL) goes through them.
 GRAPH_METHODS = ("capture_begin", "capture_end", "replay")
@@ -290,11 +286,16 @@ ATTACH_POINTS: tuple[AttachPoint, ...] = tuple(
         "collective", "vllm.distributed.parallel_state", "GroupCoordinator",
         dict.fromkeys(COLLECTIVE_METHODS, "collective"), RUNTIMES,
     )  # fmt: skip
-    # -- collectives inside torch.compile where no custom op hides them (CPU) ----------------
+    # -- collectives inside torch.compile'd graphs: every compiled graph vLLM's backend returns -
     + _points(
-        "collective", "vllm.distributed.device_communicators.cpu_communicator", "CpuCommunicator",
-        dict.fromkeys(COMPILED_COLLECTIVE_METHODS, "collective_op"), CPU,
-        note="compiled: guard op per call; eager: counted by GroupCoordinator",
+        "collective", "vllm.compilation.caching", "VllmSerializableFunction",
+        {"__call__": "compiled_graph"}, RUNTIMES,
+        note="VLLM_COMPILE: counted per compiled-graph call from its FX graph",
+    )  # fmt: skip
+    + _points(
+        "collective", "vllm.config.compilation", "CompilationConfig",
+        {"init_backend": "compiled_graph"}, RUNTIMES,
+        note="DYNAMO_TRACE_ONCE / stock torch.compile (CPU default): the backend counts",
     )  # fmt: skip
     # -- collectives inside captured graphs: the device graph classes' capture and replay ------
     + _points(

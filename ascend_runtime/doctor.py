@@ -206,20 +206,24 @@ def collective_lines(rows: Sequence[Row], runtime: str, config: Any = None) -> d
     )  # fmt: skip
     if coordinator:
         compiled = eager
-    elif _custom_op_collectives(platform):
-        compiled = (
-            "per call: the platform's collectives are vLLM custom ops, opaque to torch.compile; "
-            "their implementation calls the GroupCoordinator methods at run time"
+    elif present("compiled_graph"):
+        missing = unbound("compiled_graph")
+        kernels = (
+            "vLLM's collective custom ops"
+            if _custom_op_collectives(platform)
+            else "the communicator's kernels (torch.compile inlines it)"
         )
-    elif present("collective_op"):
-        missing = unbound("collective_op")
-        compiled = why_not(missing) if missing else (
-            "per call: torch.compile would inline the communicator down to its kernel; its "
-            "methods emit the guard op ascend_guard::all_reduce_ / all_gather instead, which "
-            "counts each call at run time"
-        )  # fmt: skip
+        compiled = (
+            why_not(missing)
+            if missing
+            else (
+                f"per compiled-graph call: {kernels} found in each compiled graph's FX graph (op, "
+                "group, bytes per batch size), all counted at each call of the graph as "
+                "graph_counted; no per-call host time; a hang names the graph and its list"
+            )
+        )
     else:
-        compiled = "not at all: the compiled graph inlines the communicator (no guard op here)"
+        compiled = "not at all: no compiled-graph attach point for this runtime"
     if platform == "cpu":
         graphs = "none captured: vLLM captures no device graph on CPU"
     elif present("graph_collectives"):

@@ -15,11 +15,13 @@ the effect; the micro numbers and the measured step time give the share that the
 numbers cannot resolve.
 
 **Compiled (in-process, torch.compile with inductor).** The same calls made from inside a
-compiled function, as vLLM's compiled model makes them on CPU: bare (Dynamo inlines the
-communicator down to its kernel), guard off (the communicator's method emits the guard's
-opaque op, no tracker) and guard on (the op's kernel counts the call). `COMPILED_CALLS`
-collectives per compiled call; the compiled function's own fixed cost is the same in all three.
-The summary line compares the guard's added host cost per call, compiled against eager.
+compiled function, as vLLM's compiled model makes them: on CPU Dynamo inlines the communicator
+down to its kernel (a gloo all_reduce, or a no-op kernel); on CUDA / Ascend the graph calls
+vLLM's custom op. Bare is the compiled function as vLLM runs it without the guard; guard off
+and on add the guard's wrapper around the compiled callable (`compiled_collectives.counted`,
+what the guard puts on vLLM's `VllmSerializableFunction.__call__`), which counts the graph's
+`COMPILED_CALLS` collectives per compiled call (dim 0 symbolic, read per call). The summary
+line compares the guard's added host cost per collective, compiled against eager.
 
     python bench/collectives.py [--calls 20000] [--rounds 7] [--macro-rounds 6] [--no-macro]
 """
@@ -110,19 +112,83 @@ def _micro(calls: int, rounds: int) -> dict[str, dict[str, float]]:
     return results
 
 
+def _compiled_fns(step, example, reset: bool = True) -> dict:
+    """`step` compiled with inductor twice: bare (vLLM without the guard), and with the
+    guard's per-compiled-graph-call wrapper (guard off: no tracker installed; guard on)."""
+    import torch
+    from torch._inductor.compile_fx import compile_fx
+
+    from ascend_runtime import compiled_collectives
+
+    def counted_backend(gm, example_inputs):
+        return compiled_collectives.counted(gm, compile_fx(gm, example_inputs))
+
+    if reset:
+        torch._dynamo.reset()
+    fns = {
+        "bare": torch.compile(step, backend="inductor", fullgraph=True),
+        "guard off": torch.compile(step, backend=counted_backend, fullgraph=True),
+    }
+    fns["guard on"] = fns["guard off"]
+    for fn in fns.values():
+        torch._dynamo.mark_dynamic(example, 0)  # the batch size is symbolic, as in vLLM
+        fn(example)  # compile outside the timing
+    return fns
+
+
+def _time_compiled(fns: dict, n: int, rounds: int, tracker, wave, tensor) -> dict:
+    import torch
+
+    from guard.collectives import install_tracker
+
+    def run(fn, on: bool) -> float:
+        install_tracker(tracker if on else None)
+        start = time.perf_counter_ns()
+        for _ in range(n):
+            wave["n"] += 1
+            fn(tensor)
+        elapsed = time.perf_counter_ns() - start
+        install_tracker(None)
+        tracker.finished.clear()
+        return elapsed / (n * COMPILED_CALLS)
+
+    samples: dict[str, list[float]] = {mode: [] for mode in fns}
+    with torch.inference_mode():
+        for r in range(rounds + 1):
+            for mode in list(fns) if r % 2 else list(reversed(fns)):
+                ns = run(fns[mode], mode == "guard on")
+                if r:
+                    samples[mode].append(ns)
+    return {
+        "best": {mode: min(v) for mode, v in samples.items()},
+        "median": {mode: statistics.median(v) for mode, v in samples.items()},
+    }
+
+
 def _compiled(calls: int, rounds: int, group, tracker, wave) -> dict[str, dict[str, float]]:
-    """Per-call ns of collectives made inside an inductor-compiled function."""
+    """Per-collective ns of collectives made inside an inductor-compiled function, as vLLM's
+    compiled model makes them on CPU: Dynamo inlines the communicator down to its kernel (a
+    real one-rank gloo all_reduce; or a no-op kernel of the scanner's table, to see the
+    guard's own cost); the guard counts them per compiled-graph call."""
     import weakref
 
     import torch
     import torch.distributed as dist
     from vllm.distributed import parallel_state
 
-    from ascend_runtime import collective_ops
-    from guard.collectives import install_tracker
+    from ascend_runtime import compiled_collectives
+
+    lib = torch.library.Library("ag_bench", "FRAGMENT")
+    lib.define("noop_allreduce(int handle, Tensor(a!) data) -> ()")
+    lib.impl("noop_allreduce", lambda handle, data: None, "CompositeExplicitAutograd")
+    lib._register_fake("noop_allreduce", lambda handle, data: None)
+    compiled_collectives.KERNELS["ag_bench::noop_allreduce"] = ("all_reduce", 1, "handle", 0)
+
+    class ShmModule:  # what the scanner resolves a kernel's handle through
+        handle = 4242
 
     class Communicator:  # CpuCommunicator's shape
-        unique_name = "tp:bench"
+        dist_module = ShmModule()
 
         def all_reduce(self, input_):
             dist.all_reduce(input_, group=group)
@@ -130,64 +196,37 @@ def _compiled(calls: int, rounds: int, group, tracker, wave) -> dict[str, dict[s
 
     class NoopCommunicator(Communicator):
         def all_reduce(self, input_):
+            torch.ops.ag_bench.noop_allreduce(4242, input_)
             return input_
 
-    class Coordinator:  # what the guard op's kernel resolves by name
+    class Coordinator:
         unique_name = "tp:bench"
-        world_size = 2
+        world_size = 2  # as the guard sees a TP=2 group; the transport is one rank
         rank_in_group = 0
+        device_group = group
 
     results: dict[str, dict[str, float]] = {}
-    tensor = torch.ones(1, 128, dtype=torch.float32)
+    tensor = torch.ones(2, 64, dtype=torch.float32)  # 512 B; dim 0 symbolic (not 0/1)
     n = max(1, calls // COMPILED_CALLS)
     for label, cls in (("compiled _all_reduce_out_place", Communicator),
                        ("compiled noop", NoopCommunicator)):  # fmt: skip
-        bare_fn = cls.__dict__["all_reduce"]
-        guarded_cls = type("Guarded" + cls.__name__, (cls,), {
-            "all_reduce": collective_ops.compiled_collective_wrapper("all_reduce", bare_fn)
-        })  # fmt: skip
         coordinator = Coordinator()
-        coordinator.device_communicator = guarded_cls()
+        coordinator.device_communicator = comm = cls()
         parallel_state._groups[coordinator.unique_name] = weakref.ref(coordinator)
-        collective_ops._targets.clear()
-        bare_comm, guarded_comm = cls(), coordinator.device_communicator
 
-        def make(comm):
-            def step(x):
-                for _ in range(COMPILED_CALLS):
-                    comm.all_reduce(x)
-                return x
+        def step(x, comm=comm):
+            for _ in range(COMPILED_CALLS):
+                comm.all_reduce(x)
+            return x
 
-            return torch.compile(step, backend="inductor", fullgraph=True)
-
-        torch._dynamo.reset()
-        fns = {"bare": make(bare_comm), "guard off": make(guarded_comm)}
-        fns["guard on"] = fns["guard off"]
-        for fn in fns.values():
-            fn(tensor)  # compile outside the timing
-
-        def run(fn, on: bool) -> float:
-            install_tracker(tracker if on else None)
-            start = time.perf_counter_ns()
-            for _ in range(n):
-                wave["n"] += 1
-                fn(tensor)
-            elapsed = time.perf_counter_ns() - start
-            install_tracker(None)
-            tracker.finished.clear()
-            return elapsed / (n * COMPILED_CALLS)
-
-        samples: dict[str, list[float]] = {mode: [] for mode in fns}
-        with torch.inference_mode():
-            for r in range(rounds + 1):
-                order = list(fns) if r % 2 else list(reversed(fns))
-                for mode in order:
-                    ns = run(fns[mode], mode == "guard on")
-                    if r:
-                        samples[mode].append(ns)
-        results[label] = {mode: min(v) for mode, v in samples.items()}
-        results[label + " median"] = {mode: statistics.median(v) for mode, v in samples.items()}
+        fns = _compiled_fns(step, tensor.clone())
+        timed = _time_compiled(fns, n, rounds, tracker, wave, tensor)
+        errors = tracker.errors
+        results[label] = timed["best"]
+        results[label + " median"] = timed["median"]
         parallel_state._groups.pop(coordinator.unique_name, None)
+        assert errors == 0, f"{label}: the guard could not read the compiled graph"
+    compiled_collectives.KERNELS.pop("ag_bench::noop_allreduce", None)
     results.update(_compiled_custom_op(n, rounds, tracker, wave, tensor))
     return results
 
@@ -202,7 +241,6 @@ def _compiled_custom_op(n: int, rounds: int, tracker, wave, tensor) -> dict[str,
     from vllm.distributed import parallel_state
 
     from ascend_runtime.collective_binding import collective_wrapper
-    from guard.collectives import install_tracker
 
     def out_place(self, input_):
         return torch.empty_like(input_)  # a new tensor, as a device communicator returns
@@ -223,34 +261,17 @@ def _compiled_custom_op(n: int, rounds: int, tracker, wave, tensor) -> dict[str,
                 x = torch.ops.vllm.all_reduce(x, group_name=group_name)
             return x
 
-        return torch.compile(step, backend="inductor", fullgraph=True)
+        return step
 
-    torch._dynamo.reset()
-    fns = {"bare": make("tp:op-bare"), "guard off": make("tp:op-guarded")}
-    fns["guard on"] = fns["guard off"]
-    for fn in fns.values():
-        fn(tensor)
-    samples: dict[str, list[float]] = {mode: [] for mode in fns}
-    with torch.inference_mode():
-        for r in range(rounds + 1):
-            for mode in list(fns) if r % 2 else list(reversed(fns)):
-                install_tracker(tracker if mode == "guard on" else None)
-                start = time.perf_counter_ns()
-                for _ in range(n):
-                    wave["n"] += 1
-                    fns[mode](tensor)
-                ns = (time.perf_counter_ns() - start) / (n * COMPILED_CALLS)
-                install_tracker(None)
-                tracker.finished.clear()
-                if r:
-                    samples[mode].append(ns)
+    fns = _compiled_fns(make("tp:op-bare"), tensor.clone())
+    bare = fns["bare"]
+    fns = _compiled_fns(make("tp:op-guarded"), tensor.clone(), reset=False)
+    fns["bare"] = bare
+    timed = _time_compiled(fns, n, rounds, tracker, wave, tensor)
     for name in coordinators:
         parallel_state._groups.pop(f"tp:op-{name}", None)
     label = "compiled vllm custom op"
-    return {
-        label: {mode: min(v) for mode, v in samples.items()},
-        label + " median": {mode: statistics.median(v) for mode, v in samples.items()},
-    }
+    return {label: timed["best"], label + " median": timed["median"]}
 
 
 def _macro(rounds: int, requests: int, max_tokens: int) -> dict:

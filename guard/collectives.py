@@ -19,6 +19,12 @@ numbers as the device will, and times the replay with device events that are res
 without a sync. While a replay has not finished on the device, `in_replay` names the graph and
 its collective list, so the heartbeat and the watchdog say which graph a rank hangs in.
 
+torch.compile'd graphs are counted the same way, per call of the compiled graph rather than
+per collective: the collectives a compiled graph holds are found once in its FX graph
+(`ascend_runtime/compiled_collectives.py`: op, group, bytes as a function of the symbolic batch
+size) and each call of the compiled callable counts them all at once (`run_graph`), marked as
+graph-counted (`graph_counted` of their `CollectiveStat`), with no Python inside the graph.
+
 Everything here runs on the engine thread except `fill_batch` (streamer thread) and the
 watchdog's reads of `current` / `in_replay`, each replaced as a whole so readers see one call.
 No torch import: tensors are read through `.nbytes` and `.dtype` only; device events come
@@ -91,8 +97,10 @@ CurrentCall = tuple[str, str, str, int, int]
 PARK_WAVES = 4
 
 # Stat list layout, per (op, group) and wave:
-# [calls, bytes, host_ns, max_host_ns, first_seq, last_seq, backend, dtype, replayed]
+# [calls, bytes, host_ns, max_host_ns, first_seq, last_seq, backend, dtype, replayed,
+#  graph_counted]
 REPLAYED = 8
+GRAPH_COUNTED = 9
 
 
 class CapturedGraph:
@@ -116,16 +124,129 @@ class CapturedGraph:
         return ", ".join(f"{op} {group} x{n} ({b} B)" for (op, group), (n, b) in counts.items())
 
 
+class CompiledGraph:
+    """The collectives one torch.compile'd graph holds, found in its FX graph at compile time.
+
+    `entries` are the collectives in program order, each (op, group, dtype, constant bytes,
+    terms, exact): the bytes of one call are `constant + sum(coef * sizes[k])` over the terms
+    (k, coef), where `sizes` are the graph's symbolic sizes (the batch size) read from the
+    call's arguments at `locations` (argument index, dimension or -1 for a SymInt argument).
+    `exact` is a function of `sizes` for a size that is not linear in them (None otherwise).
+    `group` is the GroupCoordinator; its guard meta is bound at the first call (`bind`).
+    """
+
+    __slots__ = (
+        "label",
+        "entries",
+        "locations",
+        "rows",
+        "groups",
+        "first",
+        "last_sizes",
+        "longest_ns",
+    )
+
+    def __init__(self, label: str, entries: list[tuple], locations: list[tuple[int, int]]) -> None:
+        self.label = label
+        self.entries = entries
+        self.locations = locations
+        # per (op, group label): [key, n, constant, terms, meta, dtype, first_off, last_off,
+        # exacts] once bound; None until then
+        self.rows: list[list] | None = None
+        self.groups: list[tuple[GroupMeta, int]] = []  # seq advance per group and call
+        self.first: tuple[str, GroupMeta] | None = None
+        self.last_sizes: list[int] = []
+        # the longest call in a wave so far: compute runs inside the call too, so the
+        # watchdog gives a call this much on top of its deadline
+        self.longest_ns = 0
+
+    def bind(self, meta_of: Callable[[Any], GroupMeta]) -> list[list]:
+        """Resolve each entry's group meta and fold the entries into per-key rows."""
+        rows: dict[tuple[str, str], list] = {}
+        per_group: dict[int, list] = {}
+        first = None
+        for op, group, dtype, constant, terms, exact in self.entries:
+            meta = meta_of(group)
+            if meta.world_size <= 1:  # vLLM short-cuts these: nothing is communicated
+                continue
+            count = per_group.setdefault(id(meta), [meta, 0])
+            count[1] += 1
+            offset = count[1]
+            if first is None:
+                first = (op, meta)
+            row = rows.get((op, meta.label))
+            if row is None:
+                row = rows[(op, meta.label)] = [
+                    (op, meta.label),
+                    0,
+                    0,
+                    {},
+                    meta,
+                    dtype,
+                    offset,
+                    offset,
+                    [],
+                ]
+            row[1] += 1
+            row[2] += constant
+            for k, coef in terms:
+                row[3][k] = row[3].get(k, 0) + coef
+            if exact is not None:
+                row[8].append(exact)
+            row[7] = offset
+        for row in rows.values():
+            row[3] = tuple(row[3].items())
+            row[8] = tuple(row[8])
+        self.groups = [(meta, n) for meta, n in per_group.values()]
+        self.first = first
+        self.rows = list(rows.values())
+        return self.rows
+
+    def sizes(self, args: tuple) -> list[int]:
+        """The symbolic sizes' values in one call, read from its arguments."""
+        return [int(args[i]) if dim < 0 else int(args[i].shape[dim]) for i, dim in self.locations]
+
+    def calls_at(self, sizes: list[int]) -> list[tuple[str, GroupMeta, int, str]]:
+        """(op, group meta, bytes, dtype) of each collective at these sizes, in program order
+        (what a device graph captured around this call holds)."""
+        rows = self.rows or []
+        metas = {row[0]: row[4] for row in rows}
+        out = []
+        for op, group, dtype, constant, terms, exact in self.entries:
+            meta = getattr(group, META_ATTR, None)
+            if meta is None or (op, meta.label) not in metas:
+                continue
+            nbytes = constant + sum(coef * sizes[k] for k, coef in terms)
+            if exact is not None:
+                nbytes += exact(sizes)
+            out.append((op, meta, int(nbytes), dtype))
+        return out
+
+    def holds(self) -> str:
+        """The collective list at the last call's sizes: "all_reduce tp x5 (20480 B)"."""
+        sizes = self.last_sizes
+        parts = []
+        for key, n, constant, terms, _meta, _dtype, _f, _l, exacts in self.rows or []:
+            nbytes = constant + sum(coef * sizes[k] for k, coef in terms if k < len(sizes))
+            if sizes:
+                nbytes += sum(exact(sizes) for exact in exacts)
+            parts.append(f"{key[0]} {key[1]} x{n} ({int(nbytes)} B)")
+        return ", ".join(parts)
+
+
 class InReplay(NamedTuple):
     """A replay of a graph holding collectives that the device may not have finished."""
 
-    graph: CapturedGraph
+    graph: CapturedGraph | CompiledGraph
     op: str  # the graph's first collective, as the heartbeat's current collective
     group: str
     backend: str
     seq: int
     start_ns: int  # perf_counter_ns at the replay call
     end_event: Any  # device event after the replay (None: no device clock, host call only)
+
+
+_new_tuple = tuple.__new__
 
 
 class FinishedWave(NamedTuple):
@@ -215,17 +336,23 @@ class CollectiveTracker:
         if self._replay_events or self._parked:
             self.poll_replays()
         if self.wave and (self._stats or self.injected_delay_ns):
-            item = FinishedWave(
-                self.wave,
-                self._first_arrival,
-                self._wait_ns,
-                self._stats,
-                self._slow,
-                self._slow_dropped,
-                self.injected_delay_ns,
-                self._replay_device_ns.pop(self.wave, 0),
+            # tuple.__new__: no Python frame for the NamedTuple's __new__ (frames cost most
+            # where this runs from compiled code)
+            item = _new_tuple(
+                FinishedWave,
+                (
+                    self.wave,
+                    self._first_arrival,
+                    self._wait_ns,
+                    self._stats,
+                    self._slow,
+                    self._slow_dropped,
+                    self.injected_delay_ns,
+                    self._replay_device_ns.pop(self.wave, 0),
+                ),
             )
-            if any(w == self.wave for w, _, _ in self._replay_events):
+            events = self._replay_events
+            if events and any(w == self.wave for w, _, _ in events):
                 self._parked.append(item)  # its replays' device times are not resolved yet
             else:
                 self.finished.append(item)
@@ -393,6 +520,122 @@ class CollectiveTracker:
             self.errors += 1
         return result
 
+    # -- torch.compile'd graphs (engine thread) ------------------------------------------------
+    def run_graph(
+        self, graph: CompiledGraph, fn: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
+        """Call the compiled graph `fn(*args, **kwargs)` and count the collectives it holds
+        into the wave, all at once and marked graph-counted: one Python call per compiled
+        call, none per collective. Host time is not measured per collective (host_ns 0); the
+        wave's wait time takes the whole call's host time (compute included, alike on every
+        rank, so a late peer still shows as the others' longer wait). While the call runs,
+        `current` is its first collective and `in_replay` names the graph and its list, so a
+        hang inside it is named like one inside a replay."""
+        if self._depth:
+            return fn(*args, **kwargs)
+        if self.capturing is not None:  # a device graph captured around the compiled call
+            return self._run_graph_captured(graph, fn, args, kwargs)
+        try:
+            rows = graph.rows
+            if rows is None:
+                rows = graph.bind(self._meta)
+            first = graph.first
+            if first is None:
+                return fn(*args, **kwargs)
+            wave = self._wave_source()
+            if wave != self.wave:
+                self.roll(wave)
+            first_op, first_meta = first
+            first_seq = first_meta.seq + 1
+            if self.wave:
+                sizes = []  # graph.sizes(args), inline: one Python frame fewer per call
+                for i, dim in graph.locations:
+                    sizes.append(args[i] if dim < 0 else args[i].shape[dim])
+                graph.last_sizes = sizes
+                stats = self._stats
+                for key, n, nbytes, terms, meta, dtype, first_off, last_off, exacts in rows:
+                    for k, coef in terms:
+                        nbytes += coef * sizes[k]
+                    for exact in exacts:
+                        nbytes += exact(sizes)
+                    base = meta.seq
+                    stat = stats.get(key)
+                    if stat is None:
+                        stats[key] = [
+                            n,
+                            nbytes,
+                            0,
+                            0,
+                            base + first_off,
+                            base + last_off,
+                            meta.backend,
+                            dtype,
+                            0,
+                            n,
+                        ]
+                    else:
+                        stat[0] += n
+                        stat[1] += nbytes
+                        stat[5] = base + last_off
+                        stat[GRAPH_COUNTED] += n
+            for meta, n in graph.groups:
+                meta.seq += n
+            start = time.perf_counter_ns()
+            if self.wave and not self._first_arrival:
+                self._first_arrival = start + self._wall_offset_ns
+            if self.before_call is not None:
+                for key in [row[0] for row in rows]:
+                    if self.before_call is not None:
+                        self.before_call(*key)
+        except Exception:  # noqa: BLE001 - never break the compiled call
+            self.errors += 1
+            return fn(*args, **kwargs)
+        label, backend = first_meta.label, first_meta.backend
+        self.current = (first_op, label, backend, first_seq, start)
+        previous = self.in_replay
+        # tuple.__new__: the NamedTuple's own __new__ is a Python frame (~100 ns more)
+        self.in_replay = _new_tuple(
+            InReplay, (graph, first_op, label, backend, first_seq, start, None)
+        )
+        record = self.record
+        if record is not None:
+            record.enter(first_op, label, first_seq, start)
+        self._depth = 1
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._depth = 0
+            self.current = None
+            self.in_replay = previous
+            if record is not None:
+                record.leave()
+            if self.wave:  # the whole call, compute included: what a peer's lateness adds to
+                spent = time.perf_counter_ns() - start
+                self._wait_ns += spent
+                if spent > graph.longest_ns:
+                    graph.longest_ns = spent
+
+    def _run_graph_captured(
+        self, graph: CompiledGraph, fn: Callable[..., Any], args: tuple, kwargs: dict
+    ) -> Any:
+        """A compiled call inside a device graph capture (FULL graphs): its collectives are
+        noted on the captured graph at this call's sizes, counted at each replay."""
+        self._depth = 1
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            self._depth = 0
+        try:
+            if graph.rows is None:
+                graph.bind(self._meta)
+            capturing = self.capturing
+            if capturing is not None:
+                sizes = graph.sizes(args) if graph.locations else []
+                capturing.calls.extend(graph.calls_at(sizes))
+        except Exception:  # noqa: BLE001
+            self.errors += 1
+        return result
+
     def _record_replay(self, graph: CapturedGraph, start: int) -> None:
         stats = self._stats
         counting = bool(self.wave)
@@ -403,7 +646,7 @@ class CollectiveTracker:
             key = (op, meta.label)
             stat = stats.get(key)
             if stat is None:
-                stats[key] = [1, nbytes, 0, 0, seq, seq, meta.backend, dtype, 1]
+                stats[key] = [1, nbytes, 0, 0, seq, seq, meta.backend, dtype, 1, 0]
             else:
                 stat[0] += 1
                 stat[1] += nbytes
@@ -473,6 +716,7 @@ class CollectiveTracker:
                 seq,
                 meta.backend,
                 self._dtype(data),
+                0,
                 0,
             ]
         else:
@@ -548,8 +792,8 @@ def add_waves(cols: guard_pb2.CollectiveColumns, items: list[FinishedWave]) -> N
     then one `extend` per column; (op, group, backend, dtype) once per batch in `keys`."""
     keys: dict[tuple[str, str, str, str], int] = {}
     waves, arrivals, waits, dropped, injected, replay = [], [], [], [], [], []
-    wave_index, key_index, calls, nbytes, host, max_host, first, last, replayed = (
-        [], [], [], [], [], [], [], [], []
+    wave_index, key_index, calls, nbytes, host, max_host, first, last, replayed, counted = (
+        [], [], [], [], [], [], [], [], [], []
     )  # fmt: skip
     slow_rows: list[int] = []
     row = len(cols.wave)
@@ -561,7 +805,8 @@ def add_waves(cols: guard_pb2.CollectiveColumns, items: list[FinishedWave]) -> N
         injected.append(item.injected_delay_ns)
         replay.append(item.replay_device_ns)
         for (op, group), stat in item.stats.items():
-            n, b, h, m, f, last_seq, backend, dtype, r = stat
+            n, b, h, m, f, last_seq, backend, dtype, r = stat[:GRAPH_COUNTED]
+            g = stat[GRAPH_COUNTED] if len(stat) > GRAPH_COUNTED else 0  # a 9-field row: none
             key = (op, group, backend, dtype)
             index = keys.get(key)
             if index is None:
@@ -576,6 +821,7 @@ def add_waves(cols: guard_pb2.CollectiveColumns, items: list[FinishedWave]) -> N
             first.append(f)
             last.append(last_seq)
             replayed.append(r)
+            counted.append(g)
         for op, group, backend, dtype, seq, size, start, host_ns in item.slow_calls:
             cols.slow_calls.add(
                 op=op, group=group, backend=backend, dtype=dtype, seq=seq, bytes=size,
@@ -600,6 +846,7 @@ def add_waves(cols: guard_pb2.CollectiveColumns, items: list[FinishedWave]) -> N
     stats.last_seq.extend(last)
     stats.device_ns.extend([0] * len(calls))  # no per-stat device time measured yet
     stats.replayed.extend(replayed)
+    stats.graph_counted.extend(counted)
     if slow_rows:
         cols.slow_call_wave_index.extend(slow_rows)
 
@@ -671,8 +918,8 @@ def wrap_collective(
 
     def guarded_collective(self: Any, *args: Any, **kwargs: Any) -> Any:
         tracker = _tracker
-        if tracker is None or is_compiling():
-            return fn(self, *args, **kwargs)
+        if tracker is None or tracker._depth or is_compiling():  # _depth: inside a counted
+            return fn(self, *args, **kwargs)  # call (a compiled graph, a nested collective)
         return tracker.run(op, fn, self, args, kwargs, payload)
 
     guarded_collective.__name__ = getattr(fn, "__name__", op)

@@ -22,7 +22,7 @@ from telemetry.schema import (
 
 # numpy dtype of each column, from the proto type (uint64 stays unsigned: validation must see
 # a value above 2^63 as such, not wrapped)
-_UNSIGNED = {"wave", "calls", "bytes", "first_seq", "last_seq", "replayed"}
+_UNSIGNED = {"wave", "calls", "bytes", "first_seq", "last_seq", "replayed", "graph_counted"}
 
 
 def dtype(name: str):

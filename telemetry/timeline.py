@@ -274,7 +274,7 @@ _PROCESS_ATTRS = frozenset(
 )
 _PREFIX = schema.attr("")
 _COLLECTIVE_IMPLIED = frozenset(("op", "group", "host_ns"))
-_COLLECTIVE_OPTIONAL = frozenset(("device_ns", "replayed"))
+_COLLECTIVE_OPTIONAL = frozenset(("device_ns", "replayed", "graph_counted"))
 
 
 def _span_args(span: Span) -> dict[str, Any]:

@@ -124,7 +124,7 @@ class Heartbeat(_message.Message):
     def __init__(self, time_unix_nano: _Optional[int] = ..., last_wave: _Optional[int] = ..., phase: _Optional[str] = ..., phase_age_ns: _Optional[int] = ..., collective_op: _Optional[str] = ..., collective_group: _Optional[str] = ..., collective_seq: _Optional[int] = ..., collective_age_ns: _Optional[int] = ..., collective_backend: _Optional[str] = ..., collective_graph: _Optional[str] = ..., collective_graph_holds: _Optional[str] = ...) -> None: ...
 
 class CollectiveStat(_message.Message):
-    __slots__ = ("op", "group", "backend", "dtype", "calls", "bytes", "host_ns", "max_host_ns", "first_seq", "last_seq", "device_ns", "replayed")
+    __slots__ = ("op", "group", "backend", "dtype", "calls", "bytes", "host_ns", "max_host_ns", "first_seq", "last_seq", "device_ns", "replayed", "graph_counted")
     OP_FIELD_NUMBER: _ClassVar[int]
     GROUP_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
@@ -137,6 +137,7 @@ class CollectiveStat(_message.Message):
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NS_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_COUNTED_FIELD_NUMBER: _ClassVar[int]
     op: str
     group: str
     backend: str
@@ -149,7 +150,8 @@ class CollectiveStat(_message.Message):
     last_seq: int
     device_ns: int
     replayed: int
-    def __init__(self, op: _Optional[str] = ..., group: _Optional[str] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., calls: _Optional[int] = ..., bytes: _Optional[int] = ..., host_ns: _Optional[int] = ..., max_host_ns: _Optional[int] = ..., first_seq: _Optional[int] = ..., last_seq: _Optional[int] = ..., device_ns: _Optional[int] = ..., replayed: _Optional[int] = ...) -> None: ...
+    graph_counted: int
+    def __init__(self, op: _Optional[str] = ..., group: _Optional[str] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ..., calls: _Optional[int] = ..., bytes: _Optional[int] = ..., host_ns: _Optional[int] = ..., max_host_ns: _Optional[int] = ..., first_seq: _Optional[int] = ..., last_seq: _Optional[int] = ..., device_ns: _Optional[int] = ..., replayed: _Optional[int] = ..., graph_counted: _Optional[int] = ...) -> None: ...
 
 class CollectiveCall(_message.Message):
     __slots__ = ("op", "group", "backend", "dtype", "seq", "bytes", "start_unix_nano", "host_ns")
@@ -204,7 +206,7 @@ class CollectiveKey(_message.Message):
     def __init__(self, op: _Optional[str] = ..., group: _Optional[str] = ..., backend: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class CollectiveStatColumns(_message.Message):
-    __slots__ = ("wave_index", "key", "calls", "bytes", "host_ns", "max_host_ns", "first_seq", "last_seq", "device_ns", "replayed")
+    __slots__ = ("wave_index", "key", "calls", "bytes", "host_ns", "max_host_ns", "first_seq", "last_seq", "device_ns", "replayed", "graph_counted")
     WAVE_INDEX_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     CALLS_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +217,7 @@ class CollectiveStatColumns(_message.Message):
     LAST_SEQ_FIELD_NUMBER: _ClassVar[int]
     DEVICE_NS_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_COUNTED_FIELD_NUMBER: _ClassVar[int]
     wave_index: _containers.RepeatedScalarFieldContainer[int]
     key: _containers.RepeatedScalarFieldContainer[int]
     calls: _containers.RepeatedScalarFieldContainer[int]
@@ -225,7 +228,8 @@ class CollectiveStatColumns(_message.Message):
     last_seq: _containers.RepeatedScalarFieldContainer[int]
     device_ns: _containers.RepeatedScalarFieldContainer[int]
     replayed: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, wave_index: _Optional[_Iterable[int]] = ..., key: _Optional[_Iterable[int]] = ..., calls: _Optional[_Iterable[int]] = ..., bytes: _Optional[_Iterable[int]] = ..., host_ns: _Optional[_Iterable[int]] = ..., max_host_ns: _Optional[_Iterable[int]] = ..., first_seq: _Optional[_Iterable[int]] = ..., last_seq: _Optional[_Iterable[int]] = ..., device_ns: _Optional[_Iterable[int]] = ..., replayed: _Optional[_Iterable[int]] = ...) -> None: ...
+    graph_counted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, wave_index: _Optional[_Iterable[int]] = ..., key: _Optional[_Iterable[int]] = ..., calls: _Optional[_Iterable[int]] = ..., bytes: _Optional[_Iterable[int]] = ..., host_ns: _Optional[_Iterable[int]] = ..., max_host_ns: _Optional[_Iterable[int]] = ..., first_seq: _Optional[_Iterable[int]] = ..., last_seq: _Optional[_Iterable[int]] = ..., device_ns: _Optional[_Iterable[int]] = ..., replayed: _Optional[_Iterable[int]] = ..., graph_counted: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CollectiveColumns(_message.Message):
     __slots__ = ("wave", "first_arrival_unix_nano", "wait_ns", "stats", "slow_calls", "slow_calls_dropped", "injected_delay_ns", "replay_device_ns", "keys", "slow_call_wave_index")

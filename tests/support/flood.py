@@ -46,10 +46,10 @@ def _filler(tp: int):
             stats = {
                 ("all_reduce", "tp"): [
                     2, 2 * 8192, wait - 10_000, wait // 2, 3 * wave - 2, 3 * wave - 1,
-                    "hccl", "bfloat16", 0,
+                    "hccl", "bfloat16", 0, 0,
                 ],
                 ("all_gather", "tp"): [
-                    1, 4 * 32000, 10_000, 10_000, 3 * wave, 3 * wave, "hccl", "bfloat16", 0,
+                    1, 4 * 32000, 10_000, 10_000, 3 * wave, 3 * wave, "hccl", "bfloat16", 0, 0,
                 ],
             }  # fmt: skip
             items.append(FinishedWave(wave, start + execute // 3, wait, stats, [], 0, 0))

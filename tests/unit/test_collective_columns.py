@@ -78,8 +78,8 @@ def test_v2_messages_survive_the_trip_through_columns():
 
 def test_the_workers_builder_writes_what_the_v2_messages_said():
     stats = {
-        ("all_reduce", "tp"): [2, 16384, 7000, 4000, 3, 4, "hccl", "bfloat16", 1],
-        ("all_gather", "tp"): [1, 128000, 1000, 1000, 5, 5, "hccl", "bfloat16", 0],
+        ("all_reduce", "tp"): [2, 16384, 7000, 4000, 3, 4, "hccl", "bfloat16", 1, 0],
+        ("all_gather", "tp"): [1, 128000, 1000, 1000, 5, 5, "hccl", "bfloat16", 0, 1],
     }
     slow = [("all_reduce", "tp", "hccl", "bfloat16", 3, 8192, 99, 6000)]
     items = [
@@ -95,9 +95,10 @@ def test_the_workers_builder_writes_what_the_v2_messages_said():
         50,
         700,
     )
-    assert [(s.op, s.calls, s.bytes, s.host_ns, s.max_host_ns, s.first_seq, s.last_seq, s.replayed)
-            for s in first.stats] == [("all_reduce", 2, 16384, 7000, 4000, 3, 4, 1),
-                                      ("all_gather", 1, 128000, 1000, 1000, 5, 5, 0)]  # fmt: skip
+    assert [(s.op, s.calls, s.bytes, s.host_ns, s.max_host_ns, s.first_seq, s.last_seq, s.replayed,
+             s.graph_counted)
+            for s in first.stats] == [("all_reduce", 2, 16384, 7000, 4000, 3, 4, 1, 0),
+                                      ("all_gather", 1, 128000, 1000, 1000, 5, 5, 0, 1)]  # fmt: skip
     assert [(c.seq, c.bytes, c.start_unix_nano, c.host_ns) for c in first.slow_calls] == [
         (3, 8192, 99, 6000)
     ]

@@ -334,18 +334,19 @@ def test_doctor_says_per_call_per_replay_or_not_at_all_and_why():
 
     cpu = collective_lines(rows("cpu-v1"), "cpu-v1", GuardConfig())
     assert cpu["collectives eager"].startswith("per call")
-    assert (
-        cpu["collectives compiled"].startswith("per call")
-        and "guard op" in cpu["collectives compiled"]
-    )
+    assert cpu["collectives compiled"].startswith("per compiled-graph call")
+    assert "communicator's kernels" in cpu["collectives compiled"]
     assert cpu["collectives graphs"].startswith("none captured")
     cuda = collective_lines(rows("cuda-v1"), "cuda-v1", GuardConfig())
-    assert "vLLM custom ops" in cuda["collectives compiled"]
+    assert cuda["collectives compiled"].startswith("per compiled-graph call")
+    assert "vLLM's collective custom ops" in cuda["collectives compiled"]
     assert cuda["collectives graphs"].startswith("per replay")
     broken = collective_lines(rows("cuda-mrv2", failing="replay"), "cuda-mrv2", GuardConfig())
     assert broken["collectives graphs"] == "not at all: CUDAGraph.replay missing: gone"
-    broken = collective_lines(rows("cpu-v1", failing="all_reduce"), "cpu-v1", GuardConfig())
-    assert broken["collectives compiled"].startswith("not at all: CpuCommunicator.all_reduce")
+    broken = collective_lines(rows("cpu-v1", failing="__call__"), "cpu-v1", GuardConfig())
+    assert broken["collectives compiled"].startswith(
+        "not at all: VllmSerializableFunction.__call__ missing"
+    )
     off = parse_config({"sidecar": "localhost:1", "collectives": {"enabled": False}})
     lines = collective_lines(rows("cpu-v1"), "cpu-v1", off)
     assert set(lines.values()) == {"not at all: runtime_guard.collectives.enabled is false"}
