@@ -80,7 +80,9 @@ class Deployment:
             raise
 
     def get(self, path: str) -> tuple[int, dict]:
-        return get_json(f"http://127.0.0.1:{self.health_port}{path}")
+        # both engines pin and spin on the 2 cores here: the sidecar has gone unscheduled for
+        # up to 7.2 s (`hang_check_late`), so a read waits rather than fails
+        return get_json(f"http://127.0.0.1:{self.health_port}{path}", timeout=15.0)
 
     def guard_metrics(self) -> str:
         return self.sidecar.metrics_text()
@@ -219,12 +221,12 @@ def test_sigstop_of_one_dp_engines_worker_is_named_while_the_other_serves(dep: D
     # (sidecar `hang_check_late gap_s=4.3` in the same seconds). Such a round stops nothing
     # that flows, so it is run again, up to 3 rounds.
     for _ in range(3):
-        long = [pool.submit(dep.server.complete, p, LONG) for p in PROMPTS[:4]]
+        flowing = [pool.submit(dep.server.complete, p, LONG) for p in PROMPTS[:4]]
         time.sleep(0.2)
-        early = [f.exception() or f.result()["usage"] for f in long if f.done()]
+        early = [f.exception() or f.result()["usage"] for f in flowing if f.done()]
         if not early:
             break
-        wait(long, timeout=180)
+        wait(flowing, timeout=180)
     assert not early, f"requests ended before the stop, 3 rounds in a row: {early}"
     before = dep.guard_metrics()
     os.kill(victim, signal.SIGSTOP)
@@ -264,7 +266,7 @@ def test_sigstop_of_one_dp_engines_worker_is_named_while_the_other_serves(dep: D
     assert guard_tokens(during, 0) > guard_tokens(before, 0), "engine 0 kept sampling"
     assert value(during, "ascend_guard_engine_wedged", engine=ENGINE, dp="1") == 1
 
-    results = [f.result(timeout=180) for f in long + short]
+    results = [f.result(timeout=180) for f in flowing + short]
     pool.shutdown()
     assert [r["usage"]["completion_tokens"] for r in results] == [LONG] * 4 + [8] * 4, (
         "serving completes after SIGCONT"

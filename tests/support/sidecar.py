@@ -81,8 +81,10 @@ class SidecarProcess:
             return os.path.exists(self.address[len("unix://") :])
         return True
 
-    def metrics_text(self) -> str:
-        with urllib.request.urlopen(self.metrics_url, timeout=5) as resp:
+    def metrics_text(self, timeout: float = 30.0) -> str:
+        # generous: on the 2-core test machines a sidecar beside pinned, spinning vLLM engines
+        # has gone unscheduled for up to 7.2 s (its `hang_check_late` lines, DP=2 e2e)
+        with urllib.request.urlopen(self.metrics_url, timeout=timeout) as resp:
             return resp.read().decode()
 
     def wait_for(self, predicate: Callable[[str], bool], timeout: float = 15.0) -> str:
