@@ -219,13 +219,22 @@ def load_trace(conn: sqlite3.Connection, trace_id: str) -> list[Span]:
         for cw in store.collective_waves(conn, rank.id, wave):
             spans += collective_spans(rank, cw)
             spans += slow_call_spans(rank, cw)
+    return finish_wave_trace(conn, spans, runs, wave, text)
+
+
+def finish_wave_trace(
+    conn: sqlite3.Connection, spans: list[Span], runs: set[str], wave: int, trace_hex: str
+) -> list[Span]:
+    """A wave trace's last steps, whoever read its blocks: add the incidents of `wave` in
+    `runs` (run "" when no rank was found: the sidecar's own), keep the spans of `trace_hex`,
+    sort by start, and mark error status."""
     seen = set()
     for run_id in runs or {""}:
         for row in incidents_of_wave(conn, run_id, wave):
             if row["id"] not in seen:
                 seen.add(row["id"])
                 spans.append(incident_span(row))
-    spans = [s for s in spans if format_trace_id(s.trace_id) == text]
+    spans = [s for s in spans if format_trace_id(s.trace_id) == trace_hex]
     spans.sort(key=lambda s: (s.start_ns, s.name))
     return mark_errors(spans)
 

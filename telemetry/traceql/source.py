@@ -16,7 +16,8 @@ import numpy as np
 
 from telemetry import schema, store
 from telemetry.collective_columns import to_waves
-from telemetry.incidents import IncidentFilter, incidents_of_wave, list_incidents
+from telemetry.incidents import IncidentFilter, list_incidents
+from telemetry.query import finish_wave_trace
 from telemetry.spans import (
     COLLECTIVE_WAVE_SPAN_FIELDS,
     STATUS_ERROR,
@@ -24,7 +25,6 @@ from telemetry.spans import (
     Span,
     collective_spans,
     incident_span,
-    mark_errors,
     slow_call_span,
     slow_call_spans,
     wave_spans,
@@ -32,7 +32,7 @@ from telemetry.spans import (
 from telemetry.traceql import ast, fields
 from telemetry.traceql.columns import ABSENT, Coded
 from telemetry.traceql.parser import TraceQLError
-from telemetry.traces import format_trace_id, split_trace_id, wave_trace_id
+from telemetry.traces import split_trace_id, wave_trace_id
 
 WAVE_KINDS = ("wave", "rank", "execute_model", "sample_tokens")
 ALL_KINDS = (*WAVE_KINDS, "collective", "slow_call", "incident")
@@ -265,15 +265,7 @@ def load_trace_cached(conn: sqlite3.Connection, trace_id: str, cache: BlockCache
             if wave in index:
                 spans += wave_spans(rank, cols, index[wave])
         spans += rank_collective_spans(conn, rank, wave, cache)
-    seen = set()
-    for run_id in runs or {""}:
-        for row in incidents_of_wave(conn, run_id, wave):
-            if row["id"] not in seen:
-                seen.add(row["id"])
-                spans.append(incident_span(row))
-    spans = [s for s in spans if format_trace_id(s.trace_id) == text]
-    spans.sort(key=lambda s: (s.start_ns, s.name))
-    return mark_errors(spans)
+    return finish_wave_trace(conn, spans, runs, wave, text)
 
 
 def slow_call_spans_in(
