@@ -12,7 +12,6 @@ fails on drift, and tools/dashboard_schema.py checks all six against Grafana's s
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import sys
@@ -21,6 +20,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: tools/ is then on the path, not the root
+    sys.path.insert(0, str(ROOT))
+
+from tools.drift import write_or_check  # noqa: E402
+
 DASHBOARDS = ROOT / "dashboards"
 OVERVIEW = DASHBOARDS / "ascend-guard-overview.json"
 
@@ -319,23 +323,12 @@ def rendered() -> dict[Path, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="only compare; exit 1 on drift")
-    args = parser.parse_args(argv)
-    stale = []
-    for path, text in rendered().items():
-        if path.exists() and path.read_text() == text:
-            continue
-        stale.append(path)
-        if not args.check:
-            path.write_text(text)
-    if args.check and stale:
-        names = ", ".join(str(p.relative_to(ROOT)) for p in stale)
-        print(
-            f"{names} drifted from tools/gen_dashboards.py; run `make dashboards`", file=sys.stderr
-        )
-        return 1
-    return 0
+    return write_or_check(
+        argv,
+        __doc__.splitlines()[0],
+        rendered,
+        "{names} drifted from tools/gen_dashboards.py; run `make dashboards`",
+    )
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ A block sits between `<!-- generated: NAME -->` and `<!-- end generated: NAME --
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import inspect
 import json
@@ -26,6 +25,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from tools.drift import write_or_check  # noqa: E402 - needs ROOT on sys.path as a script
 
 
 def _field_comments(cls: type) -> dict[str, str]:
@@ -182,25 +183,18 @@ def render(text: str, name: str, body: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="only compare; exit 1 on drift")
-    args = parser.parse_args(argv)
-    stale = []
-    texts: dict[Path, str] = {}
-    for name, (path, make) in BLOCKS.items():
-        texts[path] = render(texts.get(path, path.read_text()), name, make())
-    for path, text in texts.items():
-        if path.read_text() != text:
-            stale.append(path.relative_to(ROOT))
-            if not args.check:
-                path.write_text(text)
-    if args.check and stale:
-        print(
-            f"{', '.join(map(str, stale))}: generated tables drifted; run `make docs`",
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    def rendered() -> dict[Path, str]:
+        texts: dict[Path, str] = {}
+        for name, (path, make) in BLOCKS.items():
+            texts[path] = render(texts.get(path, path.read_text()), name, make())
+        return texts
+
+    return write_or_check(
+        argv,
+        __doc__.splitlines()[0],
+        rendered,
+        "{names}: generated tables drifted; run `make docs`",
+    )
 
 
 if __name__ == "__main__":

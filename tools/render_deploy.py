@@ -9,7 +9,6 @@ load them as they are); tests/unit/test_deploy.py fails when deploy/ drifts from
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -17,6 +16,11 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script: tools/ is then on the path, not the root
+    sys.path.insert(0, str(ROOT))
+
+from tools.drift import write_or_check  # noqa: E402
+
 RULES = ROOT / "dashboards" / "prometheus" / "alerts.yml"
 # the cross-node rules (docs/cross-node.md): their groups go into the same PrometheusRule
 CLUSTER_RULES = ROOT / "dashboards" / "prometheus" / "cluster.yml"
@@ -84,21 +88,12 @@ def rendered() -> dict[Path, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="only compare; exit 1 on drift")
-    args = parser.parse_args(argv)
-    stale = []
-    for path, text in rendered().items():
-        if path.exists() and path.read_text() == text:
-            continue
-        stale.append(path)
-        if not args.check:
-            path.write_text(text)
-    if args.check and stale:
-        names = ", ".join(str(p.relative_to(ROOT)) for p in stale)
-        print(f"{names} drifted from dashboards/; run `make deploy-render`", file=sys.stderr)
-        return 1
-    return 0
+    return write_or_check(
+        argv,
+        __doc__.splitlines()[0],
+        rendered,
+        "{names} drifted from dashboards/; run `make deploy-render`",
+    )
 
 
 if __name__ == "__main__":
