@@ -26,6 +26,7 @@ from telemetry.tempo_api.server import PROTOBUF, Request, route
 from telemetry.traceql.search import search as traceql_search
 from telemetry.traces import format_trace_id, request_trace_id, wave_trace_id
 from telemetry.validation import InvalidBatch, validate_batch
+from tests.support.metrics import samples, value
 from tests.support.request_sim import Sim, SimRequest, drive, guarded
 
 
@@ -410,3 +411,26 @@ def _changed(reqs: list[SimRequest], wave: int) -> bool:
     now = {r.req_id for r in reqs if wave in r.waves}
     before = {r.req_id for r in reqs if wave - 1 in r.waves}
     return now != before
+
+
+def test_membership_drop_series_go_when_their_engine_leaves() -> None:
+    """The roster forgets an engine through each collector; the drop counts are one."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from telemetry.roster import forget_label
+
+    writer = request_store.RequestWriter()
+    registry = CollectorRegistry()
+    registry.register(request_store.RequestMetrics(writer))
+    for engine in ("left", "stays"):
+        batch = guard_pb2.Batch()
+        batch.request_columns.dropped_rows_total = 3
+        rank = guard_pb2.RankInfo(run_id="r", engine=engine, tp_size=1, dp_size=1, pp_size=1, pid=7)
+        writer.collect(1, rank, engine, batch)
+    name = "ascend_guard_request_membership_dropped_total"
+    text = generate_latest(registry).decode()
+    assert value(text, name, engine="left", kind="rows") == value(text, name, engine="stays") == 3
+    assert forget_label(registry, "engine", "left") == 1
+    text = generate_latest(registry).decode()
+    assert not samples(text, name, engine="left")
+    assert value(text, name, engine="stays", kind="rows") == 3
