@@ -15,9 +15,12 @@ and the streamer sends it once per batch (`same_members`). Tokens are "every mem
 but these": only requests that may be prefilling (new, resumed after a preemption, not yet
 sampled since) are looked at, and the wave's totals say whether every other one got exactly
 one token scheduled and one sampled (each scheduled request has at least one token, and one
-scheduled token samples at most one). So a steady decode wave does no per-request work, a
-wave whose make-up changed pays one C-level `map` over its requests, and only drafts
-(spec decode: tokens differ per request) list every member.
+scheduled token samples at most one). So a steady decode wave does no per-request work.
+When requests leave and join, the new list is predicted the way vLLM's persistent batch
+changes (freed slots reused lowest first, then condensed: `_predicted`) and checked with the
+same one compare; only a list it did not predict (a reorder) pays a lookup per request. Drafts
+(spec decode: tokens differ per request) list every member, with the per-request kept counts
+the processor already made for the wave's total (`guard.schedule.sampled_counts`).
 
 Bounds: rows wait in a deque of `capacity` (the oldest dropped, counted); names of live
 requests are kept up to `max_live` (the oldest forgotten, counted). Both counts travel
@@ -209,7 +212,7 @@ class RequestMembership:
         elif total == n:
             return 1, (), ()
         # drafts (n-gram, EAGLE...) or a request we did not see join: each one listed
-        return 0, tuple(members), tuple(map(scheduled.get, req_ids, itertools.repeat(0)))
+        return 0, members, tuple(map(scheduled.get, req_ids, itertools.repeat(0)))
 
     def _sampled(self, output: Any, kept, tokens, n: int, sched_each: int, req_ids, members: list):
         """(each, indexes, tokens) of the tokens the scheduler keeps of this output (None when
@@ -248,7 +251,7 @@ class RequestMembership:
         if cands:
             got = dict(zip(members, counts, strict=True))
             done = [r for r, i in cands.items() if got.get(i)]
-        return (0, tuple(members), tuple(counts)), done
+        return (0, members, counts), done
 
     def _predicted(self, left: tuple, joined: list) -> array | None:
         """This wave's members, made from the last wave's the way vLLM's persistent batch
