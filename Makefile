@@ -40,7 +40,8 @@ dashboards: $(STAMP)
 	$(PY) tools/gen_dashboards.py
 	$(PY) tools/render_deploy.py
 
-# @grafana/schema and typescript (pinned by the lockfile) for the dashboards' schema check
+# @grafana/schema and typescript (pinned by the lockfile) for the dashboards' schema check, and
+# @grafana/lezer-traceql for the TraceQL grammar cross-check
 SCHEMA_STAMP := tools/dashboard-schema/node_modules/.package-lock.json
 dashboard-schema: $(SCHEMA_STAMP)
 

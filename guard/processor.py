@@ -24,7 +24,13 @@ from guard.incidents import IncidentReporter
 from guard.liveness_record import LivenessRecord
 from guard.reload import STAMP_ATTR
 from guard.request_membership import RequestMembership, chain_fillers
-from guard.schedule import EMPTY_SCHEDULE, PrefillTracker, ScheduleSummary, count_sampled_tokens
+from guard.schedule import (
+    EMPTY_SCHEDULE,
+    PrefillTracker,
+    ScheduleSummary,
+    count_sampled_tokens,
+    sampled_counts,
+)
 from guard.spool import IncidentSpool
 from guard.streamer import HeartbeatState, Streamer, WaveTuple
 from telemetry.proto import guard_pb2
@@ -174,9 +180,8 @@ class GuardProcessor:
             if output is None:
                 self._open = opened  # sample_tokens finishes this wave
             else:
-                self._emit(
-                    opened, 0, 0, count_sampled_tokens(output, runner), False, output, runner
-                )
+                tokens, kept = sampled_counts(output, runner)
+                self._emit(opened, 0, 0, tokens, False, output, runner, kept)
                 if self.detectors is not None:
                     self.detectors.on_output(wave, runner, output)
                 if observer is not None:
@@ -230,11 +235,11 @@ class GuardProcessor:
 
     def _finish_sampled(self, opened: OpenWave, output: Any, start: int, end: int) -> None:
         offset = start - opened[1]
-        tokens = count_sampled_tokens(output, self._runner)
+        tokens, kept = sampled_counts(output, self._runner)
         get_output = getattr(output, "get_output", None) if tokens is None else None
         detectors = self.detectors
         if get_output is None or not callable(get_output):
-            self._emit(opened, end - start, offset, tokens, True, output, self._runner)
+            self._emit(opened, end - start, offset, tokens, True, output, self._runner, kept)
             if detectors is not None:
                 detectors.on_output(opened[0], self._runner, output)
             return
@@ -264,6 +269,7 @@ class GuardProcessor:
         sampled: bool,
         output: Any = None,
         runner: Any = None,
+        kept: Any = None,
     ) -> None:
         streamer = self.streamer
         if streamer is None:
@@ -292,7 +298,7 @@ class GuardProcessor:
             )  # fmt: skip
         )
         if self.membership is not None:
-            self.membership.on_wave(wave, output, runner, tokens)
+            self.membership.on_wave(wave, output, runner, tokens, kept)
 
     # -- sampling detectors and live config ----------------------------------------------------
     def on_logits(self, logits: Any, rows_per_req: list[int] | None) -> None:

@@ -15,9 +15,12 @@ and the streamer sends it once per batch (`same_members`). Tokens are "every mem
 but these": only requests that may be prefilling (new, resumed after a preemption, not yet
 sampled since) are looked at, and the wave's totals say whether every other one got exactly
 one token scheduled and one sampled (each scheduled request has at least one token, and one
-scheduled token samples at most one). So a steady decode wave does no per-request work, a
-wave whose make-up changed pays one C-level `map` over its requests, and only drafts
-(spec decode: tokens differ per request) list every member.
+scheduled token samples at most one). So a steady decode wave does no per-request work.
+When requests leave and join, the new list is predicted the way vLLM's persistent batch
+changes (freed slots reused lowest first, then condensed: `_predicted`) and checked with the
+same one compare; only a list it did not predict (a reorder) pays a lookup per request. Drafts
+(spec decode: tokens differ per request) list every member, with the per-request kept counts
+the processor already made for the wave's total (`guard.schedule.sampled_counts`).
 
 Bounds: rows wait in a deque of `capacity` (the oldest dropped, counted); names of live
 requests are kept up to `max_live` (the oldest forgotten, counted). Both counts travel
@@ -32,13 +35,13 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
-from guard.schedule import _kept
 from telemetry.proto import guard_pb2
 
 DEFAULT_MAX_LIVE = 1 << 16  # names of unfinished requests kept per worker process
 RETIRED_KEPT = 4096  # finished requests still resolvable (an async output a wave late)
 PENDING_WAVES = 8  # scheduled waves whose output has not come back yet
 ROWS_PER_BATCH = 4096
+PREDICTION_PAUSE = 16  # changed waves mapped in full after a wrong prediction
 
 # (wave, members, (each, indexes, tokens) scheduled, the same sampled or None, finished,
 #  preempted); `members` is the same array object while the make-up is unchanged
@@ -64,12 +67,19 @@ class RequestMembership:
         self._next = 0
         self._pending: dict[int, tuple] = {}
         self._rows: collections.deque[Row] = collections.deque()
-        self._last_ids: list | None = None
-        self._last_members: list | None = None
+        # the runner's batch as last seen: its request ids (our own list, changed in place
+        # as vLLM's persistent batch changes), their indexes (a new array per change, kept by
+        # the rows) and each index's position (built when first needed)
+        self._shadow: list | None = None
+        self._shadow_owned = False  # False: the runner's own list, copied before a change
+        self._shadow_members: array = array("I")
+        self._slot: dict[int, int] | None = None
+        self._skip_predictions = 0  # after a wrong prediction (the runner reorders): a pause
         # requests that may be prefilling (new, resumed, not sampled since): runner id -> index
         self._prefilling: dict[str, int] = {}
         self.dropped_rows = 0
         self.dropped_names = 0
+        self.full_maps = 0  # waves whose every id was looked up (the rest: reused or predicted)
 
     # -- engine thread ------------------------------------------------------------------------
     def on_schedule(self, wave: int, scheduler_output: Any) -> None:
@@ -79,14 +89,17 @@ class RequestMembership:
         except Exception:  # noqa: BLE001 - membership must not cost the wave record
             self._failed("request_membership_schedule")
 
-    def on_wave(self, wave: int, output: Any, runner: Any, tokens: int | None) -> None:
+    def on_wave(
+        self, wave: int, output: Any, runner: Any, tokens: int | None, kept: Any = None
+    ) -> None:
         """Record wave `wave`: `output` is the runner output (None: it sampled nothing here),
-        `tokens` the sampled tokens the processor counted for it."""
+        `tokens` the sampled tokens the processor counted for it and `kept` per request, in
+        the output's order, when they are not each list's length (`sampled_counts`)."""
         try:
-            self._on_wave(wave, output, runner, tokens)
+            self._on_wave(wave, output, runner, tokens, kept)
         except Exception:  # noqa: BLE001
             self._pending.pop(wave, None)
-            self._last_ids = None
+            self._shadow = None
             self._failed("request_membership_wave")
 
     def _failed(self, where: str) -> None:
@@ -99,11 +112,12 @@ class RequestMembership:
             return
         index = self._index
         new = getattr(scheduler_output, "scheduled_new_reqs", None)
-        if new:
-            for request in new:
-                req_id = getattr(request, "req_id", None)
-                if req_id is not None and req_id not in index:
-                    self._prefilling[req_id] = self._name(req_id)
+        joined: list | None = None if new is None else [r.req_id for r in new]
+        if joined:
+            prefilling = self._prefilling
+            for req_id in joined:
+                if req_id not in index:
+                    prefilling[req_id] = self._name(req_id)
         finished: tuple = ()
         done = getattr(scheduler_output, "finished_req_ids", None)
         if done:
@@ -122,6 +136,7 @@ class RequestMembership:
         cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
         back = getattr(cached, "resumed_req_ids", None)
         if back:  # recomputes its prompt and output so far: may take several waves
+            joined = None  # rejoins in an order the runner picks: no prediction
             for req_id in back:
                 number = index.get(req_id)
                 if number is not None:
@@ -130,25 +145,35 @@ class RequestMembership:
         pending = self._pending
         if len(pending) >= PENDING_WAVES:
             del pending[next(iter(pending))]
-        pending[wave] = (scheduled, total, finished, preempted)
+        pending[wave] = (scheduled, total, finished, preempted, joined)
 
-    def _on_wave(self, wave: int, output: Any, runner: Any, tokens: int | None) -> None:
+    def _on_wave(self, wave: int, output: Any, runner: Any, tokens: int | None, kept) -> None:
         opened = self._pending.pop(wave, None)
         if opened is None:
             return
-        scheduled, total, finished, preempted = opened
+        scheduled, total, finished, preempted, joined = opened
         n = len(scheduled)
         if not n and not finished and not preempted:
             return
         req_ids = getattr(output, "req_ids", None)
         if isinstance(req_ids, list) and len(req_ids) == n:
-            if req_ids == self._last_ids:
-                members = self._last_members
+            if finished or preempted or joined:
+                members = None
+                if self._skip_predictions:
+                    self._skip_predictions -= 1
+                elif joined is not None and self._shadow is not None:
+                    members = self._predicted(finished + preempted, joined)
+                    if members is None or req_ids != self._shadow:
+                        members = None
+                        self._skip_predictions = PREDICTION_PAUSE
+                if members is None:
+                    members = self._remap(req_ids)
+            elif req_ids == self._shadow:  # the usual wave: the same batch
+                members = self._shadow_members
             else:
-                members = self._members(req_ids)
-                self._last_ids, self._last_members = req_ids, members
+                members = self._remap(req_ids)
             sched = self._scheduled(scheduled, total, n, req_ids, members)
-            sampled, done = self._sampled(output, runner, tokens, n, sched[0], req_ids, members)
+            sampled, done = self._sampled(output, kept, tokens, n, sched[0], req_ids, members)
             for req_id in done:
                 del self._prefilling[req_id]
         else:  # no runner output for this wave (a PP stage before the last, a wave cut short)
@@ -172,23 +197,29 @@ class RequestMembership:
         scheduled request has at least one token)."""
         cands = self._prefilling
         if cands:
-            got = [(i, scheduled.get(r, 0)) for r, i in cands.items()]
-            listed = [(i, t) for i, t in got if t]  # those scheduled this wave
-            rest = total - sum(t for _, t in listed) if total is not None else -1
-            if rest == n - len(listed):
-                keep = [(i, t) for i, t in listed if t != 1]
-                return 1, tuple(i for i, _ in keep), tuple(t for _, t in keep)
+            if total is not None:
+                rest, seen, listed, counts = total, 0, [], []
+                for req_id, number in cands.items():
+                    got = scheduled.get(req_id, 0)
+                    if got:  # scheduled this wave
+                        rest -= got
+                        seen += 1
+                        if got != 1:
+                            listed.append(number)
+                            counts.append(got)
+                if rest == n - seen:
+                    return 1, tuple(listed), tuple(counts)
         elif total == n:
             return 1, (), ()
         # drafts (n-gram, EAGLE...) or a request we did not see join: each one listed
-        return 0, tuple(members), tuple(map(scheduled.get, req_ids, itertools.repeat(0)))
+        return 0, members, tuple(map(scheduled.get, req_ids, itertools.repeat(0)))
 
-    def _sampled(self, output: Any, runner: Any, tokens, n: int, sched_each: int, req_ids,
-                 members: list):  # fmt: skip
+    def _sampled(self, output: Any, kept, tokens, n: int, sched_each: int, req_ids, members: list):
         """(each, indexes, tokens) of the tokens the scheduler keeps of this output (None when
         not known), and the prefilling requests that sampled (their prefill is over). With one
         token scheduled for every request but the prefilling ones, those sampled at most one
-        each, so the wave's count says whether they all did."""
+        each, so the wave's count says whether they all did. `kept`: the processor's
+        per-request counts, when some list is longer than what the scheduler keeps."""
         ids = getattr(output, "sampled_token_ids", None)
         if tokens is None or not isinstance(ids, list) or len(ids) != n:
             return None, ()
@@ -199,40 +230,88 @@ class RequestMembership:
                     return (1, (), ()), ()
             else:
                 where = getattr(output, "req_id_to_index", None)
-                listed, done = [], []
+                rest, seen, listed, counts, done = tokens, 0, [], [], []
                 for req_id, number in cands.items():
                     at = (
                         where.get(req_id) if isinstance(where, dict) else _position(req_ids, req_id)
                     )
                     if at is not None:
-                        kept = self._kept(ids, at, req_ids, runner)
-                        listed.append((number, kept))
-                        if kept:
+                        got = kept[at] if kept is not None else len(ids[at])
+                        rest -= got
+                        seen += 1
+                        if got:
                             done.append(req_id)
-                if tokens - sum(t for _, t in listed) == n - len(listed):
-                    keep = [(i, t) for i, t in listed if t != 1]
-                    return (1, tuple(i for i, _ in keep), tuple(t for _, t in keep)), done
-        counts = array("I", map(len, ids))
-        if runner is not None and n and max(counts) > 1:
-            for at, count in enumerate(counts):
-                if count > 1:
-                    counts[at] = self._kept(ids, at, req_ids, runner)
+                        if got != 1:
+                            listed.append(number)
+                            counts.append(got)
+                if rest == n - seen:
+                    return (1, tuple(listed), tuple(counts)), done
+        counts = kept if kept is not None else array("I", map(len, ids))
         done = ()
         if cands:
             got = dict(zip(members, counts, strict=True))
             done = [r for r, i in cands.items() if got.get(i)]
-        return (0, tuple(members), tuple(counts)), done
+        return (0, members, counts), done
 
-    @staticmethod
-    def _kept(ids: list, at: int, req_ids: list, runner: Any) -> int:
-        tokens = ids[at]
-        if len(tokens) <= 1 or runner is None:
-            return len(tokens)
-        requests = getattr(runner, "requests", None)
-        state = requests.get(req_ids[at]) if isinstance(requests, dict) else None
-        if state is None:
-            return len(tokens)
-        return _kept(tokens, state, getattr(runner, "max_model_len", 0) or 0)
+    def _predicted(self, left: tuple, joined: list) -> array | None:
+        """This wave's members, made from the last wave's the way vLLM's persistent batch
+        (`InputBatch`) changes: requests that left free their slots, joining ones take the
+        lowest free slots (the rest are appended), then the last ones slide down into the
+        holes still free (`condense`). Changes the shadow in place; the caller checks it
+        against the runner's list in one compare (pointers, in C) and maps every id when it
+        differs (a reorder, a request not scheduled this wave). So the usual change, a
+        request finishing and another taking its slot, costs an array copy and a few dict
+        operations instead of a lookup per request."""
+        shadow, members = self._shadow, array("I", self._shadow_members)
+        if not self._shadow_owned:
+            shadow = self._shadow = list(shadow)
+            self._shadow_owned = True
+        slot = self._slot
+        if slot is None:
+            slot = self._slot = {number: at for at, number in enumerate(members)}
+        holes = sorted((slot.pop(n) for n in left if n in slot), reverse=True)  # lowest last
+        index = self._index
+        for req_id in joined:
+            number = index.get(req_id)
+            if number is None:
+                return None
+            if holes:
+                at = holes.pop()
+                shadow[at] = req_id
+                members[at] = number
+            else:
+                at = len(shadow)
+                shadow.append(req_id)
+                members.append(number)
+            slot[number] = at
+        if holes:
+            for at in holes:
+                shadow[at] = None
+            last = len(shadow) - 1
+            while holes:
+                while last >= 0 and shadow[last] is None:
+                    last -= 1
+                low = holes[-1]
+                if low >= last:
+                    break
+                holes.pop()
+                moved = members[last]
+                shadow[low], members[low], shadow[last] = shadow[last], moved, None
+                slot[moved] = low
+            while shadow and shadow[-1] is None:
+                shadow.pop()
+                members.pop()
+        self._shadow_members = members
+        return members
+
+    def _remap(self, req_ids: list) -> array:
+        """Every id of the runner's list looked up; the shadow starts again from it (the
+        runner's list itself: it makes a new one per wave)."""
+        self.full_maps += 1
+        members = array("I", self._members(req_ids))
+        self._shadow, self._shadow_owned = req_ids, False
+        self._shadow_members, self._slot = members, None
+        return members
 
     def _members(self, req_ids: list) -> list[int]:
         index = self._index

@@ -17,6 +17,7 @@ What is counted, and how it relates to vLLM's own counters (docs: README, "Metri
 
 from __future__ import annotations
 
+from array import array
 from typing import Any, NamedTuple
 
 
@@ -151,29 +152,39 @@ def _prompt_len(new_request: Any) -> int:
 
 def count_sampled_tokens(output: Any, runner: Any = None) -> int | None:
     """Tokens a runner output carries that the scheduler keeps, or None when it carries no
-    host-side token lists yet.
+    host-side token lists yet (`sampled_counts` without the per-request counts)."""
+    return sampled_counts(output, runner)[0]
+
+
+def sampled_counts(output: Any, runner: Any = None) -> tuple[int | None, array | None]:
+    """(tokens the scheduler keeps of this output, or None when it carries no host-side token
+    lists yet; per request, in the output's order, how many it keeps, or None when that is
+    the length of each list).
 
     A request gets more than one token in a wave only when drafts were accepted; those lists
     are cut where the scheduler stops the request (`_kept`). One token per request needs no
-    look at the request: the scheduler keeps a lone token.
+    look at the request: the scheduler keeps a lone token. The per-request counts are made
+    only when some request got several, and the request membership reuses them.
     """
     ids = getattr(output, "sampled_token_ids", None)
     if not isinstance(ids, list):
-        return None
-    total = sum(map(len, ids))
-    if runner is None or total <= 1 or max(map(len, ids)) <= 1:
-        return total
-    requests = getattr(runner, "requests", None)
+        return None, None
+    counts = array("I", map(len, ids))
+    total = sum(counts)
+    if total <= 1 or max(counts) <= 1:
+        return total, None
+    requests = getattr(runner, "requests", None) if runner is not None else None
     req_ids = getattr(output, "req_ids", None)
     if not isinstance(requests, dict) or not isinstance(req_ids, list):
-        return total
+        return total, counts
     max_model_len = getattr(runner, "max_model_len", 0) or 0
-    for index, tokens in enumerate(ids):
-        if len(tokens) > 1 and index < len(req_ids):
-            state = requests.get(req_ids[index])
-            if state is not None:
-                total -= len(tokens) - _kept(tokens, state, max_model_len)
-    return total
+    for index in [i for i, c in enumerate(counts) if c > 1 and i < len(req_ids)]:
+        state = requests.get(req_ids[index])
+        if state is not None:
+            kept = _kept(ids[index], state, max_model_len)
+            total -= counts[index] - kept
+            counts[index] = kept
+    return total, counts
 
 
 def _kept(tokens: list[int], state: Any, max_model_len: int) -> int:
@@ -189,6 +200,14 @@ def _kept(tokens: list[int], state: Any, max_model_len: int) -> int:
     eos = getattr(params, "eos_token_id", None)
     stop_ids = getattr(params, "stop_token_ids", None) or ()
     max_tokens = getattr(params, "max_tokens", None)
+    end = before + len(tokens)  # output tokens once all of these are appended
+    if (
+        (max_tokens is None or end < max_tokens)
+        and (not max_model_len or prompt + end < max_model_len)
+        and eos not in tokens
+        and (not stop_ids or not any(t in tokens for t in stop_ids))
+    ):  # the usual case, in C: nothing in these tokens stops the request
+        return len(tokens)
     for count, token in enumerate(tokens, 1):
         produced = before + count
         if token == eos or token in stop_ids:

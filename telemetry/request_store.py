@@ -177,6 +177,14 @@ class RequestWriter:
         """A failed write: forget what it collected."""
         self._names, self._finishes, self._blocks = [], [], []
 
+    def forget_drops(self, engine: str) -> int:
+        """Drop counts of an engine that has left (telemetry/roster.py); how many processes."""
+        with self._lock:
+            gone = [process for process in self._worker_drops if process[1] == engine]
+            for process in gone:
+                del self._worker_drops[process]
+        return len(gone)
+
     def drops(self) -> dict[tuple[str, str, str, str], tuple[int, int]]:
         """(engine, dp, tp, pp) -> (rows, names) the workers of that rank dropped (cumulative,
         summed over its processes)."""
@@ -217,6 +225,10 @@ class RequestMetrics(Collector):
             family.add_metric([*labels, "rows"], float(rows))
             family.add_metric([*labels, "names"], float(names))
         yield family
+
+    def forget(self, engine: str) -> int:
+        """An engine left: its series go with the others (`roster.forget_series`)."""
+        return self.writer.forget_drops(engine) if self.writer is not None else 0
 
 
 # -- reads ----------------------------------------------------------------------------------------

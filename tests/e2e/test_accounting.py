@@ -394,7 +394,6 @@ def test_preempted_requests_recompute_without_counting_their_prompt_again(
     """Ten requests into 12 blocks: vLLM preempts some; their recomputed tokens go to
     kind=recompute, so prefill still equals vLLM's prompt tokens computed locally."""
     s = pressured
-    before = s.settle()
     words = [
         "Apples",
         "Bridges",
@@ -407,22 +406,31 @@ def test_preempted_requests_recompute_without_counting_their_prompt_again(
         "Islands",
         "Jungles",
     ]
-    responses = s.all_at_once(
-        [
-            lambda w=w: s.post(
-                "/v1/completions",
-                {
-                    "prompt": f"{w} are the topic of this text about {w}",
-                    "max_tokens": 40,
-                    "temperature": 0.0,
-                    "ignore_eos": True,
-                },
-            )
-            for w in words
-        ]
-    )
-    after = s.settle()
-    delta = after.minus(before)
+    # the ten must be in flight together to overflow the cache; on a loaded machine the API
+    # server can hand them to the engine so far apart that each ends before the next begins
+    # (0 preemptions once, beside another vllm serve). Such a round proves nothing, so it is
+    # run again, up to 3 rounds; every check below is on the round that preempted.
+    for round_ in range(3):
+        again = f" (round {round_ + 1})" if round_ else ""  # no prefix cache hits from before
+        before = s.settle()
+        responses = s.all_at_once(
+            [
+                lambda w=w, again=again: s.post(
+                    "/v1/completions",
+                    {
+                        "prompt": f"{w} are the topic of this text about {w}{again}",
+                        "max_tokens": 40,
+                        "temperature": 0.0,
+                        "ignore_eos": True,
+                    },
+                )
+                for w in words
+            ]
+        )
+        after = s.settle()
+        delta = after.minus(before)
+        if delta.v("vllm:num_preemptions_total") > 0:
+            break
     delta.row("preemption_and_ngram")
     preemptions = delta.v("vllm:num_preemptions_total")
     assert preemptions > 0, "the KV cache was meant to force preemptions"

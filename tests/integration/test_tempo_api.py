@@ -420,6 +420,9 @@ def test_tags_v2_as_grafana_asks_for_them(api):
     scopes = {s["name"]: s.get("tags", []) for s in body["scopes"]}
     assert {"resource", "span", "intrinsic"} <= set(scopes)
     assert {schema.ATTR_TP, schema.ATTR_ENGINE, schema.attr("collective.op")} <= set(scopes["span"])
+    # request traces' attributes too (Grafana's search offers them)
+    request_keys = {schema.attr("request_id"), schema.attr("request.sampled_tokens")}
+    assert request_keys <= set(scopes["span"])
     assert {"service.name", "host.name"} <= set(scopes["resource"])
     assert {"duration", "name", "status", "traceDuration"} <= set(scopes["intrinsic"])
     span_only = api.json("/api/v2/search/tags", scope="span", limit="3")

@@ -11,23 +11,8 @@ import time
 
 from guard.streamer import HeartbeatState, Streamer
 from telemetry.proto import guard_pb2
-from tests.support.feed import attach_reporter, wave_tuple
+from tests.support.feed import DASHBOARD_PROBES, attach_reporter, wave_tuple
 
-# every probe a dashboard panel shows (the same readings as tests.support.feed)
-PROBES = (
-    ("logits_max_abs", 12.5, {}), ("logits_entropy_nats", 3.2, {}), ("config_generation", 1, {}),
-    ("spec_acceptance_rate", 0.6, {"method": "ngram"}), ("spec_draft_tokens", 30, {"method": "ngram"}),
-    ("spec_accepted_tokens", 18, {"method": "ngram"}),
-    ("kv_cache_bytes", 1 << 30, {}), ("kv_cache_blocks", 8192, {}), ("kv_cache_layers", 2, {}),
-    ("rotary_table_rows", 4096, {}), ("device_phase_ms", 4.5, {"phase": "execute_model"}),
-    ("graph_captures", 1, {"graph": "bs8"}), ("graph_capture_seconds", 0.2, {"graph": "bs8"}),
-    ("graph_capture_bytes", 1 << 20, {"graph": "bs8"}), ("graph_workspace_leaked_bytes", 0, {}),
-    ("spec_drafts_proposed", 33, {"method": "ngram"}), ("spec_drafts_accepted", 18, {"method": "ngram"}),
-    ("speculator_info", 1, {"method": "ngram", "speculator": "NgramProposer"}),
-    ("device_communicator_info", 1, {"communicator": "HcclCommunicator", "backend": "hccl", "group": "tp"}),
-    ("hccl_settings_info", 1, {"communicator": "HcclCommunicator", "hccl_algo": "", "hccl_exec_timeout": "1836",
-                               "hccl_connect_timeout": "120"}),
-)  # fmt: skip
 CALLS_PER_WAVE = 6  # 5 all_reduce + 1 all_gather on tp
 
 
@@ -66,7 +51,7 @@ class LiveRank:
         for n in range(1, waves + 1):
             self.streamer.offer(wave_tuple(n))
         if probes:
-            for name, value, labels in PROBES:
+            for name, value, labels in DASHBOARD_PROBES:  # every probe a panel shows
                 self.streamer.offer_probe(name, float(value), labels)
         self.reporter = attach_reporter(self.streamer, run_id, wave=2)
         for n in range(nan_incidents):

@@ -93,6 +93,23 @@ def attach_reporter(streamer: Streamer, run_id: str, *, wave: int = 7, **config)
     return reporter
 
 
+# every probe a dashboard panel shows: (name, value, labels)
+DASHBOARD_PROBES = (
+    ("logits_max_abs", 12.5, {}), ("logits_entropy_nats", 3.2, {}), ("config_generation", 1, {}),
+    ("spec_acceptance_rate", 0.6, {"method": "ngram"}), ("spec_draft_tokens", 30, {"method": "ngram"}),
+    ("spec_accepted_tokens", 18, {"method": "ngram"}),
+    ("kv_cache_bytes", 1 << 30, {}), ("kv_cache_blocks", 8192, {}), ("kv_cache_layers", 2, {}),
+    ("rotary_table_rows", 4096, {}), ("device_phase_ms", 4.5, {"phase": "execute_model"}),
+    ("graph_captures", 1, {"graph": "bs8"}), ("graph_capture_seconds", 0.2, {"graph": "bs8"}),
+    ("graph_capture_bytes", 1 << 20, {"graph": "bs8"}), ("graph_workspace_leaked_bytes", 0, {}),
+    ("spec_drafts_proposed", 33, {"method": "ngram"}), ("spec_drafts_accepted", 18, {"method": "ngram"}),
+    ("speculator_info", 1, {"method": "ngram", "speculator": "NgramProposer"}),
+    ("device_communicator_info", 1, {"communicator": "CpuCommunicator", "backend": "gloo", "group": "tp"}),
+    ("hccl_settings_info", 1, {"communicator": "NPUCommunicator", "hccl_algo": "", "hccl_exec_timeout": "1836",
+                               "hccl_connect_timeout": "120"}),
+)  # fmt: skip
+
+
 def send_incidents_and_probes(
     address: str, *, engine: str = "test", run_id: str = "run-test", timeout: float = 10.0
 ) -> None:
@@ -103,20 +120,7 @@ def send_incidents_and_probes(
     for n in range(3):
         reporter.report("logits_finite", "error", "nan row", request_id=f"req-{n}")
     reporter.report("token_repeat", "warning", "loop", request_id="req-9")
-    for name, val, labels in (
-        ("logits_max_abs", 12.5, {}), ("logits_entropy_nats", 3.2, {}), ("config_generation", 1, {}),
-        ("spec_acceptance_rate", 0.6, {"method": "ngram"}), ("spec_draft_tokens", 30, {"method": "ngram"}),
-        ("spec_accepted_tokens", 18, {"method": "ngram"}),
-        ("kv_cache_bytes", 1 << 30, {}), ("kv_cache_blocks", 8192, {}), ("kv_cache_layers", 2, {}),
-        ("rotary_table_rows", 4096, {}), ("device_phase_ms", 4.5, {"phase": "execute_model"}),
-        ("graph_captures", 1, {"graph": "bs8"}), ("graph_capture_seconds", 0.2, {"graph": "bs8"}),
-        ("graph_capture_bytes", 1 << 20, {"graph": "bs8"}), ("graph_workspace_leaked_bytes", 0, {}),
-        ("spec_drafts_proposed", 33, {"method": "ngram"}), ("spec_drafts_accepted", 18, {"method": "ngram"}),
-        ("speculator_info", 1, {"method": "ngram", "speculator": "NgramProposer"}),
-        ("device_communicator_info", 1, {"communicator": "CpuCommunicator", "backend": "gloo", "group": "tp"}),
-        ("hccl_settings_info", 1, {"communicator": "NPUCommunicator", "hccl_algo": "", "hccl_exec_timeout": "1836",
-                                   "hccl_connect_timeout": "120"}),
-    ):  # fmt: skip
+    for name, val, labels in DASHBOARD_PROBES:
         streamer.offer_probe(name, float(val), labels)
     streamer.start()
     deadline = time.monotonic() + timeout

@@ -12,7 +12,12 @@ tokens, and how many it sampled. What it copies from vLLM:
   chunk's sampled list is empty;
 - a finished request is named in `finished_req_ids` of the next wave;
 - a preempted request leaves the batch and comes back in `resumed_req_ids`, recomputing its
-  prompt and output so far.
+  prompt and output so far;
+- with `layout="slots"`, the runner's order is its persistent batch's (`InputBatch`): a request
+  that leaves frees its slot, joining ones (new first, then those back in the batch) take the
+  lowest free slots or go last, and the last ones then slide down into the holes left
+  (`condense`); `swap_every` swaps the first and last slot every so many waves, as an attention
+  backend's reorder does. The default, `layout="list"`, keeps the order requests joined in.
 """
 
 from __future__ import annotations
@@ -53,7 +58,17 @@ class SimRequest:
 class Sim:
     """Schedules requests wave by wave under a token budget."""
 
-    def __init__(self, requests: list[SimRequest], budget: int = 64, preempt: dict | None = None):
+    def __init__(
+        self,
+        requests: list[SimRequest],
+        budget: int = 64,
+        preempt: dict | None = None,
+        layout: str = "list",
+        swap_every: int = 0,
+    ):
+        assert layout in ("list", "slots"), layout
+        self.layout, self.swap_every = layout, swap_every
+        self.slots: list[str | None] = []
         self.requests = {r.req_id: r for r in requests}
         self.budget = budget
         self.preempt = preempt or {}  # wave -> req_id preempted before that wave is scheduled
@@ -111,6 +126,9 @@ class Sim:
                                     num_computed_tokens=0)
                 )  # fmt: skip
         order = [r for r in self.running if r in scheduled]
+        if self.layout == "slots":
+            new_ids = [n.req_id for n in new_reqs]
+            order = self._persistent_batch(scheduled, new_ids, order)
         so = SimpleNamespace(
             num_scheduled_tokens={_fresh(r): scheduled[r] for r in order},
             total_num_scheduled_tokens=sum(scheduled.values()),
@@ -148,6 +166,31 @@ class Sim:
                 self.finished_last.add(req_id)
         output = SimpleNamespace(req_ids=runner_req_ids, sampled_token_ids=sampled_ids)
         return so, output
+
+    def _persistent_batch(self, scheduled: dict, new_ids: list[str], order: list[str]) -> list:
+        slots = self.slots
+        for at, req_id in enumerate(slots):
+            if req_id is not None and req_id not in scheduled:
+                slots[at] = None  # finished, preempted or not scheduled this wave
+        holes = [at for at, req_id in enumerate(slots) if req_id is None]
+        present = set(slots)
+        joining = new_ids + [r for r in order if r not in present and r not in new_ids]
+        for req_id in joining:
+            if holes:
+                slots[holes.pop(0)] = req_id
+            else:
+                slots.append(req_id)
+        while holes:
+            taken = [at for at, req_id in enumerate(slots) if req_id is not None]
+            if not taken or holes[0] >= taken[-1]:
+                break
+            last = taken[-1]
+            slots[holes.pop(0)], slots[last] = slots[last], None
+        while slots and slots[-1] is None:
+            slots.pop()
+        if self.swap_every and self.wave % self.swap_every == 0 and len(slots) > 1:
+            slots[0], slots[-1] = slots[-1], slots[0]
+        return list(slots)
 
 
 class _QuietStreamer(Streamer):

@@ -26,6 +26,7 @@ from telemetry.tempo_api.server import PROTOBUF, Request, route
 from telemetry.traceql.search import search as traceql_search
 from telemetry.traces import format_trace_id, request_trace_id, wave_trace_id
 from telemetry.validation import InvalidBatch, validate_batch
+from tests.support.metrics import samples, value
 from tests.support.request_sim import Sim, SimRequest, drive, guarded
 
 
@@ -56,10 +57,19 @@ def _store(tmp_path, batches) -> tuple[Store, str]:
     return store, path
 
 
-@pytest.fixture
-def simulated(tmp_path):
+# the runner's order: as requests joined; vLLM's persistent batch (slots reused, condensed);
+# the same with a reorder every 5 waves (the membership then maps every id)
+LAYOUTS = {
+    "list": {},
+    "slots": {"layout": "slots"},
+    "reordered": {"layout": "slots", "swap_every": 5},
+}
+
+
+@pytest.fixture(params=sorted(LAYOUTS))
+def simulated(tmp_path, request):
     reqs = _requests()
-    sim = Sim(reqs, budget=64, preempt={9: "cmpl-1-0"})
+    sim = Sim(reqs, budget=64, preempt={9: "cmpl-1-0"}, **LAYOUTS[request.param])
     processor = guarded()
     batches = drive(processor, sim)
     assert processor.errors.total == 0
@@ -361,3 +371,66 @@ def test_names_go_once_per_stream_and_again_on_a_new_stream() -> None:
     m.fill_batch(again)
     assert sorted(again.request_columns.name_request_id) == ids
     assert not len(again.request_columns.wave)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_churn_in_vllms_persistent_batch_is_predicted_and_every_request_still_adds_up(
+    tmp_path, layout
+) -> None:
+    """Many short requests, so some finish and others join almost every wave. In vLLM's slot
+    layout the membership follows the batch without looking every id up; a reorder or the
+    join-order layout falls back to the full map. Either way each request's trace is the truth."""
+    reqs = [
+        SimRequest(
+            f"cmpl-{i}-0", prompt=3 + i % 7, max_tokens=2 + (5 * i) % 9, arrive_wave=1 + i // 3
+        )
+        for i in range(60)
+    ]
+    sim = Sim(reqs, budget=256, preempt={13: "cmpl-30-0"}, **LAYOUTS[layout])
+    processor = guarded()
+    batches = drive(processor, sim)
+    assert processor.errors.total == 0
+    assert sum(r.preemptions for r in reqs) == 1
+    membership = processor.membership
+    changed = sum(1 for w in range(1, sim.wave + 1) if _changed(reqs, w))
+    if layout == "slots":  # the preemption's return (and the first wave) are mapped in full
+        assert membership.full_maps <= 4, (membership.full_maps, changed)
+    else:
+        assert membership.full_maps >= changed // 2, (membership.full_maps, changed)
+    store, path = _store(tmp_path, batches)
+    conn = connect(path, readonly=True)
+    for req in reqs:
+        (trace,) = request_store.request_traces(conn, req.req_id)
+        assert {w.wave: (w.scheduled, w.sampled) for w in trace.waves} == req.waves, req.req_id
+        assert trace.sampled_tokens() == req.max_tokens
+    store.close()
+
+
+def _changed(reqs: list[SimRequest], wave: int) -> bool:
+    """The batch's make-up differs from the wave before's."""
+    now = {r.req_id for r in reqs if wave in r.waves}
+    before = {r.req_id for r in reqs if wave - 1 in r.waves}
+    return now != before
+
+
+def test_membership_drop_series_go_when_their_engine_leaves() -> None:
+    """The roster forgets an engine through each collector; the drop counts are one."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from telemetry.roster import forget_label
+
+    writer = request_store.RequestWriter()
+    registry = CollectorRegistry()
+    registry.register(request_store.RequestMetrics(writer))
+    for engine in ("left", "stays"):
+        batch = guard_pb2.Batch()
+        batch.request_columns.dropped_rows_total = 3
+        rank = guard_pb2.RankInfo(run_id="r", engine=engine, tp_size=1, dp_size=1, pp_size=1, pid=7)
+        writer.collect(1, rank, engine, batch)
+    name = "ascend_guard_request_membership_dropped_total"
+    text = generate_latest(registry).decode()
+    assert value(text, name, engine="left", kind="rows") == value(text, name, engine="stays") == 3
+    assert forget_label(registry, "engine", "left") == 1
+    text = generate_latest(registry).decode()
+    assert not samples(text, name, engine="left")
+    assert value(text, name, engine="stays", kind="rows") == 3

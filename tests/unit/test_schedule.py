@@ -5,8 +5,17 @@ from __future__ import annotations
 import types
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from guard.schedule import EMPTY_SCHEDULE, PrefillTracker, ScheduleSummary, count_sampled_tokens
+from guard.schedule import (
+    EMPTY_SCHEDULE,
+    PrefillTracker,
+    ScheduleSummary,
+    _kept,
+    count_sampled_tokens,
+    sampled_counts,
+)
 
 sched_output = pytest.importorskip("vllm.v1.core.sched.output")
 outputs = pytest.importorskip("vllm.v1.outputs")
@@ -286,3 +295,52 @@ def test_one_token_per_request_never_looks_at_request_states():
 
     output = ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={}, sampled_token_ids=[[1], [2]])
     assert count_sampled_tokens(output, Refusing()) == 2
+
+
+def _vllm_kept(tokens: list[int], before: list[int], params, prompt: int, max_len: int) -> int:
+    """How many of `tokens` vLLM's own `check_stop` lets the scheduler append, one by one."""
+    from vllm.v1.core.sched.utils import check_stop
+
+    request = types.SimpleNamespace(
+        sampling_params=params, output_token_ids=list(before), max_tokens=params.max_tokens,
+        status=None, stop_reason=None, pooling_params=None,
+    )  # fmt: skip
+    for count, token in enumerate(tokens, 1):
+        request.output_token_ids.append(token)
+        request.num_output_tokens = len(request.output_token_ids)
+        request.num_tokens = prompt + request.num_output_tokens
+        if check_stop(request, max_len):
+            return count
+    return len(tokens)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    before=st.lists(st.integers(0, 5), max_size=12),
+    tokens=st.lists(st.integers(0, 5), min_size=2, max_size=6),
+    eos=st.one_of(st.none(), st.integers(0, 5)),
+    stop=st.lists(st.integers(0, 5), max_size=2),
+    extra=st.integers(1, 10),
+    prompt=st.integers(1, 8),
+    model_room=st.one_of(st.just(0), st.integers(1, 20)),
+)
+def test_drafts_past_a_stop_are_trimmed_as_vllms_check_stop_trims_them(
+    before, tokens, eos, stop, extra, prompt, model_room
+) -> None:
+    """`_kept` (and its fast path, taken when nothing in the drafts can stop the request)
+    against vLLM's own stop check, appending the tokens one by one as the scheduler does."""
+    max_tokens = len(before) + extra  # the request had not stopped before these tokens
+    max_len = prompt + len(before) + model_room if model_room else 0
+    params = types.SimpleNamespace(
+        eos_token_id=eos, stop_token_ids=stop, max_tokens=max_tokens, min_tokens=0,
+        repetition_detection=None,
+    )  # fmt: skip
+    state = types.SimpleNamespace(
+        sampling_params=params, output_token_ids=before + tokens, num_prompt_tokens=prompt
+    )
+    want = _vllm_kept(tokens, before, params, prompt, max_len or 10**9)
+    assert _kept(tokens, state, max_len) == want
+    output = types.SimpleNamespace(req_ids=["a", "b"], sampled_token_ids=[[1], tokens])
+    runner = types.SimpleNamespace(requests={"b": state}, max_model_len=max_len)
+    total, counts = sampled_counts(output, runner)
+    assert total == 1 + want and list(counts) == [1, want]

