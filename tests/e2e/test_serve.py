@@ -29,7 +29,12 @@ PROMPTS = [
     "The weather today is",
     "Numbers should always agree",
 ]
-BUFFER_SIZE = 64
+# the worker's buffer, in records: small, so the outage test overflows it in a few seconds, yet
+# 256 waves (0.3-1 s here) of a stalled streamer or sidecar without a drop. At 64, one loop run
+# of the e2e tests beside other work dropped 7 records in the first test (its streamer had
+# stalled that long) and the tokens never settled.
+BUFFER_SIZE = 256
+OUTAGE_TOKENS = 3 * BUFFER_SIZE  # per request, 2 at once: 3 x BUFFER_SIZE waves while it is down
 
 
 def guard_config(sock: Path) -> dict:
@@ -222,9 +227,10 @@ def test_serving_survives_sidecar_outage_and_stream_resumes(
     seen_old = value(before, "ascend_guard_waves_total", **_rank(0))
     old.stop()
 
-    # enough waves to overflow the guard's buffer of BUFFER_SIZE records
-    responses = server.complete_many(PROMPTS[:2], max_tokens=4 * BUFFER_SIZE)
-    assert completion_tokens(responses) == 8 * BUFFER_SIZE
+    # enough waves to overflow the guard's buffer of BUFFER_SIZE records (the server's
+    # max_model_len is 1024)
+    responses = server.complete_many(PROMPTS[:2], max_tokens=OUTAGE_TOKENS)
+    assert completion_tokens(responses) == 2 * OUTAGE_TOKENS
     assert server.health_status() == 200
 
     new = SidecarProcess.start(
@@ -248,8 +254,8 @@ def test_serving_survives_sidecar_outage_and_stream_resumes(
     dropped = value(text, "ascend_guard_records_dropped_total", **_rank(0))
     seen_new = value(text, "ascend_guard_waves_total", **_rank(0))
     ran = value(text, "ascend_guard_last_wave", **_rank(0))
-    # the outage ran at least 4 * BUFFER_SIZE waves; all but the buffered ones were dropped
-    assert dropped >= 3 * BUFFER_SIZE - 32, _guard_lines(text)
+    # the outage ran at least OUTAGE_TOKENS waves; all but the buffered ones were dropped
+    assert dropped >= OUTAGE_TOKENS - BUFFER_SIZE - 32, _guard_lines(text)
     assert seen_old + seen_new <= ran <= seen_old + seen_new + dropped, (
         seen_old,
         seen_new,
