@@ -272,6 +272,10 @@ def test_a_protected_https_api_needs_its_ca_and_token(tmp_path, capsys, monkeypa
 
 
 # -- --follow ---------------------------------------------------------------------------------
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Follower:
     """`ascend-guard query ... --follow` as a subprocess, its stdout lines read as they come."""
 
@@ -291,6 +295,11 @@ class Follower:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            # Ctrl-C's default in the child, whatever this process inherited: a test run
+            # started in the background of a script (`cmd &`, nohup) ignores SIGINT, its
+            # children inherit that, and Python then installs no KeyboardInterrupt handler
+            # (a fresh-clone run started so waited 20 s here for a follower that never stopped)
+            preexec_fn=_default_sigint,
         )
         self.lines: queue.Queue[str] = queue.Queue()
         self.seen: list[str] = []
