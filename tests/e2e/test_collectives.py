@@ -34,7 +34,8 @@ from tests.support.vllm_server import VllmServer
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 ENGINE = "coll"
-DRILL_WAVE = 60
+# past every wave the tests before the drill run (6 prompts x 12 tokens: under 100 even one by one)
+DRILL_WAVE = 200
 DRILL_DELAY_S = 0.5
 LONG = 900  # tokens per request in flight during the SIGSTOP: several seconds of decoding
 HOLD_STOPPED_S = 4.0  # longer than the watchdog deadline (3 s), so rank 0 reports too
@@ -181,10 +182,16 @@ def test_fire_drill_shows_rank_1_as_straggler_by_the_injected_delay(dep: Deploym
     def last_wave() -> float:
         return min(value(dep.metrics(), "ascend_guard_last_wave", **rank(tp)) for tp in (0, 1))
 
+    now = last_wave()
+    assert now < DRILL_WAVE - 8, f"wave {now}: the drill wave passed before this test"
     deadline = time.monotonic() + 180
-    while last_wave() < DRILL_WAVE + 3:
+    while now < DRILL_WAVE + 3:
         assert time.monotonic() < deadline, "the server did not reach the drill wave"
-        dep.server.complete_many(PROMPTS[:2], max_tokens=16)
+        # one request decoding through the drill wave: a wave where requests end can hold no
+        # forward (no collectives), and a drill there shows no skew (1 loop run in 7 with
+        # rounds of short requests). /metrics runs behind, so this request runs long, not short.
+        dep.server.complete(PROMPTS[0], max_tokens=int(max(8, DRILL_WAVE + 16 - now)))
+        now = last_wave()
     waves = []
     for _ in range(50):
         waves = [w for w in dep.get("/skew")[1]["waves"] if w["wave"] == DRILL_WAVE]
