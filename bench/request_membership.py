@@ -18,7 +18,10 @@ Scenarios at `--reqs` requests:
   every position changes): the worst case, each request's id is looked up;
 - spec: the same requests, 4 tokens scheduled each (n-gram drafts), 1-4 sampled.
 
-    python bench/request_membership.py [--reqs 256] [--blocks 15] [--waves 200]
+Before timing, `--warm` waves run (default RETIRED_KEPT + 1000): a server that has served a
+while, whose bound on finished requests is full (in churn one request finishes per wave).
+
+    python bench/request_membership.py [--reqs 256] [--blocks 15] [--waves 200] [--warm N]
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from guard.config import GuardConfig  # noqa: E402
 from guard.processor import GuardProcessor  # noqa: E402
-from guard.request_membership import RequestMembership  # noqa: E402
+from guard.request_membership import RETIRED_KEPT, RequestMembership  # noqa: E402
 from guard.schedule import sampled_counts  # noqa: E402
 from telemetry.proto import guard_pb2  # noqa: E402
 
@@ -141,7 +144,7 @@ def _execute(runner, scheduler_output):
     return None
 
 
-def measure(reqs: int, blocks: int, n_waves: int, scenario: str) -> dict[str, float]:
+def measure(reqs: int, blocks: int, n_waves: int, scenario: str, warm: int) -> dict[str, float]:
     runner = SimpleNamespace(requests={}, max_model_len=4096)
     procs = {True: processor(True), False: processor(False)}
     engines = {on: Engine(reqs, scenario) for on in procs}
@@ -151,8 +154,20 @@ def measure(reqs: int, blocks: int, n_waves: int, scenario: str) -> dict[str, fl
     engine = Engine(reqs, scenario)
     for wave, (so, output) in enumerate(engine.waves(2), 1):
         alone.on_schedule(wave, so)
-        alone.on_wave(wave, output, runner, *sampled_counts(output, runner))
+        alone.on_wave(wave, output, *sampled_counts(output, runner))
     number = 2
+    # a server that has run a while: in churn, RETIRED_KEPT requests have already finished
+    for _ in range(-(-warm // 500)):
+        for on, proc in procs.items():
+            run_waves(proc, engines[on].waves(500), runner)
+            proc.streamer.records.clear()
+            if proc.membership is not None:
+                proc.membership.fill_batch(guard_pb2.Batch())
+        for so, output in engine.waves(500):
+            number += 1
+            alone.on_schedule(number, so)
+            alone.on_wave(number, output, *sampled_counts(output, runner))
+        alone._rows.clear()
     diffs, ons, offs, direct, fills = [], [], [], [], []
     for block in range(blocks):
         order = (True, False) if block % 2 else (False, True)
@@ -175,7 +190,7 @@ def measure(reqs: int, blocks: int, n_waves: int, scenario: str) -> dict[str, fl
             for (so, output), (count, kept) in zip(waves, counted, strict=True):
                 number += 1
                 alone.on_schedule(number, so)
-                alone.on_wave(number, output, runner, count, kept)
+                alone.on_wave(number, output, count, kept)
             direct.append((time.perf_counter_ns() - t0) / n_waves / 1000)
             alone._rows.clear()
         finally:
@@ -199,12 +214,18 @@ def main() -> None:
     parser.add_argument("--reqs", type=int, default=256)
     parser.add_argument("--blocks", type=int, default=15)
     parser.add_argument("--waves", type=int, default=200)
+    parser.add_argument(
+        "--warm",
+        type=int,
+        default=RETIRED_KEPT + 1000,
+        help="waves run before timing (churn: more requests finish than the membership keeps)",
+    )
     args = parser.parse_args()
     results = {}
     print(f"{'scenario':8} {'on us':>8} {'off us':>8} {'on-off':>8} {'calls':>8} {'calls p90':>9}"
           f" {'fill us':>8}   (per wave, {args.reqs} requests, median of {args.blocks} blocks)")  # fmt: skip
     for scenario in ("steady", "churn", "shift", "spec"):
-        r = measure(args.reqs, args.blocks, args.waves, scenario)
+        r = measure(args.reqs, args.blocks, args.waves, scenario, args.warm)
         results[scenario] = r
         print(f"{scenario:8} {r['on']:8.2f} {r['off']:8.2f} {r['added']:8.2f} {r['direct']:8.2f}"
               f" {r['direct_p90']:9.2f} {r['fill']:8.2f}")  # fmt: skip

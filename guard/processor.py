@@ -298,7 +298,7 @@ class GuardProcessor:
             )  # fmt: skip
         )
         if self.membership is not None:
-            self.membership.on_wave(wave, output, runner, tokens, kept)
+            self.membership.on_wave(wave, output, tokens, kept)
 
     # -- sampling detectors and live config ----------------------------------------------------
     def on_logits(self, logits: Any, rows_per_req: list[int] | None) -> None:

@@ -43,6 +43,9 @@ PENDING_WAVES = 8  # scheduled waves whose output has not come back yet
 ROWS_PER_BATCH = 4096
 PREDICTION_PAUSE = 16  # changed waves mapped in full after a wrong prediction
 
+NOTHING = ()  # no request joined this wave (None: unknown, no prediction)
+STEADY = (1, (), ())  # every member got one token (scheduled, or sampled)
+
 # (wave, members, (each, indexes, tokens) scheduled, the same sampled or None, finished,
 #  preempted); `members` is the same array object while the make-up is unchanged
 Row = tuple
@@ -61,7 +64,10 @@ class RequestMembership:
         self._capacity = capacity
         self._max_live = max_live
         self._index: dict[str, int] = {}  # live request id -> index (engine thread)
-        self._retired: dict[str, int] = {}  # recently finished id -> index
+        # recently finished id -> index, oldest first: an OrderedDict, because a plain
+        # dict's oldest key (`next(iter(d))`) is found by skipping every slot its earlier
+        # deletions left, which cost 4 us a finish once RETIRED_KEPT requests had finished
+        self._retired: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._names: dict[int, str] = {}  # index -> id, until its finish is packed
         self._new_names: collections.deque[int] = collections.deque()  # not yet sent
         self._next = 0
@@ -89,14 +95,12 @@ class RequestMembership:
         except Exception:  # noqa: BLE001 - membership must not cost the wave record
             self._failed("request_membership_schedule")
 
-    def on_wave(
-        self, wave: int, output: Any, runner: Any, tokens: int | None, kept: Any = None
-    ) -> None:
+    def on_wave(self, wave: int, output: Any, tokens: int | None, kept: Any = None) -> None:
         """Record wave `wave`: `output` is the runner output (None: it sampled nothing here),
         `tokens` the sampled tokens the processor counted for it and `kept` per request, in
         the output's order, when they are not each list's length (`sampled_counts`)."""
         try:
-            self._on_wave(wave, output, runner, tokens, kept)
+            self._on_wave(wave, output, tokens, kept)
         except Exception:  # noqa: BLE001
             self._pending.pop(wave, None)
             self._shadow = None
@@ -112,8 +116,9 @@ class RequestMembership:
             return
         index = self._index
         new = getattr(scheduler_output, "scheduled_new_reqs", None)
-        joined: list | None = None if new is None else [r.req_id for r in new]
-        if joined:
+        joined: Any = None if new is None else NOTHING
+        if new:
+            joined = [r.req_id for r in new]
             prefilling = self._prefilling
             for req_id in joined:
                 if req_id not in index:
@@ -121,9 +126,16 @@ class RequestMembership:
         finished: tuple = ()
         done = getattr(scheduler_output, "finished_req_ids", None)
         if done:
-            finished = tuple(self._retire(r) for r in done if r in index)
+            retired, prefilling, numbers = self._retired, self._prefilling, []
             for req_id in done:
-                self._prefilling.pop(req_id, None)
+                number = index.pop(req_id, None)
+                if number is not None:
+                    numbers.append(number)
+                    retired[req_id] = number
+                    if len(retired) > RETIRED_KEPT:
+                        retired.popitem(last=False)
+                prefilling.pop(req_id, None)
+            finished = tuple(numbers)
         preempted: tuple = ()
         # preempted in this step (vLLM >= 0.11 sets it for both runners); older V1 schedulers
         # leave it None, and a request back from a preemption is then in resumed_req_ids
@@ -147,7 +159,7 @@ class RequestMembership:
             del pending[next(iter(pending))]
         pending[wave] = (scheduled, total, finished, preempted, joined)
 
-    def _on_wave(self, wave: int, output: Any, runner: Any, tokens: int | None, kept) -> None:
+    def _on_wave(self, wave: int, output: Any, tokens: int | None, kept) -> None:
         opened = self._pending.pop(wave, None)
         if opened is None:
             return
@@ -172,10 +184,18 @@ class RequestMembership:
                 members = self._shadow_members
             else:
                 members = self._remap(req_ids)
-            sched = self._scheduled(scheduled, total, n, req_ids, members)
-            sampled, done = self._sampled(output, kept, tokens, n, sched[0], req_ids, members)
-            for req_id in done:
-                del self._prefilling[req_id]
+            if self._prefilling or total != n:
+                sched = self._scheduled(scheduled, total, n, req_ids, members)
+                sampled, done = self._sampled(output, kept, tokens, n, sched[0], req_ids, members)
+                for req_id in done:
+                    del self._prefilling[req_id]
+            else:  # the usual wave: none may be prefilling, one token each scheduled
+                sched = STEADY
+                ids = getattr(output, "sampled_token_ids", None)
+                if tokens == n and isinstance(ids, list) and len(ids) == n:
+                    sampled = STEADY
+                else:
+                    sampled = self._sampled(output, kept, tokens, n, 1, req_ids, members)[0]
         else:  # no runner output for this wave (a PP stage before the last, a wave cut short)
             members = self._members(list(scheduled))
             sched = (0, tuple(members), tuple(scheduled.values()))
@@ -208,9 +228,9 @@ class RequestMembership:
                             listed.append(number)
                             counts.append(got)
                 if rest == n - seen:
-                    return 1, tuple(listed), tuple(counts)
+                    return (1, tuple(listed), tuple(counts)) if listed else STEADY
         elif total == n:
-            return 1, (), ()
+            return STEADY
         # drafts (n-gram, EAGLE...) or a request we did not see join: each one listed
         return 0, members, tuple(map(scheduled.get, req_ids, itertools.repeat(0)))
 
@@ -227,7 +247,7 @@ class RequestMembership:
         if sched_each == 1:
             if not cands:
                 if tokens == n:
-                    return (1, (), ()), ()
+                    return STEADY, ()
             else:
                 where = getattr(output, "req_id_to_index", None)
                 rest, seen, listed, counts, done = tokens, 0, [], [], []
@@ -269,7 +289,11 @@ class RequestMembership:
         slot = self._slot
         if slot is None:
             slot = self._slot = {number: at for at, number in enumerate(members)}
-        holes = sorted((slot.pop(n) for n in left if n in slot), reverse=True)  # lowest last
+        if len(left) == 1:  # the usual change: one request left (or none, one joins)
+            at = slot.pop(left[0], None)
+            holes = [] if at is None else [at]
+        else:
+            holes = sorted((slot.pop(n) for n in left if n in slot), reverse=True)  # lowest last
         index = self._index
         for req_id in joined:
             number = index.get(req_id)
@@ -342,14 +366,6 @@ class RequestMembership:
             self.dropped_names += 1
         if len(names) > self._max_live + RETIRED_KEPT:
             names.pop(next(iter(names)), None)
-        return number
-
-    def _retire(self, req_id: str) -> int:
-        number = self._index.pop(req_id)
-        retired = self._retired
-        retired[req_id] = number
-        if len(retired) > RETIRED_KEPT:
-            del retired[next(iter(retired))]
         return number
 
     def __len__(self) -> int:

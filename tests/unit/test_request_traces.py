@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
 
+from guard import request_membership
 from guard.request_membership import RequestMembership, chain_fillers
 from telemetry import request_store, schema
 from telemetry.labels import EngineLabels
@@ -236,10 +237,10 @@ def test_membership_reuses_the_row_while_the_batch_is_unchanged_and_bounds_its_b
     m = RequestMembership(capacity=4)
     m.on_schedule(1, _sched(ids, [3] * 8, new=ids))
     out = SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1]] * 8)
-    m.on_wave(1, out, None, 8)
+    m.on_wave(1, out, 8)
     for wave in range(2, 8):
         m.on_schedule(wave, _sched(ids, [1] * 8))
-        m.on_wave(wave, SimpleNamespace(req_ids=out.req_ids, sampled_token_ids=[[1]] * 8), None, 8)
+        m.on_wave(wave, SimpleNamespace(req_ids=out.req_ids, sampled_token_ids=[[1]] * 8), 8)
     assert len(m) == 4 and m.dropped_rows == 3
     batch = guard_pb2.Batch(rank=guard_pb2.RankInfo(run_id="r"))
     m.fill_batch(batch)
@@ -250,6 +251,37 @@ def test_membership_reuses_the_row_while_the_batch_is_unchanged_and_bounds_its_b
     assert list(cols.scheduled_each) == [1, 1, 1, 1] and list(cols.sampled_each) == [1, 1, 1, 1]
     assert cols.dropped_rows_total == 3
     assert list(cols.name_request_id) == ids  # named once, in the stream's first batch
+
+
+def test_a_finished_request_stays_known_for_a_late_output_the_newest_retired_kept(
+    monkeypatch,
+) -> None:
+    """An async output can name a request a wave after it finished: the newest RETIRED_KEPT
+    finished ones still map to their index; older ones are forgotten, oldest first (the
+    bound is an ordered dict, so dropping the oldest stays O(1) however long the server runs)."""
+    monkeypatch.setattr(request_membership, "RETIRED_KEPT", 3)
+    ids = [f"r{i}" for i in range(6)]
+    m = RequestMembership(capacity=100)
+    m.on_schedule(1, _sched(ids, [1] * 6, new=ids))
+    m.on_wave(1, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1]] * 6), 6)
+    first = guard_pb2.Batch(rank=guard_pb2.RankInfo(run_id="r"))
+    m.fill_batch(first)
+    cols = first.request_columns
+    index = dict(zip(cols.name_request_id, cols.name_index, strict=True))
+    for wave, req_id in enumerate(ids, 2):  # one finishes per wave, r0 first
+        live = ids[ids.index(req_id) + 1 :]
+        m.on_schedule(wave, _sched(live, [1] * len(live), finished=[req_id]))
+        out = SimpleNamespace(req_ids=list(live), sampled_token_ids=[[1]] * len(live))
+        m.on_wave(wave, out, len(live))
+    m.on_schedule(8, _sched(["r2", "r3", "r5"], [1, 1, 1]))  # outputs a wave late
+    m.on_wave(8, SimpleNamespace(req_ids=["r2", "r3", "r5"], sampled_token_ids=[[1]] * 3), 3)
+    later = guard_pb2.Batch()
+    m.fill_batch(later)
+    cols = later.request_columns
+    assert list(cols.name_request_id) == ["r2"]  # forgotten: named again
+    renamed = cols.name_index[0]
+    assert renamed not in index.values()
+    assert list(cols.req_index)[-3:] == [renamed, index["r3"], index["r5"]]
 
 
 def test_chain_fillers_calls_each() -> None:
@@ -278,15 +310,15 @@ def test_a_request_joining_lists_only_its_own_tokens_and_drafts_list_every_membe
     ids = [f"r{i}" for i in range(6)]
     m = RequestMembership(capacity=100)
     m.on_schedule(1, _sched(ids, [5] * 6, new=ids))
-    m.on_wave(1, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1]] * 6), None, 6)
+    m.on_wave(1, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1]] * 6), 6)
     live = ids[1:] + ["r6"]
     m.on_schedule(2, _sched(live, [1] * 5 + [32], new=["r6"], finished=["r0"]))
-    m.on_wave(2, SimpleNamespace(req_ids=list(live), sampled_token_ids=[[1]] * 6), None, 6)
+    m.on_wave(2, SimpleNamespace(req_ids=list(live), sampled_token_ids=[[1]] * 6), 6)
     spec = SimpleNamespace(
         req_ids=list(live), sampled_token_ids=[[1] * (1 + i % 4) for i in range(6)]
     )
     m.on_schedule(3, _sched(live, [4] * 6))
-    m.on_wave(3, spec, None, sum(1 + i % 4 for i in range(6)))
+    m.on_wave(3, spec, sum(1 + i % 4 for i in range(6)))
     batch = guard_pb2.Batch(rank=guard_pb2.RankInfo(run_id="r"))
     m.fill_batch(batch)
     cols = batch.request_columns
@@ -358,12 +390,12 @@ def test_names_go_once_per_stream_and_again_on_a_new_stream() -> None:
     ids = ["a", "b", "c"]
     m = RequestMembership(capacity=100)
     m.on_schedule(1, _sched(ids[:2], [3, 3], new=ids[:2]))
-    m.on_wave(1, SimpleNamespace(req_ids=ids[:2], sampled_token_ids=[[1], [1]]), None, 2)
+    m.on_wave(1, SimpleNamespace(req_ids=ids[:2], sampled_token_ids=[[1], [1]]), 2)
     first = guard_pb2.Batch(rank=guard_pb2.RankInfo(run_id="r"))  # a stream's first batch
     m.fill_batch(first)
     assert list(first.request_columns.name_request_id) == ["a", "b"]
     m.on_schedule(2, _sched(ids, [1, 1, 3], new=["c"]))
-    m.on_wave(2, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1]] * 3), None, 3)
+    m.on_wave(2, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1]] * 3), 3)
     later = guard_pb2.Batch()
     m.fill_batch(later)
     assert list(later.request_columns.name_request_id) == ["c"]
