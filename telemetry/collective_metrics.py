@@ -258,6 +258,12 @@ class CollectiveMetrics:
             REPLICA_LABELS,
             registry=r,
         )
+        self.hang_check_late = Counter(
+            "ascend_guard_hang_check_late_seconds",
+            "Time the hang checker woke later than its interval: this sidecar went unscheduled "
+            "(a starved or paused host), and any verdict due meanwhile came that much later.",
+            registry=r,
+        )
         self.wedged = Gauge(
             "ascend_guard_engine_wedged",
             "1 while a hang verdict on the replica (DP engine) stands, else 0.",

@@ -286,15 +286,25 @@ class HangDetector:
         while not self._stop.wait(self.settings.check_interval_s):
             now = time.monotonic()
             gap, last = now - last, now
-            # woken far too late: this sidecar was itself starved or paused, so it has not
-            # been reading the streams either; judge silences again once it has caught up
-            if gap > max(1.0, 10 * self.settings.check_interval_s):
-                log.warning("hang_check_late", gap_s=round(gap, 3))
+            if not self._woke(gap):
                 continue
             try:
                 self.check()
             except Exception:  # noqa: BLE001 - the sidecar keeps serving
                 log.exception("hang_check_failed")
+
+    def _woke(self, gap: float) -> bool:
+        """Count how late the checker woke, `gap` seconds after its last wake-up; False when
+        it should not judge now."""
+        interval = self.settings.check_interval_s
+        if gap > 2 * interval:  # woken late: any verdict due meanwhile comes that much later
+            self.metrics.hang_check_late.inc(gap - interval)
+        # woken far too late: this sidecar was itself starved or paused, so it has not been
+        # reading the streams either; judge silences again once it has caught up
+        if gap > max(1.0, 10 * interval):
+            log.warning("hang_check_late", gap_s=round(gap, 3))
+            return False
+        return True
 
     def check(self) -> list[dict[str, Any]]:
         """Judge every replica once; returns the verdicts and recoveries raised now."""

@@ -4,8 +4,8 @@ a real sidecar: every DP engine is its own replica.
 One server serves the module; the tests run in file order: the token counts per DP rank
 (against vLLM's own per-engine counters and the API's usage), `/live` listing both engines'
 workers, the stored wave traces (one per replica and wave, none shared), then a SIGSTOP of
-DP engine 1's worker (named within 5 s while engine 0 keeps serving; `/live` says which
-replica is wedged), SIGCONT and recovery.
+DP engine 1's worker (named within 5 s, plus any time the sidecar itself went unscheduled,
+while engine 0 keeps serving; `/live` says which replica is wedged), SIGCONT and recovery.
 
 On this shared 2-core machine (two workers pinned one per core, other engineers' processes on
 the same cores) a process can really be starved for seconds, and the sidecar then names it:
@@ -42,7 +42,11 @@ PROMPTS = [f"Replica number {i} answers" for i in range(12)]
 LONG = 1800  # tokens per request in flight during the SIGSTOP (about 1 ms a step when idle)
 HOLD_STOPPED_S = 3.0
 SERVE_WITHIN_S = 20.0  # engine 0 answers a new request within this while engine 1 is frozen
+# SIGSTOP -> verdict, plus the time the sidecar's hang checker itself went unscheduled
+# meanwhile (ascend_guard_hang_check_late_seconds: beside the two pinned, spinning engines on
+# 2 cores it went 2.1 s and 3.4 s unscheduled in one loop run of 5, and named dp1 after 6.6 s)
 VERDICT_WITHIN_S = 5.0
+LATE = "ascend_guard_hang_check_late_seconds_total"
 
 
 class Deployment:
@@ -234,13 +238,14 @@ def test_sigstop_of_one_dp_engines_worker_is_named_while_the_other_serves(dep: D
     stopped_at, stopped_unix = time.monotonic(), time.time()
     try:
         verdict_after = None
-        while time.monotonic() - stopped_at < 10:
+        while time.monotonic() - stopped_at < 20:
             status, body = dep.get(f"/live/{ENGINE}")
             if status == 503 and any(v["dp"] == 1 for v in body["verdicts"]):
                 verdict_after = time.monotonic() - stopped_at
                 break
             time.sleep(0.05)
-        assert verdict_after is not None, f"no verdict on dp1 within 10 s: {body}"
+        assert verdict_after is not None, f"no verdict on dp1 within 20 s: {body}"
+        late_s = value(dep.guard_metrics(), LATE) - value(before, LATE)
         # engine 0 keeps serving: new requests complete while engine 1 is frozen
         # (the frontend sends about half of them to engine 0). On the 2 shared cores the API
         # server and engine 0 can go unscheduled for seconds (a fresh-clone run once served
@@ -258,8 +263,13 @@ def test_sigstop_of_one_dp_engines_worker_is_named_while_the_other_serves(dep: D
         time.sleep(max(0.0, HOLD_STOPPED_S - (time.monotonic() - stopped_at)))
     finally:
         os.kill(victim, signal.SIGCONT)
-    print(f"dp1 worker SIGSTOP: verdict after {verdict_after:.2f}s, {served}/4 served meanwhile")
-    assert verdict_after < VERDICT_WITHIN_S, f"verdict after {verdict_after:.2f}s"
+    print(
+        f"dp1 worker SIGSTOP: verdict after {verdict_after:.2f}s (the sidecar's checker "
+        f"{late_s:.2f}s late), {served}/4 served meanwhile"
+    )
+    assert verdict_after < VERDICT_WITHIN_S + late_s, (
+        f"verdict after {verdict_after:.2f}s, the checker {late_s:.2f}s late"
+    )
     (verdict,) = [v for v in body["verdicts"] if v["dp"] == 1]
     assert verdict["kind"] == "no_heartbeat", verdict
     assert [(r["dp"], r["pid"]) for r in verdict["stopped"]] == [(1, victim)]

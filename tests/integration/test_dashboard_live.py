@@ -145,7 +145,7 @@ def test_every_dashboard_query_runs_against_live_sidecar(sidecar, prometheus_for
     assert not problems, "\n".join(problems)
     # every series a rank made is per DP rank (sidecar-wide families have no rank: ingest and
     # token refusals, the record path's queue, drops by stage, OTLP decisions, rank gauges left
-    # out, the store's health)
+    # out, the store's health, the hang checker's lateness)
     sidecar_wide = (
         "ascend_guard_ingest_rejected",
         "ascend_guard_auth_refused",
@@ -153,6 +153,7 @@ def test_every_dashboard_query_runs_against_live_sidecar(sidecar, prometheus_for
         "ascend_guard_otlp_records",
         "ascend_guard_rank_gauges_omitted",
         "ascend_guard_store_",
+        "ascend_guard_hang_check_late",
     )
     no_dp = sorted(
         {

@@ -220,3 +220,20 @@ def test_sidecar_refuses_bad_hang_thresholds(flag, value, message, capsys, monke
     monkeypatch.setattr(logs, "configure", lambda **_: None)
     assert main(["sidecar", flag, value]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_late_checker_counts_its_lateness_and_skips_judging_after_a_long_gap() -> None:
+    """The sidecar itself starved: the time its checker woke late is counted (verdicts due
+    meanwhile came that much later), and after a gap of over 1 s it judges nothing until the
+    next wake-up, since it has not been reading the streams either."""
+    registry = CollectorRegistry()
+    det = HangDetector(CollectiveMetrics(registry), HangSettings(check_interval_s=0.1))
+
+    def late() -> float:
+        return registry.get_sample_value("ascend_guard_hang_check_late_seconds_total")
+
+    assert det._woke(0.1) and det._woke(0.15) and late() == 0  # on time, or jitter
+    assert det._woke(0.5)
+    assert late() == pytest.approx(0.4)
+    assert not det._woke(3.1)  # far too late: no judgement at this wake-up
+    assert late() == pytest.approx(3.4)
