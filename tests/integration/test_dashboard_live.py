@@ -17,6 +17,7 @@ import yaml
 from tests.support.collective_feed import send_collective_waves
 from tests.support.dashboard import load_dashboard, metric_names_in, panel_queries, render_expr
 from tests.support.feed import send_incidents_and_probes, send_waves
+from tests.support.metrics import SIDECAR_WIDE
 from tests.support.prometheus import PrometheusServer
 from tests.support.sidecar import SidecarProcess
 
@@ -143,24 +144,13 @@ def test_every_dashboard_query_runs_against_live_sidecar(sidecar, prometheus_for
         elif types[family] != _expected_type(name):
             problems.append(f"{name}: declared as {types[family]}, expected {_expected_type(name)}")
     assert not problems, "\n".join(problems)
-    # every series a rank made is per DP rank (sidecar-wide families have no rank: ingest and
-    # token refusals, the record path's queue, drops by stage, OTLP decisions, rank gauges left
-    # out, the store's health, the hang checker's lateness)
-    sidecar_wide = (
-        "ascend_guard_ingest_rejected",
-        "ascend_guard_auth_refused",
-        "ascend_guard_pipeline_",
-        "ascend_guard_otlp_records",
-        "ascend_guard_rank_gauges_omitted",
-        "ascend_guard_store_",
-        "ascend_guard_hang_check_late",
-    )
+    # every series a rank made is per DP rank (the sidecar-wide families have no rank)
     no_dp = sorted(
         {
             line.split("{")[0]
             for line in metrics_text.splitlines()
             if line.startswith("ascend_guard_")
-            and not line.startswith(sidecar_wide)
+            and not line.startswith(SIDECAR_WIDE)
             and 'dp="' not in line
         }
     )

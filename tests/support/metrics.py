@@ -4,6 +4,19 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+# Families about the sidecar itself, not a rank, so they carry no dp label (name prefixes):
+# ingest and token refusals, the record path's queue, drops by stage, OTLP decisions, rank
+# gauges left out, the store's health, the hang checker's lateness.
+SIDECAR_WIDE = (
+    "ascend_guard_ingest_rejected",
+    "ascend_guard_auth_refused",
+    "ascend_guard_pipeline_",
+    "ascend_guard_otlp_records",
+    "ascend_guard_rank_gauges_omitted",
+    "ascend_guard_store_",
+    "ascend_guard_hang_check_late",
+)
+
 
 def samples(text: str, name: str, **labels: str) -> list[tuple[dict[str, str], float]]:
     """All samples called `name` whose labels include `labels`."""
