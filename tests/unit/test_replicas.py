@@ -197,10 +197,11 @@ def test_every_series_a_rank_creates_has_a_dp_label():
         "ascend_guard_waves",
     }
     for family in families:
-        if family.name.startswith(SIDECAR_WIDE):
-            continue
         for sample in family.samples:
-            assert sample.labels.get("dp") in ("0", "1"), (family.name, sample)
+            if family.name.startswith(SIDECAR_WIDE):  # about the sidecar: no rank at all
+                assert not {"dp", "tp", "pp"} & set(sample.labels), (family.name, sample)
+            else:
+                assert sample.labels.get("dp") in ("0", "1"), (family.name, sample)
 
 
 def wave(n: int, dummy: bool = False) -> guard_pb2.WaveRecord:
