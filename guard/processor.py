@@ -28,7 +28,6 @@ from guard.schedule import (
     EMPTY_SCHEDULE,
     PrefillTracker,
     ScheduleSummary,
-    count_sampled_tokens,
     sampled_counts,
 )
 from guard.spool import IncidentSpool
@@ -250,8 +249,10 @@ class GuardProcessor:
             result = get_output(*a, **kw)
             try:
                 # no trim of drafts past a stop here: by now the runner's request states
-                # may have moved on (async scheduling), so every returned token counts
-                self._emit(opened, end - start, offset, count_sampled_tokens(result), True, result)
+                # may have moved on (async scheduling), so every returned token counts; the
+                # per-request counts are taken now, before the scheduler cuts any list
+                tokens, kept = sampled_counts(result)
+                self._emit(opened, end - start, offset, tokens, True, result, None, kept)
                 if detectors is not None:
                     detectors.on_output(opened[0], self._runner, result)
             except Exception:  # noqa: BLE001

@@ -3,9 +3,18 @@
 Only the rank that owns scheduling records it (tp0 of each replica and PP stage: every rank of
 a TP group runs the same requests). The engine thread makes two calls per wave: `on_schedule`
 (after execute_model: new, finished and preempted requests, from the scheduler output) and
-`on_wave` (when the wave's record is emitted: who ran, with what tokens). The streamer thread
-turns the rows into `RequestColumns` with `fill_batch`. Neither call raises: an error is
-counted as a guard error (`on_error`) and costs only that wave's membership.
+`on_wave` (when the wave's record is emitted: who ran, with what tokens). Both only queue the
+objects (a tuple and a deque append): the streamer thread works the queued steps out, oldest
+first, when it packs a batch (`fill_batch`: rows, then `RequestColumns`), so the work below
+runs off the engine's path, while the engine thread is in the model without the GIL. That is
+safe because vLLM makes these objects fresh per wave and does not change them afterwards
+(the runner output's `req_ids` and `req_id_to_index` are copies), with one exception: the
+scheduler cuts a token list where its request stops. The engine thread's `tokens` and `kept`
+are therefore what the steps use, and `kept` is made whenever a list holds several tokens, the
+only lists a cut can change. At most `STEPS_KEPT` waves wait: past that (no stream, a
+starved streamer) the engine thread works the oldest out itself, so nothing is lost and the
+objects held stay bounded. Neither call raises: an error is counted as a guard error
+(`on_error`) and costs only that wave's membership.
 
 Cost (bench/request_membership.py). A request id becomes a small integer once, when the
 request is new. The runner output's `req_ids` are the runner's own string objects, the same
@@ -22,15 +31,17 @@ same one compare; only a list it did not predict (a reorder) pays a lookup per r
 (spec decode: tokens differ per request) list every member, with the per-request kept counts
 the processor already made for the wave's total (`guard.schedule.sampled_counts`).
 
-Bounds: rows wait in a deque of `capacity` (the oldest dropped, counted); names of live
-requests are kept up to `max_live` (the oldest forgotten, counted). Both counts travel
-cumulatively in every batch.
+Bounds: steps wait up to `STEPS_KEPT` waves (then worked out on the engine thread); rows
+wait in a deque of `capacity` (the oldest dropped, counted); names of live requests are kept
+up to `max_live` (the oldest forgotten, counted). Both counts travel cumulatively in every
+batch.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import threading
 from array import array
 from collections.abc import Callable
 from typing import Any
@@ -42,6 +53,9 @@ RETIRED_KEPT = 4096  # finished requests still resolvable (an async output a wav
 PENDING_WAVES = 8  # scheduled waves whose output has not come back yet
 ROWS_PER_BATCH = 4096
 PREDICTION_PAUSE = 16  # changed waves mapped in full after a wrong prediction
+STEPS_KEPT = 64  # waves queued for the streamer; past it the engine thread works them out
+
+_SCHEDULED, _SAMPLED = 0, 1  # the kinds of queued step
 
 NOTHING = ()  # no request joined this wave (None: unknown, no prediction)
 STEADY = (1, (), ())  # every member got one token (scheduled, or sampled)
@@ -72,6 +86,12 @@ class RequestMembership:
         self._new_names: collections.deque[int] = collections.deque()  # not yet sent
         self._next = 0
         self._pending: dict[int, tuple] = {}
+        # the engine thread's calls, not yet worked out: (kind, wave, objects...), oldest first
+        self._steps: collections.deque[tuple] = collections.deque()
+        self._steps_kept = 2 * STEPS_KEPT
+        # held by whoever works steps out or packs rows: the streamer (blocking), or the
+        # engine thread catching up (only when free: it never waits)
+        self._lock = threading.Lock()
         self._rows: collections.deque[Row] = collections.deque()
         # the runner's batch as last seen: its request ids (our own list, changed in place
         # as vLLM's persistent batch changes), their indexes (a new array per change, kept by
@@ -90,21 +110,56 @@ class RequestMembership:
     # -- engine thread ------------------------------------------------------------------------
     def on_schedule(self, wave: int, scheduler_output: Any) -> None:
         """Note the wave's scheduled requests (call after execute_model)."""
-        try:
-            self._on_schedule(wave, scheduler_output)
-        except Exception:  # noqa: BLE001 - membership must not cost the wave record
-            self._failed("request_membership_schedule")
+        steps = self._steps
+        steps.append((_SCHEDULED, wave, scheduler_output))
+        if len(steps) > self._steps_kept:
+            self._catch_up()
 
     def on_wave(self, wave: int, output: Any, tokens: int | None, kept: Any = None) -> None:
         """Record wave `wave`: `output` is the runner output (None: it sampled nothing here),
         `tokens` the sampled tokens the processor counted for it and `kept` per request, in
         the output's order, when they are not each list's length (`sampled_counts`)."""
-        try:
-            self._on_wave(wave, output, tokens, kept)
-        except Exception:  # noqa: BLE001
-            self._pending.pop(wave, None)
-            self._shadow = None
-            self._failed("request_membership_wave")
+        steps = self._steps
+        steps.append((_SAMPLED, wave, output, tokens, kept))
+        if len(steps) > self._steps_kept:
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Too many steps wait (no stream, or a starved streamer): work the oldest out here,
+        down to the bound, when the streamer is not at it (then it is draining them)."""
+        lock = self._lock
+        if lock.acquire(blocking=False):
+            try:
+                self._work(self._steps_kept)
+            finally:
+                lock.release()
+
+    # -- either thread, holding the lock ------------------------------------------------------
+    def drain(self) -> None:
+        """Work every queued step out into rows (the streamer does this as it packs)."""
+        with self._lock:
+            self._work(0)
+
+    def _work(self, leave: int) -> None:
+        """Work queued steps out, oldest first, until `leave` are left."""
+        steps = self._steps
+        while len(steps) > leave:
+            try:
+                step = steps.popleft()
+            except IndexError:
+                return
+            if step[0] == _SCHEDULED:
+                try:
+                    self._on_schedule(step[1], step[2])
+                except Exception:  # noqa: BLE001 - membership must not cost the wave record
+                    self._failed("request_membership_schedule")
+            else:
+                try:
+                    self._on_wave(step[1], step[2], step[3], step[4])
+                except Exception:  # noqa: BLE001
+                    self._pending.pop(step[1], None)
+                    self._shadow = None
+                    self._failed("request_membership_wave")
 
     def _failed(self, where: str) -> None:
         if self._on_error is not None:
@@ -369,8 +424,8 @@ class RequestMembership:
         return number
 
     def __len__(self) -> int:
-        """Rows waiting for the streamer."""
-        return len(self._rows)
+        """Waves waiting for the streamer: steps not yet worked out, and rows."""
+        return len(self._steps) + len(self._rows)
 
     # -- streamer thread ----------------------------------------------------------------------
     def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool = False) -> None:
@@ -379,7 +434,9 @@ class RequestMembership:
         Never raises (a batch filler must not break the stream): on an error the batch goes
         without membership, and the error is counted."""
         try:
-            self._fill(batch)
+            with self._lock:
+                self._work(0)
+                self._fill(batch)
         except Exception:  # noqa: BLE001
             batch.ClearField("request_columns")
             self._failed("request_membership_fill")

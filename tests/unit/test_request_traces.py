@@ -9,6 +9,7 @@ and the Tempo-API route are the real ones. The simulator keeps the truth each te
 from __future__ import annotations
 
 import json
+from array import array
 from types import SimpleNamespace
 
 import pytest
@@ -241,6 +242,8 @@ def test_membership_reuses_the_row_while_the_batch_is_unchanged_and_bounds_its_b
     for wave in range(2, 8):
         m.on_schedule(wave, _sched(ids, [1] * 8))
         m.on_wave(wave, SimpleNamespace(req_ids=out.req_ids, sampled_token_ids=[[1]] * 8), 8)
+    assert len(m) == 14 and not m.dropped_rows  # queued steps: worked out by the streamer
+    m.drain()
     assert len(m) == 4 and m.dropped_rows == 3
     batch = guard_pb2.Batch(rank=guard_pb2.RankInfo(run_id="r"))
     m.fill_batch(batch)
@@ -282,6 +285,51 @@ def test_a_finished_request_stays_known_for_a_late_output_the_newest_retired_kep
     renamed = cols.name_index[0]
     assert renamed not in index.values()
     assert list(cols.req_index)[-3:] == [renamed, index["r3"], index["r5"]]
+
+
+def test_the_engine_thread_only_queues_and_uses_its_own_counts_after_a_list_is_cut() -> None:
+    """The engine thread's calls queue the objects; the streamer works them out later. By
+    then vLLM's scheduler may have cut a token list where its request stopped (in place): the
+    row keeps the counts the engine thread made (`kept`)."""
+    ids = ["a", "b", "c"]
+    m = RequestMembership(capacity=100)
+    m.on_schedule(1, _sched(ids, [4] * 3, new=ids))
+    out = SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1, 2, 3], [1], [1, 2]])
+    kept = array("I", [3, 1, 2])
+    m.on_wave(1, out, 6, kept)
+    assert len(m) == 2 and not m._rows  # two steps queued, nothing worked out yet
+    del out.sampled_token_ids[0][1:]  # the scheduler: request "a" stopped at its first token
+    batch = guard_pb2.Batch(rank=guard_pb2.RankInfo(run_id="r"))
+    m.fill_batch(batch)
+    validate_batch(batch)
+    got = entries(batch.request_columns)
+    assert got.sampled.tolist() == [3, 1, 2] and got.scheduled.tolist() == [4, 4, 4]
+    assert not len(m)
+
+
+def test_queued_steps_are_bounded_by_the_engine_thread_catching_up(monkeypatch) -> None:
+    """With no streamer draining (no stream), the engine thread works the oldest steps out
+    itself past STEPS_KEPT waves, so nothing is lost; while the streamer holds the lock it
+    does not wait for it (the queue may then grow past the bound, briefly)."""
+    monkeypatch.setattr(request_membership, "STEPS_KEPT", 2)
+    ids = ["a", "b"]
+    m = RequestMembership(capacity=100)
+    m.on_schedule(1, _sched(ids, [3, 3], new=ids))
+    m.on_wave(1, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1], [1]]), 2)
+    for wave in range(2, 9):
+        m.on_schedule(wave, _sched(ids, [1, 1]))
+        m.on_wave(wave, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1], [1]]), 2)
+        assert len(m._steps) <= 4
+    assert len(m._rows) == 6  # the engine thread's own catching up
+    with m._lock:  # the streamer is packing: the engine thread queues and goes on
+        for wave in range(9, 12):
+            m.on_schedule(wave, _sched(ids, [1, 1]))
+            m.on_wave(wave, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1], [1]]), 2)
+    assert len(m._steps) == 10
+    batch = guard_pb2.Batch(rank=guard_pb2.RankInfo(run_id="r"))
+    m.fill_batch(batch)
+    assert list(batch.request_columns.wave) == list(range(1, 12))
+    assert not m.dropped_rows and not len(m)
 
 
 def test_chain_fillers_calls_each() -> None:
@@ -380,7 +428,9 @@ def test_a_membership_error_costs_neither_the_wave_record_nor_the_engine() -> No
     processor.run_step(lambda r, s: None, runner, (_sched(["r0"], [4], new=["r0"]),), {})
     out = SimpleNamespace(req_ids=[["r0"]], sampled_token_ids=[[1]])  # unhashable: it fails
     assert processor.run_sample(lambda r: out, runner, (), {}) is out
-    assert processor.errors.total >= 1  # the detectors trip on that id too
+    errors = processor.errors.total  # the detectors trip on that id too
+    processor.membership.drain()  # the streamer's work
+    assert processor.errors.total == errors + 1
     assert not len(processor.membership)  # that wave's membership is lost, counted
     (record,) = list(processor.streamer._buffer)
     assert record.wave == 1 and record.sampled_tokens == 1
