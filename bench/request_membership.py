@@ -180,12 +180,11 @@ def measure(reqs: int, blocks: int, n_waves: int, scenario: str, warm: int) -> d
     runner = SimpleNamespace(requests={}, max_model_len=4096)
     procs = {True: processor(True), False: processor(False)}
     engines = {on: Engine(reqs, scenario) for on in procs}
-    for on, proc in procs.items():
-        run_waves(proc, engines[on].waves(2), runner)  # start the streamer, requests in
     alone = RequestMembership(10**6)  # the engine-thread calls alone
     engine = Engine(reqs, scenario)
     number = 0
-    # a server that has run a while: in churn, RETIRED_KEPT requests have already finished
+    # 2 waves start the streamers and bring the requests in; then a server that has run a
+    # while: in churn, RETIRED_KEPT requests have already finished
     for size in [2] + [500] * -(-warm // 500):
         for on, proc in procs.items():
             run_waves(proc, engines[on].waves(size), runner)
