@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -336,14 +337,23 @@ def test_sigstop_of_a_worker_is_named_within_3s_and_recovery_is_recorded(dep: De
     victim = pids[1]
     assert os.getpgid(victim) == dep.server.proc.pid, "rank 1 is a process of this server"
 
+    # stop while tokens are flowing, timed from the first token the client gets (the
+    # sidecar's view of the waves can run behind on this machine). Timed from the requests'
+    # start instead (0.8 s), they once finished first: 4 x LONG tokens took under 0.8 s on a
+    # quiet moment, prefill included, and several seconds on a busy one
     result: dict = {}
-    request = threading.Thread(
-        target=lambda: result.update(r=dep.server.complete_many(PROMPTS[:4], max_tokens=LONG))
-    )
+    flowing = threading.Event()
+
+    def stream_all() -> None:
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            result["r"] = list(
+                pool.map(lambda p: dep.server.complete_streamed(p, LONG, flowing.set), PROMPTS[:4])
+            )
+
+    request = threading.Thread(target=stream_all)
     request.start()
-    # stop while tokens are flowing: 4 x LONG tokens take several seconds to decode (the
-    # sidecar's view of the waves can run behind on this machine, so time it from here)
-    time.sleep(0.8)
+    assert flowing.wait(60), "no token within 60 s"
+    time.sleep(0.2)
     assert request.is_alive(), "the requests finished before the stop; make them longer"
     os.kill(victim, signal.SIGSTOP)
     stopped_at = time.monotonic()
@@ -380,7 +390,7 @@ def test_sigstop_of_a_worker_is_named_within_3s_and_recovery_is_recorded(dep: De
         assert (verdict["op"], verdict["seq"]) == (waiting[0]["op"], waiting[0]["seq"])
 
     request.join(120)
-    assert [r["usage"]["completion_tokens"] for r in result["r"]] == [LONG] * 4, (
+    assert [len(r["choices"][0]["token_ids"]) for r in result["r"]] == [LONG] * 4, (
         "serving completes after SIGCONT"
     )
     deadline = time.monotonic() + 10
