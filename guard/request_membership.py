@@ -424,7 +424,7 @@ class RequestMembership:
         return number
 
     def __len__(self) -> int:
-        """Waves waiting for the streamer: steps not yet worked out, and rows."""
+        """Entries waiting for the streamer: steps not yet worked out (two a wave), and rows."""
         return len(self._steps) + len(self._rows)
 
     # -- streamer thread ----------------------------------------------------------------------
