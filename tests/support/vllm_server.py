@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -116,9 +117,15 @@ class VllmServer:
             return json.loads(resp.read())
 
     def complete_streamed(
-        self, prompt: Any, max_tokens: int, on_first_token: Callable[[], None], **params: Any
+        self,
+        prompt: Any,
+        max_tokens: int,
+        on_first_token: Callable[[], None],
+        arrivals: list[float] | None = None,
+        **params: Any,
     ) -> dict[str, Any]:
-        """`complete` over a stream: `on_first_token` runs once the engine is decoding it.
+        """`complete` over a stream: `on_first_token` runs once the engine is decoding it, and
+        `arrivals`, if given, gets the wall-clock time each chunk of tokens came.
 
         Returns the shape `complete` does (id, choices[0].token_ids), so `token_ids` reads both.
         """
@@ -133,6 +140,8 @@ class VllmServer:
                 delta = chunk["choices"][0].get("token_ids") or []
                 if delta and not tokens:
                     on_first_token()
+                if delta and arrivals is not None:
+                    arrivals.append(time.time())
                 tokens += delta
         return {"id": response_id, "choices": [{"token_ids": tokens}]}
 
