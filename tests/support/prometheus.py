@@ -14,11 +14,9 @@ Install the binary with ``make deps`` or ``apt-get install prometheus``
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -29,6 +27,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from tests.support.ports import free_port
 from tests.support.ready import wait_http_ok
 
 INSTALL_HINT = (
@@ -52,12 +51,6 @@ def find_prometheus() -> str:
         if cand and os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
     raise RuntimeError(INSTALL_HINT)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _config_text(
