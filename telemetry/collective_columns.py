@@ -83,29 +83,33 @@ def to_waves(
     cols: guard_pb2.CollectiveColumns, waves: Collection[int] | None = None
 ) -> list[guard_pb2.CollectiveWave]:
     """The columns as `CollectiveWave` messages (only those whose wave is in `waves`)."""
-    rows = [i for i, w in enumerate(cols.wave) if waves is None or w in waves]
+    if waves is not None and len(waves) == 1:  # one wave of a trace: no Python loop per row
+        (wanted,) = waves
+        rows = np.flatnonzero(array(cols, "wave") == wanted).tolist()
+    else:
+        rows = [i for i, w in enumerate(cols.wave) if waves is None or w in waves]
     if not rows:
         return []
-    keys = [tuple(getattr(k, f) for f in COLLECTIVE_KEY_FIELDS) for k in cols.keys]
     stats = cols.stats
     wave_index = np.array(stats.wave_index, dtype=np.int64)
-    slow_index = np.array(cols.slow_call_wave_index, dtype=np.int64)
+    slow_index = np.array(cols.slow_call_wave_index, dtype=np.int64) if cols.slow_calls else None
+    keys: dict[int, dict] = {}  # key index -> the stat fields it stands for, made when used
     out = []
     for i in rows:
         cw = guard_pb2.CollectiveWave(
             **{name: getattr(cols, name)[i] for name in COLLECTIVE_WAVE_COLUMNS}
         )
         for j in np.flatnonzero(wave_index == i).tolist():
-            op, group, backend, dtype_ = keys[stats.key[j]]
+            k = stats.key[j]
+            key = keys.get(k)
+            if key is None:
+                key = keys[k] = {f: getattr(cols.keys[k], f) for f in COLLECTIVE_KEY_FIELDS}
             cw.stats.add(
-                op=op,
-                group=group,
-                backend=backend,
-                dtype=dtype_,
-                **{name: getattr(stats, name)[j] for name in COLLECTIVE_STAT_COLUMNS},
+                **key, **{name: getattr(stats, name)[j] for name in COLLECTIVE_STAT_COLUMNS}
             )
-        for j in np.flatnonzero(slow_index == i).tolist():
-            cw.slow_calls.add().CopyFrom(cols.slow_calls[j])
+        if slow_index is not None:
+            for j in np.flatnonzero(slow_index == i).tolist():
+                cw.slow_calls.add().CopyFrom(cols.slow_calls[j])
         out.append(cw)
     return out
 

@@ -180,9 +180,9 @@ class WaveStats:
     ) -> None:
         n = len(cols.wave)
         if n:
-            execute = np.fromiter(cols.execute_ns, dtype=np.int64, count=n)
-            sample = np.fromiter(cols.sample_ns, dtype=np.int64, count=n)
-            sampled = np.fromiter(cols.sampled, dtype=bool, count=n)
+            execute = np.array(cols.execute_ns, np.int64)
+            sample = np.array(cols.sample_ns, np.int64)
+            sampled = np.array(cols.sampled, bool)
             step = execute + sample
             sample_taken = sample[sampled]
             nb = len(_LE)

@@ -143,12 +143,12 @@ def _rank_filter(query: SpanQuery) -> tuple[str, list]:
 def _candidates(rank: store.RankRow, cols, names: tuple[str, ...], query: SpanQuery):
     """(sort key, name, index) of the waves in one block whose spans match the query."""
     n = len(cols.wave)
-    start = np.fromiter(cols.start_unix_nano, np.int64, n)
-    execute = np.fromiter(cols.execute_ns, np.int64, n)
-    sample = np.fromiter(cols.sample_ns, np.int64, n)
-    offset = np.fromiter(cols.sample_offset_ns, np.int64, n)
-    sampled = np.fromiter(cols.sampled, bool, n)
-    wave = np.fromiter(cols.wave, np.int64, n)
+    start = np.array(cols.start_unix_nano, np.int64)
+    execute = np.array(cols.execute_ns, np.int64)
+    sample = np.array(cols.sample_ns, np.int64)
+    offset = np.array(cols.sample_offset_ns, np.int64)
+    sampled = np.array(cols.sampled, bool)
+    wave = np.array(cols.wave, np.int64)
     end = np.where(sampled, np.maximum(start + execute, start + offset + sample), start + execute)
     for name in names:
         if name in ("rank", "wave"):

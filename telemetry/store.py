@@ -45,6 +45,7 @@ as dropped with a reason (`disk_full`, `io_error`, `corrupt`, ...); the store is
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import os
@@ -55,6 +56,7 @@ import time
 import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import structlog
@@ -149,10 +151,13 @@ CREATE INDEX IF NOT EXISTS slow_calls_start ON slow_calls (start_ns);
 """
 # columns added to block tables after their first release: (table, column, type). A store
 # written before has them added (NULL in its old rows: readers decode such a block), and the
-# per-rank time indexes the block readers walk are created after them. The indexes cover what
+# per-rank indexes the block readers walk are created after them. The indexes cover what
 # the walks and the range queries read (a block's bounds, slowest span, histograms), so
 # neither touches the table's pages, which hold the large `columns` blobs: about 190 bytes
-# per block of 256 waves (bench/README.md, `query.py`).
+# per block of 256 waves for the time indexes, 40 for the wave ones (bench/README.md,
+# `query.py`). The wave walk (`blocks_by_wave`, `BlockDirectory`) reads the wave indexes; the
+# UNIQUE (rank, first_wave) key holds only the key, so a walk down it read a table page
+# per block.
 _ADDED_COLUMNS = (
     ("wave_blocks", "rank_hist", "BLOB"),
     ("wave_blocks", "execute_hist", "BLOB"),
@@ -165,6 +170,10 @@ CREATE INDEX IF NOT EXISTS wave_blocks_by_rank_time ON wave_blocks (rank, start_
     first_wave, last_wave, max_step_ns, rank_hist, execute_hist, sample_hist);
 CREATE INDEX IF NOT EXISTS collective_blocks_by_rank_time ON collective_blocks (rank, start_ns,
     end_ns, first_wave, last_wave, max_host_ns);
+CREATE INDEX IF NOT EXISTS wave_blocks_by_rank_wave ON wave_blocks (rank, first_wave, last_wave,
+    start_ns, end_ns, max_step_ns);
+CREATE INDEX IF NOT EXISTS collective_blocks_by_rank_wave ON collective_blocks (rank, first_wave,
+    last_wave, start_ns, end_ns, max_host_ns);
 """
 # (table, time column) pairs retention deletes from, in time buckets
 _RETAINED = (
@@ -410,15 +419,13 @@ def collective_block_row(rank_id: int, cols: guard_pb2.CollectiveColumns) -> tup
 def wave_block_row(rank_id: int, cols: guard_pb2.WaveColumns) -> tuple:
     """The `wave_blocks` row of one batch's waves (columns must be validated and non-empty)."""
     n = len(cols.wave)
-    starts = np.fromiter(cols.start_unix_nano, np.int64, n)
-    execute_end = starts + np.fromiter(cols.execute_ns, np.int64, n)
+    starts = np.array(cols.start_unix_nano, np.int64)
+    execute_end = starts + np.array(cols.execute_ns, np.int64)
     # a rank span ends at the later of execute_model's and sample_tokens' end
     sample_end = (
-        starts
-        + np.fromiter(cols.sample_offset_ns, np.int64, n)
-        + np.fromiter(cols.sample_ns, np.int64, n)
+        starts + np.array(cols.sample_offset_ns, np.int64) + np.array(cols.sample_ns, np.int64)
     )
-    sampled = np.fromiter(cols.sampled, bool, n)
+    sampled = np.array(cols.sampled, bool)
     ends = np.where(sampled, np.maximum(execute_end, sample_end), execute_end)
     waves = cols.wave
     return (
@@ -432,7 +439,7 @@ def wave_block_row(rank_id: int, cols: guard_pb2.WaveColumns) -> tuple:
         encode_waves(cols),
         block_summary.encode(ends - starts),
         block_summary.encode(execute_end - starts),
-        block_summary.encode(np.fromiter(cols.sample_ns, np.int64, n)[sampled]),
+        block_summary.encode(np.array(cols.sample_ns, np.int64)[sampled]),
     )
 
 
@@ -783,11 +790,11 @@ OVERLAP_LOOKBACK = 8
 _MAX_COLUMN = {WAVE_BLOCKS: "max_step_ns", COLLECTIVE_BLOCKS: "max_host_ns"}
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockRow:
+class BlockRow(NamedTuple):
     """A stored block's typed columns (no blob). `end_ns`: the latest span end in a wave block,
     the latest collective start in a collective block (None where not stored); `max_ns`: the
-    longest rank span (wave block) or collective (op, group) host time (None: not stored)."""
+    longest rank span (wave block) or collective (op, group) host time (None: not stored).
+    A named tuple: block walks make one per row read, and a frozen dataclass costs 4x more."""
 
     table: str
     rowid: int
@@ -854,15 +861,67 @@ def blocks_by_wave(
         f"{_block_select(table)} WHERE rank = ? AND first_wave <= ? ORDER BY first_wave DESC",
         (rank_id, last_wave),
     )
+    yield from _holding(first_wave, (BlockRow(table, *row) for row in rows))
+
+
+def _holding(first_wave: int, newest_first: Iterable[BlockRow]) -> Iterator[BlockRow]:
+    """The blocks of a walk down the (rank, first_wave) key (each starting at or before the
+    range's last wave) that reach `first_wave`: the walk stops after OVERLAP_LOOKBACK blocks
+    in a row that end before it."""
     before = 0
-    for row in rows:
-        block = BlockRow(table, *row)
+    for block in newest_first:
         if block.last_wave < first_wave:
             before += 1
             if before >= OVERLAP_LOOKBACK:
                 return
             continue
         yield block
+
+
+class BlockDirectory:
+    """One rank's blocks of one table, read down the (rank, first_wave) key a page at a time
+    and kept: the blocks `blocks_by_wave` gives, for look-ups that walk back through nearby
+    waves (a search loading trace after trace, newest first) without a query each. A look-up
+    above what was read starts the directory again from there. Pages grow from FIRST_PAGE
+    (about what one look-up reads: a block and the lookback) to MAX_PAGE."""
+
+    FIRST_PAGE, MAX_PAGE = 16, 256  # first_wave is unique per rank: pages cannot overlap
+
+    def __init__(self, conn: sqlite3.Connection, table: str, rank_id: int) -> None:
+        self._conn, self._table, self._rank = conn, table, rank_id
+        self._select = (
+            f"{_block_select(table)} WHERE rank = ? AND first_wave <= ? "
+            "ORDER BY first_wave DESC LIMIT ?"
+        )
+        self._top: int | None = None  # every block starting at or below it, down to _rows[-1]
+        self._rows: list[BlockRow] = []
+        self._keys: list[int] = []  # -first_wave of each row (ascending, for bisect)
+        self._page = self.FIRST_PAGE
+        self._complete = False  # the rank has no block below _rows[-1]
+
+    def blocks_by_wave(self, first_wave: int, last_wave: int) -> list[BlockRow]:
+        if self._top is None or last_wave > self._top:
+            self._top, self._rows, self._keys = last_wave, [], []
+            self._page, self._complete = self.FIRST_PAGE, False
+        return list(_holding(first_wave, self._from(bisect.bisect_left(self._keys, -last_wave))))
+
+    def _from(self, i: int) -> Iterator[BlockRow]:
+        while True:
+            while i < len(self._rows):
+                yield self._rows[i]
+                i += 1
+            if self._complete:
+                return
+            self._read_page()
+
+    def _read_page(self) -> None:
+        below = self._rows[-1].first_wave - 1 if self._rows else self._top
+        rows = self._conn.execute(self._select, (self._rank, below, self._page)).fetchall()
+        table = self._table
+        self._rows += [BlockRow(table, *row) for row in rows]
+        self._keys += [-row[2] for row in rows]  # first_wave: the third column selected
+        self._complete = len(rows) < self._page
+        self._page = min(2 * self._page, self.MAX_PAGE)
 
 
 def blocks_by_rowid(conn: sqlite3.Connection, table: str, rowids: Sequence[int]) -> list[BlockRow]:

@@ -18,6 +18,7 @@ alone (the store keeps each rank's key). Span ids are hashes of what names the s
 
 from __future__ import annotations
 
+import functools
 import hashlib
 
 
@@ -26,6 +27,7 @@ def _digest(text: str, size: int) -> int:
     return value or 1  # zero is the invalid id in OTel
 
 
+@functools.lru_cache(maxsize=1024)
 def wave_trace_key(run_id: str, dp: int) -> int:
     """The high 64 bits of every wave trace id of one replica (run, DP rank)."""
     return _digest(f"ascend-guard/wave/{run_id}/dp{dp}", 8)

@@ -162,8 +162,7 @@ def _windows(conn, ranks, start_ns, end_ns, min_ns, result) -> Iterator[list[tup
             conn, list(ranks), since_ns=lo, until_ns=hi, min_step_ns=min_ns
         ):
             result.inspected_bytes += cols.ByteSize()
-            n = len(cols.wave)
-            starts = np.fromiter(cols.start_unix_nano, np.int64, n)
+            starts = np.array(cols.start_unix_nano, np.int64)
             ok = (starts >= lo) & (starts <= hi)
             if min_ns:
                 ok &= _rank_durations(cols, starts) >= min_ns
@@ -176,11 +175,10 @@ def _windows(conn, ranks, start_ns, end_ns, min_ns, result) -> Iterator[list[tup
 
 def _rank_durations(cols, starts: np.ndarray) -> np.ndarray:
     """Rank span durations of a block (telemetry/spans.py `rank_end_ns`, column-wise)."""
-    n = len(starts)
-    execute = starts + np.fromiter(cols.execute_ns, np.int64, n)
-    sample = (starts + np.fromiter(cols.sample_offset_ns, np.int64, n)
-              + np.fromiter(cols.sample_ns, np.int64, n))  # fmt: skip
-    ends = np.where(np.fromiter(cols.sampled, bool, n), np.maximum(execute, sample), execute)
+    execute = starts + np.array(cols.execute_ns, np.int64)
+    sample = (starts + np.array(cols.sample_offset_ns, np.int64)
+              + np.array(cols.sample_ns, np.int64))  # fmt: skip
+    ends = np.where(np.array(cols.sampled, bool), np.maximum(execute, sample), execute)
     return ends - starts
 
 

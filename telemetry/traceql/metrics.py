@@ -231,14 +231,14 @@ def metrics_range(
     if (end_ns - start_ns) // step_ns > MAX_STEPS:
         raise TraceQLError(f"step: more than {MAX_STEPS} steps; use a longer step")
     collector = _Collector(parsed.metrics)
-    finder = CandidatePass(conn, parsed)
+    cache = BlockCache(conn)
+    finder = CandidatePass(conn, parsed, cache)
     lo, hi = start_ns, end_ns + 1
     if _fast(parsed):
         base = start_ns - start_ns % step_ns
         _scan_fast(finder, collector, lo, hi, base, step_ns, summaries)
     else:
         finder.scan(lo, hi)
-        cache = BlockCache(conn)
         for _, key, wave in finder.candidates(parsed):
             spans = load_trace_cached(conn, _trace_id(key, wave), cache)
             if not spans:

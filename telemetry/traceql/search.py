@@ -32,7 +32,6 @@ from telemetry.traceql.source import (
     CollectiveTable,
     SpanTable,
     block_template,
-    collective_blocks_in,
     error_waves,
     incident_spans,
     load_trace_cached,
@@ -134,8 +133,11 @@ def _needed(expr: ast.SpansetExpr, sets: dict[int, Candidates]):
 class CandidatePass:
     """Finds each filter's traces window by window (the windows must not overlap)."""
 
-    def __init__(self, conn: sqlite3.Connection, query: ast.Query) -> None:
+    def __init__(
+        self, conn: sqlite3.Connection, query: ast.Query, cache: BlockCache | None = None
+    ) -> None:
         self.conn = conn
+        self.cache = cache if cache is not None else BlockCache(conn)  # shared with the exact pass
         self.ranks = {r.id: r for r in store.ranks(conn)}
         self.keys = {r.id: wave_trace_key(r.run_id, r.dp) for r in self.ranks.values()}
         self.nodes = node_map(self.ranks.values())
@@ -171,7 +173,7 @@ class CandidatePass:
         for block in blocks:
             rank_id = block.rank
             rank = self.ranks[rank_id]
-            cols = store.block_columns(self.conn, block)
+            cols = self.cache.wave_columns(block.rowid)
             self.blocks_read += 1
             for kind in WAVE_KINDS:
                 plans = [p for p in wanted[rank_id] if kind in p.kinds[rank_id]]
@@ -228,7 +230,10 @@ class CandidatePass:
                 continue
             bounds = [p.min_step_ns for p in plans]
             min_ns = None if None in bounds else min(bounds)
-            for _, cols in collective_blocks_in(self.conn, (rank_id,), lo, hi - 1, min_ns):
+            for block in store.blocks_by_time(
+                self.conn, store.COLLECTIVE_BLOCKS, (rank_id,), lo, hi - 1, min_ns=min_ns
+            ):
+                cols = self.cache.collective_columns(block.rowid)
                 self.blocks_read += 1
                 table = CollectiveTable(rank, cols=cols)
                 in_window = (table.start >= lo) & (table.start < hi)
@@ -466,8 +471,8 @@ def search(
         raise TraceQLError("end is before start")
     if limit < 1:
         raise TraceQLError(f"limit: {limit} must be 1 or more")
-    finder = CandidatePass(conn, parsed)
     cache = BlockCache(conn)
+    finder = CandidatePass(conn, parsed, cache)
     done: set[tuple[int, int]] = set()
     # request traces (telemetry/request_traceql.py), when the query names request spans
     out: list[TraceMatch] = request_traceql.search(

@@ -194,13 +194,16 @@ def _span_constant(name: str):
 
 class BlockCache:
     """Decoded wave and collective blocks, kept for one search: neighbouring traces share their
-    blocks, so each is decoded once however many of its waves are loaded."""
+    blocks, so each is decoded once however many of its waves are loaded. Each rank's blocks
+    are found through a `store.BlockDirectory`, so loading trace after trace, newest first,
+    costs a block query per page of blocks rather than per trace."""
 
     def __init__(self, conn: sqlite3.Connection, size: int = 256) -> None:
         self.conn = conn
         self._size = size
         self._waves: dict[int, tuple] = {}
         self._collectives: dict[int, list] = {}
+        self._directories: dict[tuple[str, int], store.BlockDirectory] = {}
 
     def _keep(self, cache: dict, key: int, value):
         if len(cache) >= self._size:
@@ -210,36 +213,52 @@ class BlockCache:
 
     def _holding(self, table: str, rank_id: int, wave: int) -> list[int]:
         """Row ids of the rank's blocks holding `wave` (telemetry/store.py's block walk)."""
-        return [b.rowid for b in store.blocks_by_wave(self.conn, table, rank_id, wave, wave)]
+        directory = self._directories.get((table, rank_id))
+        if directory is None:
+            directory = store.BlockDirectory(self.conn, table, rank_id)
+            self._directories[(table, rank_id)] = directory
+        return [b.rowid for b in directory.blocks_by_wave(wave, wave)]
 
-    def wave_blocks(self, rank_id: int, wave: int) -> list[tuple]:
-        """(columns, {wave: index}) of the rank's blocks that hold `wave`."""
+    def _blob(self, table: str, rowid: int) -> bytes:
+        (blob,) = self.conn.execute(
+            f"SELECT columns FROM {table} WHERE rowid = ?", (rowid,)
+        ).fetchone()
+        return blob
+
+    def _wave_block(self, rowid: int) -> tuple:
+        block = self._waves.get(rowid)
+        if block is None:
+            cols = store.decode_waves(self._blob(store.WAVE_BLOCKS, rowid))
+            block = self._keep(self._waves, rowid, (cols, np.array(cols.wave, np.uint64)))
+        return block
+
+    def wave_columns(self, rowid: int):
+        """A wave block's decoded columns (the candidate pass reads its blocks through here,
+        so the traces it finds are built from blocks already decoded)."""
+        return self._wave_block(rowid)[0]
+
+    def collective_columns(self, rowid: int):
+        """A collective block's decoded columns."""
+        cols = self._collectives.get(rowid)
+        if cols is None:
+            blob = self._blob(store.COLLECTIVE_BLOCKS, rowid)
+            cols = self._keep(self._collectives, rowid, store.decode_collectives(blob))
+        return cols
+
+    def wave_rows(self, rank_id: int, wave: int) -> list[tuple]:
+        """(columns, row) of each row of `wave` in the rank's blocks that hold it."""
         out = []
-        for rowid in self._holding("wave_blocks", rank_id, wave):
-            block = self._waves.get(rowid)
-            if block is None:
-                (blob,) = self.conn.execute(
-                    "SELECT columns FROM wave_blocks WHERE rowid = ?", (rowid,)
-                ).fetchone()
-                cols = store.decode_waves(blob)
-                block = self._keep(
-                    self._waves, rowid, (cols, {w: i for i, w in enumerate(cols.wave)})
-                )
-            out.append(block)
+        for rowid in self._holding(store.WAVE_BLOCKS, rank_id, wave):
+            cols, numbers = self._wave_block(rowid)
+            out += [(cols, i) for i in np.flatnonzero(numbers == wave).tolist()]
         return out
 
     def collective_blocks(self, rank_id: int, wave: int) -> list:
         """The rank's collective records of `wave` (each block decoded once, its records
         made for the waves asked for only)."""
         out: list = []
-        for rowid in self._holding("collective_blocks", rank_id, wave):
-            cols = self._collectives.get(rowid)
-            if cols is None:
-                (blob,) = self.conn.execute(
-                    "SELECT columns FROM collective_blocks WHERE rowid = ?", (rowid,)
-                ).fetchone()
-                cols = self._keep(self._collectives, rowid, store.decode_collectives(blob))
-            out += to_waves(cols, (wave,))
+        for rowid in self._holding(store.COLLECTIVE_BLOCKS, rank_id, wave):
+            out += to_waves(self.collective_columns(rowid), (wave,))
         return out
 
 
@@ -261,9 +280,8 @@ def load_trace_cached(conn: sqlite3.Connection, trace_id: str, cache: BlockCache
     runs = set()
     for rank in store.ranks_of_trace_key(conn, key):
         runs.add(rank.run_id)
-        for cols, index in cache.wave_blocks(rank.id, wave):
-            if wave in index:
-                spans += wave_spans(rank, cols, index[wave])
+        for cols, row in cache.wave_rows(rank.id, wave):
+            spans += wave_spans(rank, cols, row)
         spans += rank_collective_spans(conn, rank, wave, cache)
     return finish_wave_trace(conn, spans, runs, wave, text)
 
@@ -380,7 +398,8 @@ def node_map(ranks) -> dict:
 
 
 def _pack(values: list):
-    """A list of values (ABSENT where missing) -> (values array, present array)."""
+    """A list of values (ABSENT where missing) -> (values, present array): a numpy array of
+    numbers or bools, `Coded` strings, else objects."""
     present = np.fromiter((v is not ABSENT for v in values), bool, len(values))
     real = [v for v in values if v is not ABSENT]
     filler = None
@@ -395,6 +414,8 @@ def _pack(values: list):
             return np.array([filler if v is ABSENT else v for v in values], dtype), present
         except OverflowError:
             pass
+    if real and all(isinstance(v, str) for v in real):  # names, ops, ids: compared once each
+        return Coded([None if v is ABSENT else v for v in values]), present
     out = np.empty(len(values), object)
     out[:] = [None if v is ABSENT else v for v in values]
     return out, present
@@ -437,7 +458,7 @@ class BlockTable:
         if name not in self._arrays:
             column = getattr(self.cols, name)
             dtype = bool if name in ("sampled", "dummy") else np.int64
-            self._arrays[name] = np.fromiter(column, dtype, self.n)
+            self._arrays[name] = np.array(column, dtype)  # 4x np.fromiter on a repeated field
         return self._arrays[name]
 
     def column(self, field):

@@ -506,6 +506,44 @@ def test_block_walk_finds_exactly_the_overlapping_blocks(tmp_path):
     conn.close()
 
 
+def test_block_directory_answers_what_the_wave_walk_answers(tmp_path):
+    """`store.BlockDirectory` (a search's kept, paged walk down one rank's blocks) gives the
+    blocks `blocks_by_wave` gives, in the same order, for look-ups that mostly walk back and
+    sometimes jump up, over more blocks than its first pages hold and with batches sent again
+    cut differently (blocks that overlap)."""
+    import random
+
+    rng = random.Random(11)
+    path = tmp_path / "directory.db"
+    info = rank_info(0, tp_size=1)
+    cuts = [range(first, first + 3) for first in range(1, 301, 3)]
+    starts = {c.start for c in cuts}
+    for _ in range(40):  # sent again, cut differently: a new first wave, 2..9 waves long
+        first = rng.choice([w for w in range(2, 300) if w not in starts])
+        starts.add(first)
+        cuts.append(range(first, min(first + rng.randrange(2, 10), 301)))
+    write_store(
+        path,
+        [batch_item(info, [wave_record(n, _start(n), _execute_ns(0, n)) for n in c]) for c in cuts],
+    )
+    conn = store_mod.connect(path, readonly=True)
+    (rank_id,) = [r.id for r in store_mod.ranks(conn)]
+    found = 0
+    for table in ("wave_blocks", "collective_blocks"):
+        directory = store_mod.BlockDirectory(conn, table, rank_id)
+        wave = 305
+        for _ in range(400):
+            wave = rng.randrange(wave, 320) if rng.random() < 0.05 else wave - rng.randrange(0, 9)
+            if wave < -3:
+                wave = 305
+            first, last = wave - rng.randrange(0, 4), wave
+            want = list(store_mod.blocks_by_wave(conn, table, rank_id, first, last))
+            assert directory.blocks_by_wave(first, last) == want, (table, first, last)
+            found += len(want)
+    assert found > 400  # most look-ups hold blocks (two or more where batches overlap)
+    conn.close()
+
+
 def test_trace_spans_by_id(conn):
     from telemetry.traceql import trace_spans
 
