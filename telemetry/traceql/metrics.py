@@ -75,6 +75,16 @@ class _Collector:
         counts = block_summary.accumulate(blobs, where, len(unique))
         self.histograms.setdefault(labels, []).append((unique, counts))
 
+    def add_matched(self, labels: tuple, starts: np.ndarray, durations_ns: np.ndarray) -> None:
+        """Spans known to match, all with these by() labels (a kind whose block histograms
+        stand for its spans, in a block that must be decoded): what `add` gives them, without
+        evaluating the filter or the labels span by span."""
+        if not len(starts):
+            return
+        field = self.metric.field
+        values = np.zeros(len(starts)) if field is None else durations_ns / 1e9
+        self.groups.setdefault(labels, []).append((starts, values))
+
     def _values(self, table, rows: np.ndarray) -> np.ndarray:
         n = len(rows)
         if self.metric.field is None:
@@ -297,15 +307,17 @@ def _scan_fast(
         rank = finder.ranks[rank_id]
         kinds = [k for k in WAVE_KINDS if k in plan.kinds[rank_id]]
         read: dict[str, set[int]] = {}  # kind -> rowids answered from histograms
+        matched: dict[str, tuple] = {}  # kind -> by() labels: its every span matches
         starting: set[int] = set()  # rowids of the blocks that start in the range
         for kind in kinds:
             labels = _summary_labels(plan, collector.metric, kind, rank) if summaries else None
             if labels is None:
                 continue
+            matched[kind] = labels
             found = store.wave_histograms(conn, (rank_id,), _HISTOGRAM_OF[kind], lo, hi)
             first_step = (found.start_ns - base) // step_ns
             whole = (
-                np.fromiter((b is not None for b in found.blobs), bool, len(found.blobs))
+                np.array([b is not None for b in found.blobs], bool)
                 & (found.end_ns < hi)
                 & (first_step == (found.end_ns - base) // step_ns)
             )
@@ -330,6 +342,12 @@ def _scan_fast(
                 continue
             cols = store.block_columns(conn, block)
             for kind in left:
+                if kind in matched:  # no filter or label to evaluate: starts and durations
+                    table = BlockTable(rank, cols, kind)
+                    keep = table.exists & (table.start >= lo) & (table.start < hi)
+                    starts = table.start[keep]
+                    collector.add_matched(matched[kind], starts, table.end[keep] - starts)
+                    continue
                 template = block_template(rank, cols, kind)
                 if template is None:
                     continue

@@ -424,14 +424,15 @@ def _pack(values: list):
 class BlockTable:
     """The spans of one kind (wave, rank, execute_model, sample_tokens) of one stored block,
     as columns, without building them. Attribute keys and constant values come from a span the
-    builder made for the block's first wave (so this follows telemetry/spans.py)."""
+    builder made for the block's first wave (so this follows telemetry/spans.py); without that
+    template the table gives only the spans' starts, ends and which rows are spans."""
 
     def __init__(
         self,
         rank: store.RankRow,
         cols,
         kind: str,
-        template: Span,
+        template: Span | None = None,
         conn: sqlite3.Connection | None = None,
     ) -> None:
         self.rank, self.cols, self.kind = rank, cols, kind
