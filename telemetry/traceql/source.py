@@ -225,12 +225,39 @@ class BlockCache:
         ).fetchone()
         return blob
 
+    @staticmethod
+    def _decode_wave_block(blob: bytes) -> tuple:
+        cols = store.decode_waves(blob)
+        return cols, np.array(cols.wave, np.uint64)
+
     def _wave_block(self, rowid: int) -> tuple:
         block = self._waves.get(rowid)
         if block is None:
-            cols = store.decode_waves(self._blob(store.WAVE_BLOCKS, rowid))
-            block = self._keep(self._waves, rowid, (cols, np.array(cols.wave, np.uint64)))
+            blob = self._blob(store.WAVE_BLOCKS, rowid)
+            block = self._keep(self._waves, rowid, self._decode_wave_block(blob))
         return block
+
+    def read_ahead(self, rank_ids: Iterable[int], wave: int) -> None:
+        """Decode the ranks' blocks holding `wave` that are not here yet, their blobs read in
+        one query per table (a trace's blocks: two a rank) rather than one a block."""
+        rank_ids = list(rank_ids)
+        for table, cache, decode in (
+            (store.WAVE_BLOCKS, self._waves, self._decode_wave_block),
+            (store.COLLECTIVE_BLOCKS, self._collectives, store.decode_collectives),
+        ):
+            missing = [
+                rowid
+                for rank_id in rank_ids
+                for rowid in self._holding(table, rank_id, wave)
+                if rowid not in cache
+            ]
+            if missing:
+                marks = ",".join("?" * len(missing))
+                found = self.conn.execute(
+                    f"SELECT rowid, columns FROM {table} WHERE rowid IN ({marks})", missing
+                ).fetchall()
+                for rowid, blob in found:
+                    self._keep(cache, rowid, decode(blob))
 
     def wave_columns(self, rowid: int):
         """A wave block's decoded columns (the candidate pass reads its blocks through here,
@@ -278,7 +305,9 @@ def load_trace_cached(conn: sqlite3.Connection, trace_id: str, cache: BlockCache
     key, wave = split_trace_id(int(text, 16))
     spans: list[Span] = []
     runs = set()
-    for rank in store.ranks_of_trace_key(conn, key):
+    ranks = store.ranks_of_trace_key(conn, key)
+    cache.read_ahead((rank.id for rank in ranks), wave)
+    for rank in ranks:
         runs.add(rank.run_id)
         for cols, row in cache.wave_rows(rank.id, wave):
             spans += wave_spans(rank, cols, row)
