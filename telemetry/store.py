@@ -794,7 +794,7 @@ class BlockRow(NamedTuple):
     """A stored block's typed columns (no blob). `end_ns`: the latest span end in a wave block,
     the latest collective start in a collective block (None where not stored); `max_ns`: the
     longest rank span (wave block) or collective (op, group) host time (None: not stored).
-    A named tuple: block walks make one per row read, and a frozen dataclass costs 4x more."""
+    A named tuple: block walks make one per row read, and a frozen dataclass costs 2-3x more."""
 
     table: str
     rowid: int
