@@ -103,7 +103,7 @@ def wave_spans(
         return names is None or name in names
 
     if is_root_rank(rank) and want("wave"):
-        attrs = {**common, **{schema.attr(f): _value(cols, f, i) for f in schema.WAVE_SPAN_FIELDS}}
+        attrs = {**common, **{key: _value(cols, f, i) for key, f in _WAVE_SPAN_KEYS}}
         out.append(
             Span(
                 trace_id,
@@ -122,7 +122,7 @@ def wave_spans(
     where = (rank.dp, rank.tp, rank.pp)
     if want("rank"):
         attrs = {**common, **coords, schema.ATTR_NODE: rank.node, schema.ATTR_PID: rank.pid}
-        attrs.update({schema.attr(f): _value(cols, f, i) for f in schema.RANK_SPAN_FIELDS})
+        attrs.update({key: _value(cols, f, i) for key, f in _RANK_SPAN_KEYS})
         out.append(
             Span(
                 trace_id,
@@ -182,6 +182,12 @@ def _value(cols: guard_pb2.WaveColumns, field: str, i: int):
 # per-wave collective aggregates each collective span carries (`ascend_guard.collective.<f>`):
 # how long the rank waited in its collectives that wave, the fire drill's delay, calls dropped
 COLLECTIVE_WAVE_SPAN_FIELDS = ("wait_ns", "injected_delay_ns", "slow_calls_dropped")
+# (attribute key, field) of what the builders copy, made once: a query builds spans by the
+# thousand
+_WAVE_SPAN_KEYS = tuple((schema.attr(f), f) for f in schema.WAVE_SPAN_FIELDS)
+_RANK_SPAN_KEYS = tuple((schema.attr(f), f) for f in schema.RANK_SPAN_FIELDS)
+_STAT_KEYS = tuple((schema.attr(f"collective.{f}"), f) for f in schema.COLLECTIVE_STAT_FIELDS)
+_WAVE_STAT_KEYS = tuple((schema.attr(f"collective.{f}"), f) for f in COLLECTIVE_WAVE_SPAN_FIELDS)
 
 
 def collective_spans(rank: RankRow, cw: guard_pb2.CollectiveWave) -> list[Span]:
@@ -202,12 +208,9 @@ def collective_spans(rank: RankRow, cw: guard_pb2.CollectiveWave) -> list[Span]:
             schema.ATTR_DP: rank.dp,
             schema.ATTR_TP: rank.tp,
             schema.ATTR_PP: rank.pp,
-            **{
-                schema.attr(f"collective.{f}"): getattr(stat, f)
-                for f in schema.COLLECTIVE_STAT_FIELDS
-            },
+            **{key: getattr(stat, f) for key, f in _STAT_KEYS},
             # the rank's wave as a whole, on each of its (op, group) spans
-            **{schema.attr(f"collective.{f}"): getattr(cw, f) for f in COLLECTIVE_WAVE_SPAN_FIELDS},
+            **{key: getattr(cw, f) for key, f in _WAVE_STAT_KEYS},
         }
         span_id = phase_span_id(run_id, wave, *where, f"collective/{stat.op}/{stat.group}")
         out.append(
@@ -251,7 +254,7 @@ def slow_call_span(rank: RankRow, trace_id: int, wave: int, call, where: tuple) 
         schema.ATTR_DP: rank.dp,
         schema.ATTR_TP: rank.tp,
         schema.ATTR_PP: rank.pp,
-        **{schema.attr(f"collective.{f}"): getattr(call, f) for f in SLOW_CALL_FIELDS},
+        **{key: getattr(call, f) for key, f in _SLOW_CALL_KEYS},
     }
     return Span(
         trace_id,
@@ -275,6 +278,7 @@ def slow_call_span_id(run_id: str, wave: int, where: tuple, op: str, group: str,
 
 # a slow call's attributes (as `ascend_guard.collective.<field>`); its time is the span's own
 SLOW_CALL_FIELDS = ("op", "group", "backend", "dtype", "seq", "bytes")
+_SLOW_CALL_KEYS = tuple((schema.attr(f"collective.{f}"), f) for f in SLOW_CALL_FIELDS)
 
 
 def mark_errors(spans: list[Span]) -> list[Span]:

@@ -885,7 +885,7 @@ class BlockDirectory:
     above what was read starts the directory again from there. Pages grow from FIRST_PAGE
     (about what one look-up reads: a block and the lookback) to MAX_PAGE."""
 
-    FIRST_PAGE, MAX_PAGE = 16, 256  # first_wave is unique per rank: pages cannot overlap
+    FIRST_PAGE, MAX_PAGE = 16, 64  # first_wave is unique per rank: pages cannot overlap
 
     def __init__(self, conn: sqlite3.Connection, table: str, rank_id: int) -> None:
         self._conn, self._table, self._rank = conn, table, rank_id
@@ -898,12 +898,16 @@ class BlockDirectory:
         self._keys: list[int] = []  # -first_wave of each row (ascending, for bisect)
         self._page = self.FIRST_PAGE
         self._complete = False  # the rank has no block below _rows[-1]
+        self._last: tuple = (None, [])  # the last look-up's (range, answer)
 
     def blocks_by_wave(self, first_wave: int, last_wave: int) -> list[BlockRow]:
         if self._top is None or last_wave > self._top:
             self._top, self._rows, self._keys = last_wave, [], []
             self._page, self._complete = self.FIRST_PAGE, False
-        return list(_holding(first_wave, self._from(bisect.bisect_left(self._keys, -last_wave))))
+        if self._last[0] != (first_wave, last_wave):  # a trace asks twice: read ahead, read
+            start = bisect.bisect_left(self._keys, -last_wave)
+            self._last = ((first_wave, last_wave), list(_holding(first_wave, self._from(start))))
+        return list(self._last[1])
 
     def _from(self, i: int) -> Iterator[BlockRow]:
         while True:
