@@ -28,7 +28,7 @@ from telemetry.spans import (
     slow_call_spans,
     wave_spans,
 )
-from telemetry.traces import format_trace_id, split_trace_id
+from telemetry.traces import split_trace_id
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ns|us|µs|ms|s|m|h|d)\s*$")
 _UNIT_NS = {"ns": 1, "us": 10**3, "µs": 10**3, "ms": 10**6, "s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9,
@@ -234,7 +234,8 @@ def finish_wave_trace(
             if row["id"] not in seen:
                 seen.add(row["id"])
                 spans.append(incident_span(row))
-    spans = [s for s in spans if format_trace_id(s.trace_id) == trace_hex]
+    trace_id = int(trace_hex, 16)
+    spans = [s for s in spans if s.trace_id == trace_id]
     spans.sort(key=lambda s: (s.start_ns, s.name))
     return mark_errors(spans)
 
