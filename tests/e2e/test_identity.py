@@ -30,38 +30,47 @@ def test_greedy_outputs_identical_with_guard_on_and_off(tiny_model, tmp_path: Pa
     logits checked synchronously and stats taken every wave — and off (no runtime_guard
     config, nothing wrapped)."""
     prompts = PROMPTS[:6]
-    outputs = {}
-    for mode in ("off", "on"):
-        root = tmp_path / mode
+    roots = {mode: tmp_path / mode for mode in ("off", "on")}
+    for root in roots.values():
         root.mkdir()
-        sidecar = SidecarProcess.start(root) if mode == "on" else None
-        guard = guard_config(Path(sidecar.address[len("unix://") :])) if sidecar else None
-        if guard is not None:
-            guard["detectors"] = ALL_DETECTORS
-        server = VllmServer.start(tiny_model, root, tp=1, guard=guard)
-        try:
+    sidecar = SidecarProcess.start(roots["on"])
+    guard = guard_config(Path(sidecar.address[len("unix://") :]))
+    guard["detectors"] = ALL_DETECTORS
+    # both servers start at once, and serve one after the other (idle, a server costs about
+    # 0.03 of a core)
+    try:
+        servers = VllmServer.start_together(
+            [
+                VllmServer.launch(tiny_model, roots["off"], tp=1, guard=None),
+                VllmServer.launch(tiny_model, roots["on"], tp=1, guard=guard),
+            ]
+        )
+    except BaseException:
+        sidecar.stop()
+        raise
+    outputs = {}
+    try:
+        for mode, server in zip(("off", "on"), servers, strict=True):
             outputs[mode] = [token_ids(r) for r in server.complete_many(prompts, max_tokens=48)]
             outputs[mode + "-sampled"] = [
                 token_ids(r)
                 for r in server.complete_many(prompts[:3], max_tokens=32, temperature=0.9, seed=11)
             ]
-            if sidecar is not None:
-                text = sidecar.wait_for(
-                    lambda t: value(t, "ascend_guard_sampled_tokens_total") >= 6 * 48 + 3 * 32,
-                    timeout=10,
-                )
-                time.sleep(0.5)  # anything extra would show up now
-                text = sidecar.metrics_text()
-                assert value(text, "ascend_guard_sampled_tokens_total") == 6 * 48 + 3 * 32
-                assert value(text, "ascend_guard_guard_errors_total") == 0
-                # the detectors did run: statistics were taken from the logits
-                assert value(text, "ascend_guard_logits_entropy_nats") > 0
-            else:
-                assert "guard_streaming" not in server.log_path.read_text()
-        finally:
+        assert "guard_streaming" not in servers[0].log_path.read_text()
+        text = sidecar.wait_for(
+            lambda t: value(t, "ascend_guard_sampled_tokens_total") >= 6 * 48 + 3 * 32,
+            timeout=10,
+        )
+        time.sleep(0.5)  # anything extra would show up now
+        text = sidecar.metrics_text()
+        assert value(text, "ascend_guard_sampled_tokens_total") == 6 * 48 + 3 * 32
+        assert value(text, "ascend_guard_guard_errors_total") == 0
+        # the detectors did run: statistics were taken from the logits
+        assert value(text, "ascend_guard_logits_entropy_nats") > 0
+    finally:
+        for server in servers:
             server.stop()
-            if sidecar is not None:
-                sidecar.stop()
+        sidecar.stop()
     assert outputs["on"] == outputs["off"]
     assert outputs["on-sampled"] == outputs["off-sampled"]
     assert all(len(ids) == 48 for ids in outputs["on"])

@@ -61,8 +61,8 @@ class Rig:
         self.config_path = root / "guard.json"
         self.write_config(base_config(self.sock, token_repeat={"enabled": False}))
         self.sidecar = SidecarProcess.start(root, address=f"unix://{self.sock}")
-        try:
-            self.server = VllmServer.start(
+        try:  # launched only: the `servers` fixture waits for it
+            self.server = VllmServer.launch(
                 model, root, tp=1, env={"ASCEND_GUARD_CONFIG": str(self.config_path)}
             )
         except BaseException:
@@ -109,12 +109,46 @@ class Rig:
         self.sidecar.stop()
 
 
+NGRAM_SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 3,
+    "prompt_lookup_max": 3,
+    "prompt_lookup_min": 2,
+}
+
+
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory) -> Rig:
+def servers(tiny_model, tmp_path_factory):
+    """The rig (NaN-token model, guard config from a file) and an n-gram speculative server,
+    started at once; the one whose tests are not running sits idle."""
     model = build_tiny_model(REPO / ".cache" / "tiny-llama-nan", nan_token_id=NAN_TOKEN)
     rig = Rig(tmp_path_factory.mktemp("sampling"), model)
-    yield rig
+    root = tmp_path_factory.mktemp("ngram")
+    sock = root / "guard.sock"
+    try:
+        sidecar = SidecarProcess.start(root, address=f"unix://{sock}")
+    except BaseException:
+        rig.stop()
+        raise
+    try:
+        server = VllmServer.launch(
+            tiny_model, root, tp=1, guard=base_config(sock)["runtime_guard"],
+            extra_args=("--speculative-config", json.dumps(NGRAM_SPEC)),
+        )  # fmt: skip
+        VllmServer.start_together([rig.server, server])
+    except BaseException:
+        rig.stop()
+        sidecar.stop()
+        raise
+    yield rig, (server, sidecar)
     rig.stop()
+    server.stop()
+    sidecar.stop()
+
+
+@pytest.fixture(scope="module")
+def rig(servers) -> Rig:
+    return servers[0]
 
 
 def owner(incident: dict, api_ids: list[str]) -> str | None:
@@ -279,50 +313,31 @@ def test_incidents_raised_while_the_sidecar_is_down_all_arrive_after_restart(rig
     assert rig.guard_value("ascend_guard_incidents_total", type="logits_finite") >= 8
 
 
-def test_ngram_spec_decode_acceptance_matches_vllm_counters(tiny_model, tmp_path: Path):
-    sock = tmp_path / "guard.sock"
-    sidecar = SidecarProcess.start(tmp_path, address=f"unix://{sock}")
-    spec = {
-        "method": "ngram",
-        "num_speculative_tokens": 3,
-        "prompt_lookup_max": 3,
-        "prompt_lookup_min": 2,
-    }
-    try:
-        server = VllmServer.start(
-            tiny_model, tmp_path, tp=1, guard=base_config(sock)["runtime_guard"],
-            extra_args=("--speculative-config", json.dumps(spec)),
-        )  # fmt: skip
-    except BaseException:
-        sidecar.stop()
-        raise
-    try:
-        before = server.metrics_text()
-        prompts = [
-            "one two three one two three one two three one two",
-            "the cat sat on the mat the cat sat on the mat the cat",
-            "a b c d a b c d a b c d a b",
-            "red green blue red green blue red green",
-        ]
-        responses = server.complete_many(prompts, max_tokens=64)
-        assert all(len(token_ids(r)) == 64 for r in responses)
-        time.sleep(1.0)
-        after = server.metrics_text()
-        drafted = value(after, "vllm:spec_decode_num_draft_tokens_total") - value(
-            before, "vllm:spec_decode_num_draft_tokens_total"
-        )
-        accepted = value(after, "vllm:spec_decode_num_accepted_tokens_total") - value(
-            before, "vllm:spec_decode_num_accepted_tokens_total"
-        )
-        assert drafted > 0 and accepted > 0, "n-gram drafts were expected on repetitive prompts"
-        text = sidecar.wait_for(
-            lambda t: value(t, "ascend_guard_spec_draft_tokens_total", method="ngram") >= drafted
-        )
-        assert value(text, "ascend_guard_spec_draft_tokens_total", method="ngram") == drafted
-        assert value(text, "ascend_guard_spec_accepted_tokens_total", method="ngram") == accepted
-        rate = value(text, "ascend_guard_spec_acceptance_rate", method="ngram")
-        assert 0.0 < rate <= 1.0
-        assert value(text, "ascend_guard_guard_errors_total") == 0
-    finally:
-        server.stop()
-        sidecar.stop()
+def test_ngram_spec_decode_acceptance_matches_vllm_counters(servers):
+    server, sidecar = servers[1]
+    before = server.metrics_text()
+    prompts = [
+        "one two three one two three one two three one two",
+        "the cat sat on the mat the cat sat on the mat the cat",
+        "a b c d a b c d a b c d a b",
+        "red green blue red green blue red green",
+    ]
+    responses = server.complete_many(prompts, max_tokens=64)
+    assert all(len(token_ids(r)) == 64 for r in responses)
+    time.sleep(1.0)
+    after = server.metrics_text()
+    drafted = value(after, "vllm:spec_decode_num_draft_tokens_total") - value(
+        before, "vllm:spec_decode_num_draft_tokens_total"
+    )
+    accepted = value(after, "vllm:spec_decode_num_accepted_tokens_total") - value(
+        before, "vllm:spec_decode_num_accepted_tokens_total"
+    )
+    assert drafted > 0 and accepted > 0, "n-gram drafts were expected on repetitive prompts"
+    text = sidecar.wait_for(
+        lambda t: value(t, "ascend_guard_spec_draft_tokens_total", method="ngram") >= drafted
+    )
+    assert value(text, "ascend_guard_spec_draft_tokens_total", method="ngram") == drafted
+    assert value(text, "ascend_guard_spec_accepted_tokens_total", method="ngram") == accepted
+    rate = value(text, "ascend_guard_spec_acceptance_rate", method="ngram")
+    assert 0.0 < rate <= 1.0
+    assert value(text, "ascend_guard_guard_errors_total") == 0

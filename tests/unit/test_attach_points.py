@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -96,13 +97,29 @@ def _fresh(args, **env_extra):
     )
 
 
+# every fresh interpreter this module's tests read: each is some 11 s of importing vLLM on one
+# core, so they run side by side, from the first test that asks for one
+FRESH_RUNS = {
+    **{runtime: ["-c", LIVE_CHECK, runtime] for runtime in ("cpu-v1", "cuda-v1", "cuda-mrv2")},
+    "doctor-cpu": ["-m", "telemetry.cli", "doctor", "--json"],
+    "doctor-ascend": ["-m", "telemetry.cli", "doctor", "--runtime", "ascend-v1"],
+}
+
+
+@pytest.fixture(scope="module")
+def fresh_runs():
+    pool = ThreadPoolExecutor(min(len(FRESH_RUNS), os.cpu_count() or 2))
+    yield {key: pool.submit(_fresh, args) for key, args in FRESH_RUNS.items()}
+    pool.shutdown(cancel_futures=True)  # those a -k selection never read need not start
+
+
 @pytest.mark.parametrize("runtime", ["cpu-v1", "cuda-v1", "cuda-mrv2"])
-def test_real_upstream_classes_are_bound(runtime):
+def test_real_upstream_classes_are_bound(runtime, fresh_runs):
     """Binds the real installed vLLM classes (CPU runner and worker; the GPU V1 and MRV2 runners,
     graph managers and speculators import on a CPU host) and checks each one independently:
     the class attribute is a guard wrapper around vLLM's own function of the same name."""
     pytest.importorskip("vllm")
-    out = _fresh(["-c", LIVE_CHECK, runtime])
+    out = fresh_runs[runtime].result()
     assert out.returncode == 0, out.stderr[-3000:]
     checked = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(checked) == len(points_for(runtime))
@@ -115,10 +132,10 @@ def test_real_upstream_classes_are_bound(runtime):
         assert row["bare_name"] == row["target"].rsplit(".", 1)[1], row
 
 
-def test_doctor_live_cpu_reports_everything_bound():
+def test_doctor_live_cpu_reports_everything_bound(fresh_runs):
     """`ascend-guard doctor` as an operator runs it on this CPU host."""
     pytest.importorskip("vllm")
-    out = _fresh(["-m", "telemetry.cli", "doctor", "--json"])
+    out = fresh_runs["doctor-cpu"].result()
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     document = json.loads(out.stdout)
     assert document["platform"] == "cpu" and document["ok"] is True
@@ -131,9 +148,9 @@ def test_doctor_live_cpu_reports_everything_bound():
     assert set(statuses.values()) == {"bound"}
 
 
-def test_doctor_live_for_ascend_here_says_not_installed_and_exits_1():
+def test_doctor_live_for_ascend_here_says_not_installed_and_exits_1(fresh_runs):
     pytest.importorskip("vllm")
-    out = _fresh(["-m", "telemetry.cli", "doctor", "--runtime", "ascend-v1"])
+    out = fresh_runs["doctor-ascend"].result()
     assert out.returncode == 1, out.stderr[-2000:]
     assert "not installed (vllm_ascend)" in out.stdout
     assert "next: install the missing package" in out.stdout

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -35,19 +36,40 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _run(env_extra: dict[str, str]) -> dict:
+def _run(env_extra: dict[str, str]) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ASCEND_GUARD_")}
     env.update(env_extra)
     env["VLLM_TARGET_DEVICE"] = "cpu"
-    out = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=150
     )
+
+
+def _seen(run) -> dict:
+    out = run.result()
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_without_config_the_plugin_wraps_nothing() -> None:
-    seen = _run({})
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The fresh interpreters of the tests below, by the environment each gets: each is some
+    10 s of importing vLLM on one core, so they run side by side."""
+    config_file = tmp_path_factory.mktemp("plugin") / "guard.json"
+    config_file.write_text(json.dumps({"runtime_guard": {"sidecar": "127.0.0.1:50051"}}))
+    handed_down = GuardConfig(sidecar="unix:///tmp/nowhere.sock", engine="unit")
+    envs = {
+        "no config": {},
+        "handed down": {RESOLVED_ENV: handed_down.to_json(), RUN_ID_ENV: "run-from-parent"},
+        "config file": {"ASCEND_GUARD_CONFIG": str(config_file)},
+    }
+    pool = ThreadPoolExecutor(min(len(envs), os.cpu_count() or 2))
+    yield {name: pool.submit(_run, env) for name, env in envs.items()}
+    pool.shutdown(cancel_futures=True)  # those a -k selection never read need not start
+
+
+def test_without_config_the_plugin_wraps_nothing(runs) -> None:
+    seen = _seen(runs["no config"])
     assert seen == {
         "execute_guarded": False,
         "sample_guarded": False,
@@ -57,18 +79,15 @@ def test_without_config_the_plugin_wraps_nothing() -> None:
     }
 
 
-def test_with_a_handed_down_config_the_runner_is_bound_on_import() -> None:
-    config = GuardConfig(sidecar="unix:///tmp/nowhere.sock", engine="unit")
-    seen = _run({RESOLVED_ENV: config.to_json(), RUN_ID_ENV: "run-from-parent"})
+def test_with_a_handed_down_config_the_runner_is_bound_on_import(runs) -> None:
+    seen = _seen(runs["handed down"])
     assert seen["execute_guarded"] and seen["sample_guarded"] and seen["cpu_inherits_guarded"]
     assert seen["processor"]
     assert seen["run_id"] == "run-from-parent"
 
 
-def test_config_file_env_turns_the_guard_on(tmp_path) -> None:
-    path = tmp_path / "guard.json"
-    path.write_text(json.dumps({"runtime_guard": {"sidecar": "127.0.0.1:50051"}}))
-    seen = _run({"ASCEND_GUARD_CONFIG": str(path)})
+def test_config_file_env_turns_the_guard_on(runs) -> None:
+    seen = _seen(runs["config file"])
     assert seen["execute_guarded"] and seen["processor"]
     assert seen["run_id"]  # generated once, for the processes this one spawns
 
