@@ -4,13 +4,12 @@ bad key and value, before any engine process is spawned."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from tests.support.side_by_side import side_by_side
 from tests.support.vllm_server import cpu_env
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -42,9 +41,9 @@ def _serve(model, guard: dict) -> subprocess.CompletedProcess:
 def runs(tiny_model):
     """Every case's `vllm serve`, side by side: each is some 12 s of importing vLLM on one core
     before the config is read."""
-    pool = ThreadPoolExecutor(min(len(CASES), os.cpu_count() or 2))
-    yield {case: pool.submit(_serve, tiny_model, guard) for case, (guard, _) in CASES.items()}
-    pool.shutdown(cancel_futures=True)  # those a -k selection never read need not start
+    yield from side_by_side(
+        _serve, {case: (tiny_model, guard) for case, (guard, _) in CASES.items()}
+    )
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,6 +29,7 @@ from guard.config import GuardConfig
 from guard.decorators import install, is_guarded, unwrap
 from guard.processor import GuardProcessor
 from telemetry.proto import guard_pb2
+from tests.support.side_by_side import side_by_side
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
@@ -108,9 +108,7 @@ FRESH_RUNS = {
 
 @pytest.fixture(scope="module")
 def fresh_runs():
-    pool = ThreadPoolExecutor(min(len(FRESH_RUNS), os.cpu_count() or 2))
-    yield {key: pool.submit(_fresh, args) for key, args in FRESH_RUNS.items()}
-    pool.shutdown(cancel_futures=True)  # those a -k selection never read need not start
+    yield from side_by_side(_fresh, {key: (args,) for key, args in FRESH_RUNS.items()})
 
 
 @pytest.mark.parametrize("runtime", ["cpu-v1", "cuda-v1", "cuda-mrv2"])

@@ -7,11 +7,11 @@ import os
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from guard.config import RESOLVED_ENV, RUN_ID_ENV, GuardConfig
+from tests.support.side_by_side import side_by_side
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -63,9 +63,7 @@ def runs(tmp_path_factory):
         "handed down": {RESOLVED_ENV: handed_down.to_json(), RUN_ID_ENV: "run-from-parent"},
         "config file": {"ASCEND_GUARD_CONFIG": str(config_file)},
     }
-    pool = ThreadPoolExecutor(min(len(envs), os.cpu_count() or 2))
-    yield {name: pool.submit(_run, env) for name, env in envs.items()}
-    pool.shutdown(cancel_futures=True)  # those a -k selection never read need not start
+    yield from side_by_side(_run, {name: (env,) for name, env in envs.items()})
 
 
 def test_without_config_the_plugin_wraps_nothing(runs) -> None:
