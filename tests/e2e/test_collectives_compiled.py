@@ -22,7 +22,7 @@ from tests.support.http import get_json
 from tests.support.metrics import value
 from tests.support.ports import free_port
 from tests.support.sidecar import SidecarProcess
-from tests.support.vllm_server import VllmServer, token_ids
+from tests.support.vllm_server import VllmServer, cpu_tp_backend, token_ids
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -43,7 +43,6 @@ COMPILE_ENV = {
     "VLLM_DISABLE_COMPILE_CACHE": "1",
 }
 GUARD_OP = "torch.ops.ascend_guard."  # the earlier design's per-call guard op: none now
-BACKEND_OP = "torch.ops._C.shm_allreduce("
 
 
 def compile_log(log_path: Path) -> dict[str, dict[str, int]]:
@@ -66,7 +65,7 @@ def compile_log(log_path: Path) -> dict[str, dict[str, int]]:
             code = line.split("[__graph_code]", 1)[1]
             if "# File:" not in code:
                 r["guard_ops"] += code.count(GUARD_OP)
-                r["backend_ops"] += code.count(BACKEND_OP)
+                r["backend_ops"] += code.count(cpu_tp_backend()[1])
         if "[__graph_breaks]" in line or "Graph break" in line:
             r["breaks"] += 1
         if "[__recompiles]" in line or "Recompiling function" in line:

