@@ -82,6 +82,62 @@ def _time_detectors() -> dict:
     return acc
 
 
+def _time_guard() -> dict:
+    """Time the whole guard in place (bench only): what `run_step` / `run_sample` spend outside
+    the runner's own method, plus the logits detectors inside it (called from the sampler),
+    on the engine thread; and the deferred token detectors on the detector thread."""
+    from guard.detectors.suite import DetectorSuite
+    from guard.processor import GuardProcessor
+
+    acc = {"engine_ns": 0, "thread_ns": 0, "measuring": False}
+
+    for name in ("run_step", "run_sample"):
+        original = getattr(GuardProcessor, name)
+
+        def timed(self, fn, runner, args, kwargs, _original=original):
+            inner = [0]
+
+            def bare(*a, **kw):
+                start = time.perf_counter_ns()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    inner[0] += time.perf_counter_ns() - start
+
+            start = time.perf_counter_ns()
+            try:
+                return _original(self, bare, runner, args, kwargs)
+            finally:
+                if acc["measuring"]:
+                    acc["engine_ns"] += time.perf_counter_ns() - start - inner[0]
+
+        setattr(GuardProcessor, name, timed)
+
+    on_logits = GuardProcessor.on_logits
+
+    def timed_logits(self, *a, **kw):
+        start = time.perf_counter_ns()
+        try:
+            return on_logits(self, *a, **kw)
+        finally:
+            if acc["measuring"]:
+                acc["engine_ns"] += time.perf_counter_ns() - start
+
+    GuardProcessor.on_logits = timed_logits
+    run_item = DetectorSuite._run_item
+
+    def timed_item(self, item):
+        start = time.perf_counter_ns()
+        try:
+            return run_item(self, item)
+        finally:
+            if acc["measuring"]:
+                acc["thread_ns"] += time.perf_counter_ns() - start
+
+    DetectorSuite._run_item = timed_item
+    return acc
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -91,6 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     parser.add_argument(
         "--detectors", choices=("all", "none"), default="all", help="sampling detectors in 'on'"
+    )
+    parser.add_argument(
+        "--token-detectors",
+        choices=("thread", "inline"),
+        default="thread",
+        help="where the token detectors run: the detector thread (as shipped) or inline on the "
+        "engine thread (for comparison)",
     )
     args = parser.parse_args(argv)
 
@@ -117,6 +180,16 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
 
     from guard.decorators import is_guarded, unwrap
 
+    if args.token_detectors == "inline":  # before the engine builds the detectors
+        from guard.detectors import host
+
+        shipped = host.DetectorSuite
+
+        def inline_suite(*a, **kw):
+            kw["defer_tokens"] = False
+            return shipped(*a, **kw)
+
+        host.DetectorSuite = inline_suite
     guard = {"sidecar": sidecar.address, "engine": "toggle"}
     if args.detectors == "none":
         guard["detectors"] = DETECTORS_OFF
@@ -142,6 +215,8 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     inside = _time_detectors()
+    whole = _time_guard()
+
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} #{i}" for i in range(args.requests)]
 
     def one_round(mode: str) -> tuple[float, float, int, list[list[int]]]:
@@ -169,6 +244,7 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
     identical = True
     inside["measured_ns"] = 0
     inside["measuring"] = True
+    whole["measuring"] = True
     for index, mode in enumerate(abba(args.rounds)):
         took, cpu, tokens, ids = one_round(mode)
         times[mode].append(took)
@@ -178,6 +254,7 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
             tokens_on += tokens
         print(f"  round {index + 1:2d} {mode:>3}: {tokens / took:8.0f} tok/s", flush=True)
     set_mode("on")
+    whole["measuring"] = False
     # each (off, on) pair of adjacent rounds is one paired sample
     paired = [on / off for off, on in zip(times["off"], times["on"], strict=True)]
     paired_cpu = [on / off for off, on in zip(cpus["off"], cpus["on"], strict=True)]
@@ -217,6 +294,17 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
         f"paired rounds on/off time: median {statistics.median(paired):.4f} (IQR {q[0]:.4f}..{q[2]:.4f})"
     )
     print(f"wall time added per wave: {added_us:+.1f} us ({steps_per_round:.0f} waves per round)")
+    waves_measured = args.rounds * steps_per_round
+    wave_us = med["on"] / steps_per_round * 1e6
+    guard_us = whole["engine_ns"] / 1e3 / waves_measured
+    thread_us = whole["thread_ns"] / 1e3 / waves_measured
+    verdict = "met" if guard_us <= wave_us * 0.01 else "MISSED"
+    print(
+        f"guard timed in place (engine thread: processor outside the runner's methods + logits "
+        f"detectors): {guard_us:.1f} us per wave = {guard_us / wave_us * 100:.2f}% of a "
+        f"{wave_us:.0f} us wave (goal <= 1%: {verdict}); detector thread {thread_us:.1f} us per "
+        f"wave ({thread_us / wave_us * 100:.2f}%)"
+    )
     if inside["calls"]:
         share = inside["measured_ns"] / 1e9 / sum(times["on"]) * 100
         print(
@@ -224,7 +312,6 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
             f"{inside['measured_ns'] / 1e3 / (args.rounds * steps_per_round):.1f} us per wave = "
             f"{share:.2f}% of the guarded rounds' wall time"
         )
-        waves_measured = args.rounds * steps_per_round
         parts = ", ".join(
             f"{name} {inside.get(name, 0) / 1e3 / waves_measured:.1f} us"
             f" ({inside.get('n_' + name, 0) / waves_measured:.2f} calls)"

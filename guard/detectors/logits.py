@@ -1,10 +1,12 @@
 """Row checks and health statistics on the logits, without forcing a device sync by default.
 
-`finite_rows` reduces each row to its maximum: NaN and +Inf propagate through max, and a row
-that is -Inf everywhere (nothing can be sampled) stays -Inf, so one reduction finds all three.
--Inf entries alone are normal (grammar and bad-word masks) and pass. The reduced row vector
-is tiny; on an accelerator it is copied to the host with `non_blocking=True` and read after
-sampling, when the copy has long finished.
+`row_max` reduces each row to its maximum: NaN and +Inf propagate through max, and a row
+that is -Inf everywhere (nothing can be sampled) stays -Inf, so one reduction on the logits'
+device finds all three. -Inf entries alone are normal (grammar and bad-word masks) and pass.
+That one reduction is all the logits see per wave. The reduced row vector is tiny; on an
+accelerator it is copied into a preallocated pinned host buffer with `non_blocking=True`, an
+event is recorded behind it, and it is read after sampling, when the copy has long finished
+(`HostCopies`). Nothing on this path waits for the device.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -86,35 +89,81 @@ def health_stats(logits: torch.Tensor, rows: int = STATS_ROWS) -> torch.Tensor:
 
 
 def start_copy(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """Copy a small tensor to the host; on an accelerator without waiting (returns an event)."""
+    """Copy a small tensor to the host; on an accelerator without waiting (returns an event).
+
+    Allocates a pinned buffer per call: for occasional copies. The per-wave row check uses a
+    `HostCopies` ring instead.
+    """
     if tensor.device.type == "cpu":
         return tensor, None
     host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
     host.copy_(tensor, non_blocking=True)
     event = _device_event(tensor.device)
+    if event is not None:
+        event.record()
     return host, event
 
 
 def _device_event(device: torch.device) -> Any:
     module = getattr(torch, device.type, None)  # torch.cuda, torch.npu (torch_npu), ...
     event_cls = getattr(module, "Event", None) if module is not None else None
-    if event_cls is None:
-        return None
-    event = event_cls()
-    event.record()
-    return event
+    return event_cls() if event_cls is not None else None
+
+
+class HostCopies:
+    """A ring of preallocated pinned host buffers and events for the per-wave row check.
+
+    `DEPTH` buffers: a check is read within two waves (`DetectorSuite.resolve_ready`), so a
+    buffer is never overwritten while its copy may still be in flight. Buffers grow (rarely)
+    when a wave has more rows than before.
+    """
+
+    DEPTH = 4
+
+    def __init__(self) -> None:
+        self._buffers: list[torch.Tensor] = []
+        self._events: list[Any] = []
+        self._next = 0
+        self._key: tuple[str, torch.dtype] | None = None
+        self._rows = 0
+
+    def copy(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start copying a 1-D device tensor to the host; returns (host view, event)."""
+        if tensor.device.type == "cpu":
+            return tensor, None
+        rows = tensor.shape[0]
+        key = (str(tensor.device), tensor.dtype)
+        if key != self._key or rows > self._rows:
+            self._allocate(key, max(rows, 2 * self._rows, 256), tensor.device)
+        index = self._next
+        self._next = (index + 1) % self.DEPTH
+        host = self._buffers[index][:rows]
+        host.copy_(tensor, non_blocking=True)
+        event = self._events[index]
+        if event is not None:
+            event.record()
+        return host, event
+
+    def _allocate(self, key: tuple[str, torch.dtype], rows: int, device: torch.device) -> None:
+        self._buffers = [
+            torch.empty(rows, dtype=key[1], device="cpu", pin_memory=True)
+            for _ in range(self.DEPTH)
+        ]
+        self._events = [_device_event(device) for _ in range(self.DEPTH)]
+        self._key, self._rows, self._next = key, rows, 0
 
 
 def bad_rows(row_maxes: torch.Tensor) -> list[int]:
-    """Row indexes whose max is NaN, +Inf or -Inf.
+    """Row indexes whose max is NaN, +Inf or -Inf (a host tensor, read as numpy).
 
     The common case costs one reduction and one scalar read: the sum of the row maxima is
     finite exactly when every row max is (NaN, +Inf and -Inf all survive a sum).
     """
-    if math.isfinite(float(row_maxes.sum())):
-        return []
-    finite = torch.isfinite(row_maxes)
-    return [int(i) for i in (~finite).nonzero().flatten().tolist()]
+    values = row_maxes.numpy() if row_maxes.dtype != torch.bfloat16 else row_maxes.float().numpy()
+    with np.errstate(invalid="ignore", over="ignore"):
+        if math.isfinite(float(values.sum(dtype=np.float64))):
+            return []
+    return np.flatnonzero(~np.isfinite(values)).tolist()
 
 
 def describe_row(row: torch.Tensor) -> dict[str, Any]:

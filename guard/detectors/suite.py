@@ -8,19 +8,107 @@ Each hit goes to the `IncidentReporter` (caps, backoff, counting). Only ranks th
 the output-side detectors' reports: every TP rank of a V1 runner samples the same tokens, so
 the reports of non-driver ranks are left to the driver (tp 0) to avoid N copies of one finding;
 logits checks run on every rank, since a NaN may appear on one rank only.
+
+Per wave the logits get one reduction on their device (`reduce_rows`, default a row max),
+copied without waiting and read after sampling; the token detectors share one `SlotMap` and
+see the wave's tokens once as arrays (`WaveTokens`). Python runs per finding, not per request.
+
+With `defer_tokens` (what the processor uses) the engine thread only checks token ids against
+the vocabulary and queues the wave's tokens; the repeat and acceptance detectors run on the
+detector thread, in wave order, woken every `DEFER_EVERY` waves. Each finding carries the wave
+it was found in. Their evidence bundles then hold tokens but no KV blocks (the runner is not
+read off the engine thread).
 """
 
 from __future__ import annotations
 
+import collections
 import math
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
+
+import structlog
 
 from guard.detectors import logits as logit_checks
 from guard.detectors.config import DetectorsConfig
 from guard.detectors.evidence import EvidenceDumper, request_kv_blocks
-from guard.detectors.spec import AcceptanceTracker
-from guard.detectors.tokens import RepeatDetector, out_of_range
-from guard.incidents import IncidentReporter
+from guard.detectors.slots import SlotMap, WaveTokens
+from guard.detectors.spec import AcceptanceTracker, draft_counts
+from guard.detectors.tokens import RepeatDetector, out_of_range, rows_out_of_range
+from guard.reporter import IncidentReporter
+
+log = structlog.get_logger("ascend_guard.detectors")
+
+DEFER_EVERY = 8  # queued waves that wake the detector thread (it also wakes every 50 ms)
+
+
+class Deferred:
+    """Token-side work queued by the engine thread, run in order on the detector thread.
+
+    Not started (`start`), items wait until `drain` (tests, the bench, `close`); `inline`
+    runs each item at once in the caller's thread.
+    """
+
+    def __init__(
+        self, run: Callable[[tuple], None], *, inline: bool, on_error: Callable[[str], None]
+    ) -> None:
+        self.queue: collections.deque[tuple] = collections.deque()
+        self.lock = threading.RLock()  # held while items run, and by engine-side state readers
+        self.inline = inline
+        self._run = run
+        self._on_error = on_error
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    def put(self, item: tuple) -> None:
+        if self.inline:
+            self._run(item)
+            return
+        queue = self.queue
+        queue.append(item)
+        if len(queue) >= DEFER_EVERY and self._thread is not None:
+            self._wake.set()
+
+    def start(self) -> None:
+        if self.inline or self._thread is not None:
+            return
+        self._thread = threading.Thread(
+            target=self._loop, name="ascend-guard-detectors", daemon=True
+        )
+        self._thread.start()
+
+    def drain(self, yield_between: bool = False) -> None:
+        queue = self.queue
+        while queue:
+            with self.lock:
+                try:
+                    item = queue.popleft()
+                except IndexError:
+                    return
+                try:
+                    self._run(item)
+                except Exception:  # noqa: BLE001 - a detector must not stop the others
+                    self._on_error("detectors_deferred")
+            if yield_between:
+                # hand the GIL over between waves: an engine thread back from a kernel
+                # waits at most one wave's work, not a whole batch of them
+                time.sleep(0)
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._wake.wait(0.05)
+            self._wake.clear()
+            self.drain(yield_between=True)
+
+    def close(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(1.0)
+        self.drain()
 
 
 def request_ids(runner: Any, count: int) -> list[str]:
@@ -41,15 +129,27 @@ class DetectorSuite:
         *,
         report_tokens: bool = True,
         probe=None,
+        reduce_rows: Callable[[Any], Any] = logit_checks.row_max,
+        defer_tokens: bool = False,
+        on_error: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self.reporter = reporter
         self.dumper = dumper
         self.report_tokens = report_tokens
         self._probe = probe or (lambda name, value, labels: None)
-        self.repeat = RepeatDetector(config.token_repeat) if config.token_repeat.enabled else None
+        self._reduce_rows = reduce_rows
+        self._on_error = on_error or (lambda where: log.exception("detector_error", where=where))
+        self.deferred = Deferred(self._run_item, inline=not defer_tokens, on_error=self._on_error)
+        self._copies = logit_checks.HostCopies()
+        self.slots = SlotMap()
+        self.repeat = (
+            RepeatDetector(config.token_repeat, self.slots) if config.token_repeat.enabled else None
+        )
         self.spec = (
-            AcceptanceTracker(config.spec_acceptance) if config.spec_acceptance.enabled else None
+            AcceptanceTracker(config.spec_acceptance, self.slots)
+            if config.spec_acceptance.enabled
+            else None
         )
         self.check_finite = config.logits_finite.enabled
         self.stats_every = config.logits_stats.every_n_waves if config.logits_stats.enabled else 0
@@ -64,12 +164,10 @@ class DetectorSuite:
     # -- execute_model entry ----------------------------------------------------------------
     def on_schedule(self, wave: int, scheduler_output: Any) -> None:
         finished = getattr(scheduler_output, "finished_req_ids", None)
-        if finished:
+        if finished and (self.repeat is not None or self.spec is not None):
+            self.deferred.put(("release", tuple(finished)))
+        elif finished:
             for req_id in finished:
-                if self.repeat is not None:
-                    self.repeat.forget(req_id)
-                if self.spec is not None:
-                    self.spec.forget(req_id)
                 self.reporter.forget_request(req_id)
         if self.spec is not None:
             drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
@@ -82,13 +180,13 @@ class DetectorSuite:
     ) -> None:
         if self.vocab_size is None:
             self.vocab_size = _vocab_size(runner, logits)
-        row_max = logit_checks.row_max(logits) if self.check_finite else None
+        row_max = self._reduce_rows(logits) if self.check_finite else None
         stats = None
         if self.stats_every and wave % self.stats_every == 0:
             stats = logit_checks.health_stats(logits)
         if row_max is None and stats is None:
             return
-        host, event = logit_checks.start_copy(row_max) if row_max is not None else (None, None)
+        host, event = self._copies.copy(row_max) if row_max is not None else (None, None)
         stats_host = None
         if stats is not None:
             stats_host, stats_event = logit_checks.start_copy(stats)
@@ -96,9 +194,15 @@ class DetectorSuite:
         count = len(rows_per_req) if rows_per_req is not None else int(logits.shape[0])
         keep_logits = self.config.logits_finite.action == "dump"
         pending = logit_checks.PendingCheck(
-            wave, host, event, request_ids(runner, count), rows_per_req,
-            logits if keep_logits else None, stats_host, runner if keep_logits else None,
-        )  # fmt: skip
+            wave,
+            host,
+            event,
+            request_ids(runner, count),
+            rows_per_req,
+            logits if keep_logits else None,
+            stats_host,
+            runner if keep_logits else None,
+        )
         if self.config.logits_finite.sync_gate or event is None:
             self._resolve(pending)
         else:
@@ -113,29 +217,75 @@ class DetectorSuite:
         sampled = getattr(output, "sampled_token_ids", None)
         if not req_ids or not sampled or not isinstance(sampled, list):
             return
+        if len(sampled) != len(req_ids):
+            count = min(len(sampled), len(req_ids))
+            req_ids, sampled = req_ids[:count], sampled[:count]
         if self.vocab_size is None:
             self.vocab_size = _vocab_size(runner, None)
+        tokens = WaveTokens(sampled)  # the wave's tokens as arrays, built once
         vocab = self.vocab_size if self.config.token_range.enabled else None
-        add = self.repeat.add if self.repeat is not None else None
-        for req_id, tokens in zip(req_ids, sampled, strict=False):  # one pass, hot path
-            if not tokens:
-                continue
-            if vocab and (min(tokens) < 0 or max(tokens) >= vocab):
-                self._out_of_range(wave, runner, req_id, tokens, vocab)
-            if add is not None:
-                findings = add(req_id, tokens)
-                if findings and self.report_tokens:
-                    self._repeats(wave, runner, req_id, findings)
-        if self.spec is not None and self._drafts and self._drafts_wave == wave:
-            self._observe_spec(wave, runner, req_ids, sampled)
+        if vocab:
+            for row in rows_out_of_range(tokens, vocab).tolist():  # rows with a bad id: rare
+                self._out_of_range(wave, runner, req_ids[row], sampled[row], vocab)
+        repeat, spec = self.repeat, self.spec
+        if repeat is None and spec is None:
+            return
+        drafts = None
+        if spec is not None and self._drafts and self._drafts_wave == wave:
+            drafts = self._drafts
+            if not self.spec_method:
+                config = getattr(runner, "speculative_config", None)
+                self.spec_method = str(getattr(config, "method", "") or "unknown")
+        inline = self.deferred.inline
+        # the engine may reuse its id list: the queued wave keeps its own copy
+        self.deferred.put(
+            (
+                "wave",
+                wave,
+                req_ids if inline else list(req_ids),
+                tokens,
+                drafts,
+                runner if inline else None,
+            )
+        )
+
+    def _run_item(self, item: tuple) -> None:
+        """One queued item, in wave order: a wave's tokens, or finished requests."""
+        if item[0] == "release":
+            finished = item[1]
+            self.slots.release(finished)
+            for req_id in finished:  # requests finished this wave: few
+                self.reporter.forget_request(req_id)
+            return
+        _, wave, req_ids, tokens, drafts, runner = item
+        slots = self.slots.slots(req_ids)
+        if self.repeat is not None:
+            for row, findings in self.repeat.add_wave(slots, tokens):
+                if self.report_tokens:
+                    self._repeats(wave, runner, req_ids[row], findings)
+        if drafts:
+            self._observe_spec(wave, runner, req_ids, slots, tokens, drafts)
+
+    def start(self) -> None:
+        """Run the deferred token detectors on their own thread from now on."""
+        self.deferred.start()
+
+    def drain(self) -> None:
+        """Run every queued token wave now (tests, the bench)."""
+        self.deferred.drain()
 
     def _out_of_range(self, wave: int, runner: Any, req_id: str, tokens, vocab: int) -> None:
         bad = out_of_range(tokens, vocab)
         self._hit(
-            "token_range", "critical", wave, req_id,
+            "token_range",
+            "critical",
+            wave,
+            req_id,
             f"sampled id {bad[0]} outside the vocabulary [0, {vocab})",
-            {"ids": bad[:16], "vocab_size": vocab}, self.config.token_range.action, runner,
-        )  # fmt: skip
+            {"ids": bad[:16], "vocab_size": vocab},
+            self.config.token_range.action,
+            runner,
+        )
 
     def _repeats(self, wave: int, runner: Any, req_id: str, findings) -> None:
         for kind, size, extent, block in findings:
@@ -146,39 +296,70 @@ class DetectorSuite:
                 summary = f"{size}-gram repeated {extent} times in the window"
                 evidence = {"kind": kind, "n": size, "count": extent, "ngram": block}
             self._hit(
-                "token_repeat", "warning", wave, req_id, summary, evidence,
-                self.config.token_repeat.action, runner,
-            )  # fmt: skip
+                "token_repeat",
+                "warning",
+                wave,
+                req_id,
+                summary,
+                evidence,
+                self.config.token_repeat.action,
+                runner,
+            )
 
-    def _observe_spec(self, wave: int, runner: Any, req_ids, sampled) -> None:
+    def _observe_spec(self, wave: int, runner: Any, req_ids, slots, tokens, drafts) -> None:
         spec = self.spec
-        drafted, accepted, per_request = spec.observe(self._drafts, req_ids, sampled)
+        drafted, accepted, rows, _, _ = spec.observe_wave(
+            slots, draft_counts(drafts, req_ids), tokens
+        )
         if not drafted:
             return
-        if not self.spec_method:
-            config = getattr(runner, "speculative_config", None)
-            self.spec_method = str(getattr(config, "method", "") or "unknown")
         method = self.spec_method
         if not self.report_tokens:
+            spec.update_baseline(drafted, accepted)
             return
-        band = f"[{spec.config.min_rate:g}, {spec.config.max_rate:g}]"
-        for key, window in spec.newly_out_of_band(list(per_request)):
+        band = [spec.config.min_rate, spec.config.max_rate]
+        for judged in spec.judge(slots, req_ids, rows):
+            key = judged.key
             scope = f"request {key}" if key else "wave window"
+            if judged.kind == "band":
+                summary = (
+                    f"{method} acceptance {judged.rate:.2f} in the {scope} is outside "
+                    f"[{band[0]:g}, {band[1]:g}]"
+                )
+            else:
+                summary = (
+                    f"{method} acceptance {judged.rate:.2f} in the {scope} jumped "
+                    f"{judged.rate - judged.baseline:+.2f} above the baseline "
+                    f"{judged.baseline:.2f} (repetitive output raises acceptance)"
+                )
             self._hit(
-                "spec_acceptance", "warning", wave, key,
-                f"{method} acceptance {window.rate:.2f} in the {scope} is outside {band}",
-                {"method": method, "rate": round(window.rate, 4), "drafted": window.drafted,
-                 "accepted": window.accepted, "band": [spec.config.min_rate, spec.config.max_rate],
-                 "scope": "request" if key else "wave"},
-                self.config.spec_acceptance.action, runner,
-            )  # fmt: skip
+                "spec_acceptance",
+                "warning",
+                wave,
+                key,
+                summary,
+                {
+                    "method": method,
+                    "kind": judged.kind,
+                    "rate": round(judged.rate, 4),
+                    "drafted": judged.drafted,
+                    "accepted": judged.accepted,
+                    "band": band,
+                    "baseline": round(judged.baseline, 4),
+                    "scope": "request" if key else "wave",
+                },
+                self.config.spec_acceptance.action,
+                runner,
+            )
+        spec.update_baseline(drafted, accepted)
 
     # -- logits checks resolved after sampling ----------------------------------------------
     def resolve_ready(self, force: bool = False) -> None:
         pending = self._pending
         while pending and (force or pending[0].ready() or len(pending) > 2):
             check = pending.pop(0)
-            check.wait()
+            if not check.ready():  # waiting on a done event is a sync too (sync debug mode)
+                check.wait()
             self._resolve(check)
 
     def _resolve(self, check: logit_checks.PendingCheck) -> None:
@@ -191,10 +372,15 @@ class DetectorSuite:
             limit = self.config.logits_stats.max_abs_limit
             if limit and max_abs >= limit:
                 self._hit(
-                    "logits_stats", "warning", check.wave, "",
+                    "logits_stats",
+                    "warning",
+                    check.wave,
+                    "",
                     f"max |logit| {max_abs:.4g} reached the limit {limit:g}",
-                    {"max_abs": max_abs, "entropy_nats": entropy, "limit": limit}, "report", None,
-                )  # fmt: skip
+                    {"max_abs": max_abs, "entropy_nats": entropy, "limit": limit},
+                    "report",
+                    None,
+                )
         if check.host is None:
             return
         bad = logit_checks.bad_rows(check.host)
@@ -210,12 +396,17 @@ class DetectorSuite:
             if check.logits is not None:
                 evidence.update(logit_checks.describe_row(check.logits[rows[0]]))
             self._hit(
-                "logits_finite", "error", check.wave, req_id,
+                "logits_finite",
+                "error",
+                check.wave,
+                req_id,
                 f"non-finite logits in {len(rows)} row(s) of request {req_id}",
-                evidence, self.config.logits_finite.action, check.runner,
+                evidence,
+                self.config.logits_finite.action,
+                check.runner,
                 logits_row=check.logits[rows[0]] if check.logits is not None else None,
                 row=rows[0],
-            )  # fmt: skip
+            )
 
     # -- reporting --------------------------------------------------------------------------
     def _hit(
@@ -247,8 +438,10 @@ class DetectorSuite:
 
     def _dump(self, type_, wave, req_id, evidence, runner, logits_row, row) -> str:
         tokens = None
-        if self.repeat is not None and req_id in self.repeat.requests:
-            tokens = list(self.repeat.requests[req_id].tokens)
+        if self.repeat is not None:
+            with self.deferred.lock:  # the detector thread may be updating the rows
+                if req_id in self.slots:
+                    tokens = self.repeat.recent_tokens(req_id)
         if row is None and runner is not None:
             try:
                 row = list(runner.input_batch.req_ids).index(req_id)
@@ -256,9 +449,14 @@ class DetectorSuite:
                 row = None
         kv = request_kv_blocks(runner, row) if runner is not None and row is not None else None
         return self.dumper.dump(
-            type_, wave, req_id, meta={"evidence": evidence}, tokens=tokens, logits_row=logits_row,
+            type_,
+            wave,
+            req_id,
+            meta={"evidence": evidence},
+            tokens=tokens,
+            logits_row=logits_row,
             kv_blocks=kv,
-        )  # fmt: skip
+        )
 
     def probe_values(self) -> list[tuple[str, float, dict[str, str]]]:
         """Readings taken by the streamer thread with each heartbeat: nothing on the hot path."""
@@ -274,6 +472,7 @@ class DetectorSuite:
 
     def close(self) -> None:
         self.resolve_ready(force=True)
+        self.deferred.close()
 
 
 def _vocab_size(runner: Any, logits: Any) -> int | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import types
@@ -23,8 +24,8 @@ from guard.detectors.config import (
 from guard.detectors.evidence import EvidenceDumper
 from guard.detectors.spec import AcceptanceTracker
 from guard.detectors.suite import DetectorSuite
-from guard.detectors.tokens import RepeatDetector, find_loop, out_of_range
-from guard.incidents import IncidentReporter
+from guard.detectors.tokens import RepeatDetector, find_loop, out_of_range, rows_out_of_range
+from guard.reporter import IncidentReporter
 
 
 # -- logits checks --------------------------------------------------------------------------
@@ -260,3 +261,206 @@ def test_no_probe_is_sent_when_no_row_was_healthy(tmp_path):
     suite.on_output(16, runner, types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[7]]))
     assert [i.type for i in sent] == ["logits_finite"]  # the gate still reports the NaN
     assert probes == []
+
+
+# -- vectorised state against per-request references ----------------------------------------
+class ReferenceRepeat:
+    """The per-request algorithm the arrays replace, checking loops on every token: a dict of
+    exact n-gram counts and `find_loop` on the list of recent tokens."""
+
+    def __init__(self, config: TokenRepeatConfig) -> None:
+        self.config = config
+        self.state: dict[str, dict] = {}
+
+    def add(self, req: str, new_tokens: list[int]) -> list:
+        c = self.config
+        st = self.state.setdefault(
+            req, {"tokens": [], "counts": {}, "grams": [], "hot": 0, "loop": False, "ngram": False}
+        )
+        started = None
+        for token in new_tokens:
+            st["tokens"].append(token)
+            if len(st["tokens"]) < c.ngram_size:
+                continue
+            key = tuple(st["tokens"][-c.ngram_size :])
+            st["counts"][key] = st["counts"].get(key, 0) + 1
+            st["grams"].append(key)
+            if st["counts"][key] == c.ngram_max_count:
+                st["hot"] += 1
+                if st["hot"] == 1 and not st["ngram"]:
+                    started = list(key)
+            if len(st["grams"]) > c.window - c.ngram_size + 1:
+                old = st["grams"].pop(0)
+                st["counts"][old] -= 1
+                if st["counts"][old] == c.ngram_max_count - 1:
+                    st["hot"] -= 1
+        loop = find_loop(st["tokens"], c.max_period, c.min_repeats, c.min_span)
+        findings = []
+        if loop is not None and not st["loop"]:
+            findings.append(("loop", *loop))
+        st["loop"] = loop is not None
+        if started is not None and not st["loop"]:
+            findings.append(("ngram", c.ngram_size, c.ngram_max_count, started))
+        st["ngram"] = st["hot"] > 0
+        return findings
+
+
+def _streams(gen, count: int, length: int) -> list[list[int]]:
+    """Random streams over a small alphabet with loops and repeated phrases spliced in."""
+    out = []
+    for _ in range(count):
+        stream: list[int] = []
+        while len(stream) < length:
+            kind = int(torch.randint(0, 3, (1,), generator=gen))
+            if kind == 0:
+                stream += torch.randint(
+                    0, 40, (int(torch.randint(5, 40, (1,), generator=gen)),), generator=gen
+                ).tolist()
+            elif kind == 1:
+                block = torch.randint(
+                    0, 40, (int(torch.randint(1, 9, (1,), generator=gen)),), generator=gen
+                ).tolist()
+                stream += block * int(torch.randint(2, 12, (1,), generator=gen))
+            else:
+                phrase = [1, 2, 3, 4]
+                for _ in range(int(torch.randint(2, 6, (1,), generator=gen))):
+                    stream += phrase + torch.randint(0, 40, (3,), generator=gen).tolist()
+        out.append(stream[:length])
+    return out
+
+
+@pytest.mark.parametrize("width", [1, 3])
+def test_array_repeat_detector_matches_the_per_request_reference(width):
+    """Many requests in one batch, joining and finishing at different waves, one token a wave
+    (or 1..width with drafts): every finding equals the reference's, request by request."""
+    from guard.detectors.slots import SlotMap, WaveTokens
+
+    config = TokenRepeatConfig(window=64, min_span=16, ngram_size=3, ngram_max_count=5)
+    gen = torch.Generator().manual_seed(width)
+    streams = _streams(gen, 40, 300)
+    slots = SlotMap(capacity=4)  # grows while requests join
+    detector = RepeatDetector(config, slots)
+    reference = ReferenceRepeat(config)
+    positions = {f"r{i}": 0 for i in range(len(streams))}
+    begin = {f"r{i}": 3 * i for i in range(len(streams))}
+    got, want = [], []
+    for wave in range(600):
+        live = [r for r in positions if begin[r] <= wave and positions[r] < 300]
+        if not live:
+            continue
+        batch = []
+        for r in live:
+            n = 1 + (wave + int(r[1:])) % width
+            stream = streams[int(r[1:])]
+            batch.append(stream[positions[r] : positions[r] + n])
+            positions[r] += n
+        for row, findings in detector.add_wave(slots.slots(live), WaveTokens(batch)):
+            got += [(wave, live[row], f) for f in findings]
+        for r, tokens in zip(live, batch, strict=True):
+            want += [(wave, r, f) for f in reference.add(r, tokens)]
+        done = [r for r in live if positions[r] >= 300]
+        slots.release(done)
+    assert len(want) > 40 and {f[2][0] for f in want} == {"loop", "ngram"}
+    assert got == want
+    assert len(slots) == 0 and slots.capacity >= 16
+
+
+def test_wave_tokens_and_out_of_range_rows_on_a_ragged_wave():
+    from guard.detectors.slots import WaveTokens
+
+    wave = WaveTokens([[1, 2], [], [60, 3, 4], [-1]])
+    assert wave.lengths.tolist() == [2, 0, 3, 1] and not wave.uniform
+    assert wave.padded.tolist() == [[1, 2, 0], [0, 0, 0], [60, 3, 4], [-1, 0, 0]]
+    assert rows_out_of_range(wave, 50).tolist() == [2, 3]
+    assert rows_out_of_range(WaveTokens([[1], [2]]), 50).tolist() == []
+
+
+def test_spec_acceptance_alarms_when_acceptance_jumps_above_its_baseline(tmp_path):
+    """A healthy engine accepts about a third of its drafts; one request turns repetitive and
+    accepts them all: a "jump" incident for that request, once, and none for the others."""
+    spec = SpecAcceptanceConfig(window_waves=8, request_window=8, min_drafts=12, jump_above=0.4)
+    suite, sent, _ = make_suite(tmp_path, spec_acceptance=spec)
+    ids = ["a", "b", "c", "d"]
+    runner = Runner(ids)
+    drafts = {r: [1, 2, 3] for r in ids}
+    for wave in range(1, 81):
+        suite.on_schedule(
+            wave, types.SimpleNamespace(finished_req_ids=set(), scheduled_spec_decode_tokens=drafts)
+        )
+        degenerate = wave > 40
+        sampled = [[7, 7, 7, 7] if (r == "a" and degenerate) else [5, 6] for r in ids]  # 3/3 or 1/3
+        suite.on_output(wave, runner, types.SimpleNamespace(req_ids=ids, sampled_token_ids=sampled))
+    jumps = [i for i in sent if i.type == "spec_acceptance"]
+    assert [i.request_id for i in jumps] == ["a"], [(i.request_id, i.summary) for i in jumps]
+    evidence = json.loads(jumps[0].evidence_json)
+    assert evidence["kind"] == "jump" and evidence["rate"] >= 0.75
+    assert evidence["baseline"] == pytest.approx(1 / 3, abs=0.1)
+    assert 40 < jumps[0].wave <= 48
+    assert "jumped" in jumps[0].summary
+    assert suite.spec.drafted_total == 80 * 12
+
+
+def test_deferred_token_detectors_report_on_their_thread_with_the_wave_they_saw(tmp_path):
+    """What the processor runs: the engine thread queues each wave's tokens; the repeat
+    detector runs on the detector thread and its finding names the wave of the tokens."""
+    sent = []
+    reporter = IncidentReporter(
+        IncidentsConfig(), run_id="r", current_wave=lambda: 999, sink=sent.append
+    )
+    config = DetectorsConfig(dump=DumpConfig(directory=str(tmp_path), min_free_bytes=0))
+    suite = DetectorSuite(
+        config, reporter, EvidenceDumper(config.dump, "r", "x"), defer_tokens=True
+    )
+    suite.start()
+    runner = Runner(["a", "b"])
+    for wave in range(1, 41):
+        out = types.SimpleNamespace(req_ids=["a", "b"], sampled_token_ids=[[5], [wave % 49]])
+        suite.on_output(wave, runner, out)
+    suite.close()  # drains what is still queued
+    hits = [(i.request_id, i.wave, json.loads(i.evidence_json)["kind"]) for i in sent]
+    # the 4-gram 5555 is seen 8 times at token 11; a period-1 loop needs min_span 32 tokens
+    assert hits == [("a", 11, "ngram"), ("a", 32, "loop")]
+    assert suite.deferred.queue == collections.deque()
+
+
+def test_row_check_is_read_after_sampling_and_never_waited_for_on_the_hot_path(tmp_path):
+    """Stand-in for an accelerator (none here): the copy's event says "not done" until the
+    test completes it. The suite must not wait for it (no synchronize) while the check is
+    young, reads it once the event is done, and names the NaN request of *its* wave."""
+
+    class Event:
+        def __init__(self):
+            self.done = False
+            self.waited = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.waited = True
+            self.done = True
+
+    events = []
+
+    def copy(self, tensor):
+        events.append(Event())
+        return tensor.clone(), events[-1]
+
+    suite, sent, _ = make_suite(tmp_path)
+    suite._copies.copy = types.MethodType(copy, suite._copies)
+    runner = Runner(["a", "b"])
+    logits = torch.randn(2, 50)
+    logits[1, 3] = float("nan")
+    out = types.SimpleNamespace(req_ids=["a", "b"], sampled_token_ids=[[1], [2]])
+    suite.on_logits(5, runner, logits, None)
+    suite.on_output(5, runner, out)  # the copy is "in flight": not read, not waited for
+    assert sent == [] and not events[0].waited
+    events[0].done = True
+    suite.on_logits(6, runner, torch.randn(2, 50), None)
+    suite.on_output(6, runner, out)  # read after wave 6's sampling, reported as wave 5
+    (hit,) = [i for i in sent if i.type == "logits_finite"]
+    assert (hit.wave, hit.request_id) == (5, "b") and not events[0].waited
+    for wave in (7, 8, 9):  # checks that never complete: with three in flight the oldest waits
+        suite.on_logits(wave, runner, torch.randn(2, 50), None)
+        suite.on_output(wave, runner, out)
+    assert [e.waited for e in events] == [False, True, True, False, False]
