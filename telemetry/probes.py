@@ -54,6 +54,11 @@ PROBE_METRICS: dict[str, ProbeMetric] = _register(
         kind="counter",
     ),
     ProbeMetric(
+        "detector_waves_dropped",
+        "Waves the token detectors skipped because their thread fell too far behind the engine.",
+        kind="counter",
+    ),
+    ProbeMetric(
         "config_generation",
         "Generation of the runtime_guard config in force on a rank (1 = as started).",
     ),

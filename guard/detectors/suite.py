@@ -42,6 +42,9 @@ from guard.reporter import IncidentReporter
 log = structlog.get_logger("ascend_guard.detectors")
 
 DEFER_EVERY = 8  # queued waves that wake the detector thread (it also wakes every 50 ms)
+# waves the detector thread may fall behind by; past it the oldest are dropped and counted
+# (ascend_guard_detector_waves_dropped_total): the engine never waits and memory stays bounded
+MAX_QUEUED = 4096
 
 
 class Deferred:
@@ -62,12 +65,19 @@ class Deferred:
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self.dropped = 0  # waves never run because the thread fell MAX_QUEUED behind
 
     def put(self, item: tuple) -> None:
         if self.inline:
             self._run(item)
             return
         queue = self.queue
+        if len(queue) >= MAX_QUEUED:
+            try:
+                queue.popleft()
+                self.dropped += 1
+            except IndexError:  # the detector thread took it meanwhile
+                pass
         queue.append(item)
         if len(queue) >= DEFER_EVERY and self._thread is not None:
             self._wake.set()
@@ -460,11 +470,15 @@ class DetectorSuite:
 
     def probe_values(self) -> list[tuple[str, float, dict[str, str]]]:
         """Readings taken by the streamer thread with each heartbeat: nothing on the hot path."""
+        readings: list[tuple[str, float, dict[str, str]]] = []
+        if self.deferred.dropped:
+            readings.append(("detector_waves_dropped", float(self.deferred.dropped), {}))
         spec = self.spec
         if spec is None or not spec.drafted_total or not self.report_tokens:
-            return []
+            return readings
         method = {"method": self.spec_method}
         return [
+            *readings,
             ("spec_draft_tokens", float(spec.drafted_total), method),
             ("spec_accepted_tokens", float(spec.accepted_total), method),
             ("spec_acceptance_rate", spec.waves.rate, method),

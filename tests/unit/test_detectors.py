@@ -423,6 +423,31 @@ def test_deferred_token_detectors_report_on_their_thread_with_the_wave_they_saw(
     assert suite.deferred.queue == collections.deque()
 
 
+def test_a_detector_thread_that_falls_behind_drops_the_oldest_waves_and_counts_them(
+    tmp_path, monkeypatch
+):
+    """The queue is bounded: the engine thread never waits for the detectors, and each wave
+    they skip is counted in a reading the sidecar exports."""
+    from guard.detectors import suite as suite_mod
+
+    monkeypatch.setattr(suite_mod, "MAX_QUEUED", 5)
+    reporter = IncidentReporter(
+        IncidentsConfig(), run_id="r", current_wave=lambda: 0, sink=list().append
+    )
+    config = DetectorsConfig(dump=DumpConfig(directory=str(tmp_path), min_free_bytes=0))
+    suite = DetectorSuite(
+        config, reporter, EvidenceDumper(config.dump, "r", "x"), defer_tokens=True
+    )
+    runner = Runner(["a"])  # not started: nothing drains the queue
+    for wave in range(1, 13):
+        suite.on_output(
+            wave, runner, types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[wave]])
+        )
+    assert len(suite.deferred.queue) == 5 and suite.deferred.dropped == 7
+    assert ("detector_waves_dropped", 7.0, {}) in suite.probe_values()
+    suite.close()
+
+
 def test_row_check_is_read_after_sampling_and_never_waited_for_on_the_hot_path(tmp_path):
     """Stand-in for an accelerator (none here): the copy's event says "not done" until the
     test completes it. The suite must not wait for it (no synchronize) while the check is
