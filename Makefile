@@ -72,7 +72,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 
 test: deps lint
-	$(PY) -m pytest -q -rs tests
+	$(PY) -m pytest -q -rs --durations=25 tests
 
 # unit and integration only (no vllm serve): about a minute
 test-fast: deps
