@@ -38,14 +38,14 @@ def test_greedy_outputs_identical_with_guard_on_and_off(tiny_model, tmp_path: Pa
     guard["detectors"] = ALL_DETECTORS
     # both servers start at once, and serve one after the other (idle, a server costs about
     # 0.03 of a core)
+    launched: list[VllmServer] = []
     try:
-        servers = VllmServer.start_together(
-            [
-                VllmServer.launch(tiny_model, roots["off"], tp=1, guard=None),
-                VllmServer.launch(tiny_model, roots["on"], tp=1, guard=guard),
-            ]
-        )
-    except BaseException:
+        launched.append(VllmServer.launch(tiny_model, roots["off"], tp=1, guard=None))
+        launched.append(VllmServer.launch(tiny_model, roots["on"], tp=1, guard=guard))
+        servers = VllmServer.start_together(launched)
+    except BaseException:  # the first server is stopped too if the second fails to launch
+        for server in launched:
+            server.stop()
         sidecar.stop()
         raise
     outputs = {}
