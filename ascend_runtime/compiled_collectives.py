@@ -15,7 +15,9 @@ graph then goes through one wrapper (`CollectiveTracker.run_graph`) that counts 
 into the wave, marked graph-counted, advances the groups' sequence numbers by the graph's
 count, and names the graph and its list as the current collective while inside it. Inside
 the call the per-collective wrappers step aside (the tracker's depth), so nothing is counted
-twice; the graph itself is the same with the guard on and off (no guard op, no recompile).
+twice, and those a custom op reaches from Python are shadowed by the unwrapped methods on
+their coordinators (`bypass_of`), so they cost no frame at all; the graph itself is the
+same with the guard on and off (no guard op, no recompile).
 
 Lost against per-call counting: each collective's own host time (host_ns 0 for these; the
 slow-call list and the wave's wait time come from eager calls only) and, in a hang, which of
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +68,30 @@ KERNELS: dict[str, tuple[str, int, str, int]] = {
     "_c10d_functional::all_gather_into_tensor": ("all_gather", 0, "c10d", 2),
     "_c10d_functional::reduce_scatter_tensor": ("reduce_scatter", 0, "c10d", 3),
 }
+
+
+# op -> the GroupCoordinator method that vLLM's custom op of that op (a kernel whose group is
+# named by "name") calls from its Python implementation
+CUSTOM_OP_METHODS = {
+    "all_reduce": "_all_reduce_out_place",
+    "all_gather": "_all_gather_out_place",
+    "reduce_scatter": "_reduce_scatter_out_place",
+}
+
+
+def bypass_of(reached: list[tuple[Any, str]]) -> tuple[tuple[dict, str, Callable[..., Any]], ...]:
+    """`CompiledGraph.bypass` for the (coordinator, method) pairs a graph's custom ops reach:
+    each guard-wrapped method's original, bound to its coordinator, with where it shadows the
+    wrapper (the instance `__dict__`, which an attribute lookup reads before the class's
+    function). A method the guard has not wrapped needs none."""
+    found: dict[tuple[int, str], tuple[dict, str, Callable[..., Any]]] = {}
+    for group, name in reached:
+        original = getattr(getattr(type(group), name, None), collectives.WRAPPED_ATTR, None)
+        namespace = getattr(group, "__dict__", None)
+        if original is None or not isinstance(namespace, dict) or name in namespace:
+            continue
+        found[(id(group), name)] = (namespace, name, types.MethodType(original, group))
+    return tuple(found.values())
 
 
 def kernel_name(target: Any) -> str | None:
@@ -183,6 +210,7 @@ def scan(
     locations = _symbol_locations(gm)
     symbols = {sym: k for k, sym in enumerate(locations)}
     entries = []
+    reached = []  # (coordinator, method) that the graph's custom ops call from Python
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -200,10 +228,14 @@ def scan(
         constant, terms, exact = _bytes(tensor, symbols)
         dtype = str(tensor.dtype).removeprefix("torch.")
         entries.append((op, group, dtype, constant, terms, exact))
+        if naming == "name" and op in CUSTOM_OP_METHODS:
+            reached.append((group, CUSTOM_OP_METHODS[op]))
         if portable is not None:  # what a saved artifact keeps: groups by how they are named
             portable.append((op, naming, naming_value, dtype, constant, terms, exact is not None))
     where = [(i + offset, dim) for i, dim in locations.values()]
-    return collectives.CompiledGraph(label, entries, where)
+    graph = collectives.CompiledGraph(label, entries, where)
+    graph.bypass = bypass_of(reached)
+    return graph
 
 
 def graph_of(
@@ -415,13 +447,18 @@ def _counted_serializable() -> Any:
 
 def _rebuild(portable: list, owner: Any) -> collectives.CompiledGraph:
     entries = []
+    reached = []
     for op, naming, value, dtype, constant, terms, _exact in portable:
         group = _resolve(naming, value)
         if group is None:
             log.warning("compiled_graph_unreadable", error=f"no live group for {value!r}")
             return _NONE
         entries.append((op, group, dtype, constant, tuple(terms), None))
-    return collectives.CompiledGraph(f"compiled model #{next(_labels)}", entries, [])
+        if naming == "name" and op in CUSTOM_OP_METHODS:
+            reached.append((group, CUSTOM_OP_METHODS[op]))
+    graph = collectives.CompiledGraph(f"compiled model #{next(_labels)}", entries, [])
+    graph.bypass = bypass_of(reached)
+    return graph
 
 
 def __getattr__(name: str) -> Any:  # pickle / AOT load look the class up by name

@@ -133,6 +133,13 @@ class CompiledGraph:
     call's arguments at `locations` (argument index, dimension or -1 for a SymInt argument).
     `exact` is a function of `sizes` for a size that is not linear in them (None otherwise).
     `group` is the GroupCoordinator; its guard meta is bound at the first call (`bind`).
+
+    `bypass` is (a coordinator's `__dict__`, method name, that method unwrapped and bound to
+    it) for each guard-wrapped method that the graph's collectives reach through Python (vLLM's
+    custom ops call `_all_reduce_out_place` and its kin). For the length of a counted call
+    these shadow the class's wrappers, which would only step aside: one Python frame fewer per
+    collective. The coordinator's other callers are the engine thread's, which is inside the
+    call.
     """
 
     __slots__ = (
@@ -144,6 +151,7 @@ class CompiledGraph:
         "first",
         "last_sizes",
         "longest_ns",
+        "bypass",
     )
 
     def __init__(self, label: str, entries: list[tuple], locations: list[tuple[int, int]]) -> None:
@@ -159,6 +167,7 @@ class CompiledGraph:
         # the longest call in a wave so far: compute runs inside the call too, so the
         # watchdog gives a call this much on top of its deadline
         self.longest_ns = 0
+        self.bypass: tuple[tuple[dict, str, Callable[..., Any]], ...] = ()
 
     def bind(self, meta_of: Callable[[Any], GroupMeta]) -> list[list]:
         """Resolve each entry's group meta and fold the entries into per-key rows."""
@@ -600,11 +609,16 @@ class CollectiveTracker:
         record = self.record
         if record is not None:
             record.enter(first_op, label, first_seq, start)
+        bypass = graph.bypass
+        for namespace, name, method in bypass:
+            namespace[name] = method
         self._depth = 1
         try:
             return fn(*args, **kwargs)
         finally:
             self._depth = 0
+            for namespace, name, _ in bypass:
+                namespace.pop(name, None)
             self.current = None
             self.in_replay = previous
             if record is not None:

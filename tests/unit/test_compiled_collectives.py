@@ -20,6 +20,7 @@ backend's result, and `compiled_graph_wrapper` on vLLM's real `VllmSerializableF
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import pytest
@@ -61,14 +62,20 @@ class Communicator:
         return input_
 
 
+_callers: list[str] = []  # who called `_all_reduce_out_place`, when a test asks
+
+
 class Coordinator:
     def __init__(self, name: str) -> None:
         self.unique_name = name
         self.world_size = 2
         self.rank_in_group = 0
         self.device_communicator = Communicator()
+        self.note_caller = False
 
     def _all_reduce_out_place(self, input_):
+        if self.note_caller:  # not under torch.compile: only the custom-op shape sets it
+            _callers.append(sys._getframe(1).f_code.co_name)
         return self.device_communicator.all_reduce(input_.clone())
 
 
@@ -206,6 +213,28 @@ def test_inside_the_call_the_heartbeat_and_watchdog_name_the_graph(setup, monkey
     assert kwargs["evidence"]["graph"] == in_replay.graph.label
     assert kwargs["evidence"]["seq"] == 1 and "all_reduce tp x3" in summary
     assert tracker.current is None and tracker.in_replay is None  # cleared after the call
+
+
+def test_inside_the_call_the_custom_op_reaches_the_method_with_no_guard_frame(setup):
+    """vLLM's custom op calls `_all_reduce_out_place` from Python. Inside a counted call the
+    unwrapped method shadows the class's wrapper on that coordinator, so no guard frame runs
+    per collective; after the call the wrapper is back, and an eager call is counted again."""
+    group, tracker, _ = setup
+    compiled = compile_counted(lambda x: custom_op(group, x))
+    compiled(torch.ones(5, 8))  # compiled and scanned
+    group.note_caller = True
+    _callers.clear()
+    compiled(torch.ones(5, 8))
+    assert _callers == ["all_reduce"] * 3  # vLLM's own implementation, then the method
+    assert "_all_reduce_out_place" not in vars(group)  # the shadow is gone after the call
+    group._all_reduce_out_place(torch.ones(5, 8))
+    assert _callers[-1] == "run"  # the wrapper, through the tracker: counted
+    tracker.roll(0)
+    (wave,) = tracker.finished
+    stat = wave.stats[("all_reduce", "tp")]
+    assert (stat[0], stat[GRAPH_COUNTED]) == (3 + 3 + 1, 6)  # two compiled calls, one eager
+    assert (stat[4], stat[5]) == (1, 7)  # one numbering across them
+    assert tracker.errors == 0
 
 
 def test_a_device_graph_captured_around_the_call_holds_its_collectives(setup):
