@@ -61,11 +61,17 @@ class SpecAcceptanceConfig:
     action: str = dataclasses.field(default="report", metadata=_choices(*ACTIONS))
     min_rate: float = dataclasses.field(default=0.05, metadata=_range(0.0, 1.0))
     max_rate: float = dataclasses.field(default=1.0, metadata=_range(0.0, 1.0))
-    # waves in the engine-wide window, and drafts in each request's window
+    # waves in the engine-wide window
     window_waves: int = dataclasses.field(default=64, metadata=_range(1, 100_000))
+    # waves with drafts in each request's window
     request_window: int = dataclasses.field(default=64, metadata=_range(1, 100_000))
     # a window judged on fewer drafts than this is not judged
     min_drafts: int = dataclasses.field(default=32, metadata=_range(1, 100_000))
+    # a window this far above the engine's baseline acceptance is an incident too (0: off):
+    # repetitive, degenerate output makes drafts easy to accept
+    jump_above: float = dataclasses.field(default=0.4, metadata=_range(0.0, 1.0))
+    # the baseline: an average of the per-wave rate over about this many waves
+    baseline_waves: int = dataclasses.field(default=512, metadata=_range(2, 1_000_000))
 
     def check(self, path: str) -> None:
         if self.min_rate > self.max_rate:

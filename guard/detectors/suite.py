@@ -159,17 +159,30 @@ class DetectorSuite:
             config = getattr(runner, "speculative_config", None)
             self.spec_method = str(getattr(config, "method", "") or "unknown")
         method = self.spec_method
-        if not self.report_tokens:
-            return
+        if self.report_tokens:
+            self._judge_spec(wave, runner, method, list(per_request))
+        spec.update_baseline(drafted, accepted)  # after the wave was judged against it
+
+    def _judge_spec(self, wave: int, runner: Any, method: str, request_ids: list[str]) -> None:
+        spec = self.spec
         band = f"[{spec.config.min_rate:g}, {spec.config.max_rate:g}]"
-        for key, window in spec.newly_out_of_band(list(per_request)):
+        for key, window, kind, baseline in spec.newly_out_of_band(request_ids):
             scope = f"request {key}" if key else "wave window"
+            rate = window.rate
+            if kind == "band":
+                summary = f"{method} acceptance {rate:.2f} in the {scope} is outside {band}"
+            else:
+                summary = (
+                    f"{method} acceptance {rate:.2f} in the {scope} jumped "
+                    f"{rate - baseline:+.2f} above the baseline {baseline:.2f} "
+                    "(repetitive output raises acceptance)"
+                )
             self._hit(
-                "spec_acceptance", "warning", wave, key,
-                f"{method} acceptance {window.rate:.2f} in the {scope} is outside {band}",
-                {"method": method, "rate": round(window.rate, 4), "drafted": window.drafted,
-                 "accepted": window.accepted, "band": [spec.config.min_rate, spec.config.max_rate],
-                 "scope": "request" if key else "wave"},
+                "spec_acceptance", "warning", wave, key, summary,
+                {"method": method, "kind": kind, "rate": round(rate, 4),
+                 "drafted": window.drafted, "accepted": window.accepted,
+                 "band": [spec.config.min_rate, spec.config.max_rate],
+                 "baseline": round(baseline, 4), "scope": "request" if key else "wave"},
                 self.config.spec_acceptance.action, runner,
             )  # fmt: skip
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import re
 import types
 from pathlib import Path
 
@@ -119,11 +121,59 @@ def test_acceptance_uses_vllms_rule_and_judges_windows_once_per_episode():
     assert out == (6, 2, {"a": (3, 2), "b": (3, 0)})
     assert (tracker.drafted_total, tracker.accepted_total) == (6, 2)
     low = tracker.newly_out_of_band(["a", "b"])
-    assert [key for key, _ in low] == [""]  # the wave window (2/6); a and b have < 6 drafts
+    assert [j.key for j in low] == [""]  # the wave window (2/6); a and b have < 6 drafts
     assert tracker.newly_out_of_band(["a", "b"]) == []  # same episode: not again
     for _ in range(4):
         tracker.observe({"a": [1, 2, 3]}, ["a"], [[1, 2, 3, 4]])
     assert tracker.waves.rate == 1.0 and tracker.newly_out_of_band(["a"]) == []
+
+
+def _waves(tracker, n, accepted_of_4, req="a"):
+    """n waves of one request with 4 drafts each, `accepted_of_4` of them accepted; each wave
+    judged, then folded into the baseline (the suite's order)."""
+    found = []
+    for _ in range(n):
+        d, a, _ = tracker.observe({req: [1, 2, 3, 4]}, [req], [[0] * (accepted_of_4 + 1)])
+        found += tracker.newly_out_of_band([req])
+        tracker.update_baseline(d, a)
+    return found
+
+
+def test_acceptance_far_above_the_engines_baseline_is_a_jump_once_per_episode():
+    """Degenerate, repetitive output makes drafts easy to accept: a window rising far above
+    the baseline is reported once, in band or not, and again only after it came back."""
+    config = SpecAcceptanceConfig(window_waves=8, request_window=8, min_drafts=16)
+    tracker = AcceptanceTracker(config)  # jump_above 0.4 and baseline_waves 512 by default
+    assert _waves(tracker, 40, 1) == []  # a steady 0.25
+    assert tracker.baseline == pytest.approx(0.25) and tracker.baseline_ready
+    found = _waves(tracker, 12, 4)  # all 4 accepted: 1.0, inside the default band [0.05, 1]
+    assert [(j.key, j.kind) for j in found] == [("", "jump"), ("a", "jump")]
+    wave_jump = found[0]
+    assert wave_jump.window.rate - wave_jump.baseline >= 0.4
+    assert wave_jump.baseline == pytest.approx(0.25, abs=0.02)  # slow: 12 of ~512 waves
+    assert _waves(tracker, 12, 4) == []  # the same episode: not again
+    assert _waves(tracker, 40, 1) == []  # back down: the episode ends
+    assert [(j.key, j.kind) for j in _waves(tracker, 12, 4)] == [("", "jump"), ("a", "jump")]
+
+
+def test_no_jump_before_the_baseline_has_seen_a_window_or_when_off():
+    config = SpecAcceptanceConfig(window_waves=8, request_window=8, min_drafts=8)
+    early = AcceptanceTracker(config)
+    _waves(early, 4, 1)
+    # waves 5-7 jump to 1.0, but the baseline has seen fewer than window_waves waves
+    assert _waves(early, 3, 4) == [] and not early.baseline_ready
+    off = AcceptanceTracker(dataclasses.replace(config, jump_above=0.0))
+    _waves(off, 40, 1)
+    assert not off.baseline_ready and _waves(off, 12, 4) == []
+
+
+def test_a_window_outside_the_band_is_a_band_hit_not_a_jump():
+    # baseline 0.25, so a jump needs 0.65; above max_rate 0.6 that is outside the band already
+    config = SpecAcceptanceConfig(window_waves=8, request_window=8, min_drafts=8, max_rate=0.6)
+    tracker = AcceptanceTracker(config)
+    _waves(tracker, 40, 1)
+    found = _waves(tracker, 12, 4)
+    assert [(j.key, j.kind) for j in found] == [("", "band"), ("a", "band")]
 
 
 # -- the suite with a real reporter ---------------------------------------------------------
@@ -178,6 +228,28 @@ def test_dump_is_skipped_with_a_reason_when_the_disk_is_short(tmp_path):
         "t", 1, "q", meta={}, logits_row=torch.zeros(100_000)
     )
     assert action.startswith("dump_skipped:bundle of") and "max_bytes 4096" in action
+
+
+def test_an_acceptance_jump_through_the_suite_names_the_baseline(tmp_path):
+    spec = SpecAcceptanceConfig(window_waves=8, request_window=8, min_drafts=8)
+    suite, sent, _ = make_suite(tmp_path, spec_acceptance=spec)
+    runner = Runner(["a"])
+    for wave in range(1, 61):
+        accepted = 1 if wave <= 40 else 4  # 0.25 for 40 waves, then every draft accepted
+        scheduled = types.SimpleNamespace(
+            finished_req_ids=None, scheduled_spec_decode_tokens={"a": [1, 2, 3, 4]}
+        )
+        suite.on_schedule(wave, scheduled)
+        output = types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[5] * (accepted + 1)])
+        suite.on_output(wave, runner, output)
+    hits = [i for i in sent if i.type == "spec_acceptance"]
+    assert [(i.request_id, i.wave) for i in hits] == [("", 45), ("a", 45)]
+    evidence = json.loads(hits[1].evidence_json)
+    assert evidence["kind"] == "jump" and evidence["scope"] == "request"
+    assert evidence["baseline"] == pytest.approx(0.25, abs=0.01)
+    assert evidence["rate"] - evidence["baseline"] >= 0.4
+    wanted = r"acceptance 0\.\d\d in the request a jumped \+0\.4\d above the baseline 0\.2\d"
+    assert re.search(wanted, hits[1].summary), hits[1].summary
 
 
 def test_token_range_and_stats_through_the_suite(tmp_path):
