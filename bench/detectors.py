@@ -8,7 +8,17 @@ interleaved block by block (order rotated per block, GC off); the cost is the me
 blocks of (variant - none) in the same block. Streams are random tokens, so the repeat
 detector does its full work without ever reporting.
 
-    python bench/detectors.py [--reqs 16,256] [--vocab 32000] [--blocks 15] [--waves 64]
+The logits detectors' kernels (`logits.row_max`, one `amax` per row, every wave; and
+`logits.health_stats` every 16 waves: on a device, launches the host does not wait for; here
+on the CPU they run on the host) are timed alone in the same blocks, each less the same call
+on a 1 x 8 tensor (the calls' own Python and dispatch stay host work). The "host only"
+figures are the variants' added time less those kernels, as the issue's host goal counts it. Waves per block shrink as [requests, vocab] grows, so the largest shapes
+stay a few seconds a block. The last line reads
+`detectors: host us per wave 16 req X; 256 req Y; reduction 256x32000 Z us` (all default
+detectors, at vocab 32000 or the first one given).
+
+    python bench/detectors.py [--reqs 16,64,256,1024] [--vocab 32000,152064] [--blocks 15]
+                              [--waves 64]
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import sys
 import time
 import types
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -27,6 +38,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from guard.config import IncidentsConfig  # noqa: E402
+from guard.detectors import logits as logit_checks  # noqa: E402
 from guard.detectors.config import (  # noqa: E402
     DetectorsConfig,
     LogitsFiniteConfig,
@@ -67,7 +79,9 @@ def make_suite(enabled: set[str]) -> DetectorSuite:
 class Feed:
     """Pre-built inputs for `waves` waves of `reqs` requests."""
 
-    def __init__(self, reqs: int, vocab: int, waves: int, spec: bool) -> None:
+    def __init__(
+        self, reqs: int, vocab: int, waves: int, spec: bool, logits: list[torch.Tensor]
+    ) -> None:
         from vllm.v1.outputs import ModelRunnerOutput
 
         gen = torch.Generator().manual_seed(0)
@@ -77,7 +91,7 @@ class Feed:
             model_config=types.SimpleNamespace(get_vocab_size=lambda: vocab),
             speculative_config=types.SimpleNamespace(method="ngram"),
         )
-        self.logits = [torch.randn(reqs, vocab, generator=gen) for _ in range(4)]
+        self.logits = logits
         self.outputs = []
         self.schedules = []
         for _ in range(waves):
@@ -109,58 +123,156 @@ def run_waves(suite: DetectorSuite | None, feed: Feed, first_wave: int) -> int:
     return time.perf_counter_ns() - start
 
 
+_TINY = torch.randn(1, 8)
+STATS_EVERY = LogitsStatsConfig().every_n_waves
+
+
+def run_reduction(feed: Feed, first_wave: int) -> tuple[int, int]:
+    """The logits detectors' kernels alone over the same waves, in nanoseconds: the row max of
+    every wave (logits_finite) and the health stats of every `STATS_EVERY`-th (logits_stats),
+    each less the same call on a 1 x 8 tensor, so that the calls' own Python and dispatch
+    (host work on a device too) stay in the host figures."""
+    row_max, health_stats = logit_checks.row_max, logit_checks.health_stats
+    waves = range(first_wave, first_wave + len(feed.outputs))
+    stats_waves = [n for n, wave in enumerate(waves) if wave % STATS_EVERY == 0]
+
+    def timed(call: Any, tensors: Any) -> int:
+        start = time.perf_counter_ns()
+        for tensor in tensors:
+            call(tensor)
+        return time.perf_counter_ns() - start
+
+    rows = timed(row_max, (feed.logits[n % 4] for n in range(len(waves))))
+    rows -= timed(row_max, (_TINY for _ in waves))
+    stats = timed(health_stats, (feed.logits[n % 4] for n in stats_waves))
+    stats -= timed(health_stats, (_TINY for _ in stats_waves))
+    return max(0, rows), max(0, stats)
+
+
+WITH_REDUCTION = ("logits_finite", "logits_stats", "all", "all+spec")
+ELEMENTS_PER_BLOCK = 64 * 256 * 32000  # the largest block of the first version of this bench
+
+
+def waves_for(reqs: int, vocab: int, waves: int) -> int:
+    return max(8, min(waves, ELEMENTS_PER_BLOCK // (reqs * vocab)))
+
+
 def measure(reqs: int, vocab: int, blocks: int, waves: int) -> dict[str, float]:
-    variants = ["none", *NAMES, "all", "all+spec"]
-    feeds = {False: Feed(reqs, vocab, waves, spec=False), True: Feed(reqs, vocab, waves, spec=True)}
+    """Per variant, the added µs per wave (median over blocks); "reduction" is the kernel
+    alone and "<variant> host" the variant's added time less it."""
+    variants = ["none", *NAMES, "all", "all+spec", "reduction"]
+    gen = torch.Generator().manual_seed(0)
+    logits = [torch.randn(reqs, vocab, generator=gen) for _ in range(4)]
+    feeds = {
+        False: Feed(reqs, vocab, waves, spec=False, logits=logits),
+        True: Feed(reqs, vocab, waves, spec=True, logits=logits),
+    }
     suites = {
         v: make_suite(set() if v == "none" else set(NAMES) if v.startswith("all") else {v})
         for v in variants
+        if v != "reduction"
     }
     added: dict[str, list[float]] = {v: [] for v in variants}
+    host: dict[str, list[float]] = {v: [] for v in WITH_REDUCTION}
+    row_kernel: list[float] = []
     gc.disable()
     try:
         for block in range(blocks + 1):
             order = variants[block % len(variants) :] + variants[: block % len(variants)]
             took = {}
             for v in order:
+                if v == "reduction":
+                    rows, stats = run_reduction(feeds[False], 1 + block * waves)
+                    took["logits_finite kernel"], took["logits_stats kernel"] = rows, stats
+                    took[v] = rows + stats
+                    continue
                 spec = v in ("spec_acceptance", "all+spec")
                 took[v] = run_waves(suites[v], feeds[spec], 1 + block * waves)
             if block == 0:
                 continue  # warm-up
             for v in variants:
-                added[v].append((took[v] - took["none"]) / waves / 1e3)
+                base = 0 if v == "reduction" else took["none"]
+                added[v].append((took[v] - base) / waves / 1e3)
+            row_kernel.append(took["logits_finite kernel"] / waves / 1e3)
+            for v in WITH_REDUCTION:
+                kernels = took["reduction"] if v.startswith("all") else took[f"{v} kernel"]
+                host[v].append((took[v] - took["none"] - kernels) / waves / 1e3)
     finally:
         gc.enable()
-    return {v: statistics.median(values) for v, values in added.items()}
+    result = {v: statistics.median(values) for v, values in added.items()}
+    result.update({f"{v} host": statistics.median(values) for v, values in host.items()})
+    result["row max kernel"] = statistics.median(row_kernel)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--reqs", default="16,256", help="requests per wave, comma-separated")
-    parser.add_argument("--vocab", type=int, default=32000, help="logits width")
+    parser.add_argument(
+        "--reqs", default="16,64,256,1024", help="requests per wave, comma-separated"
+    )
+    parser.add_argument("--vocab", default="32000,152064", help="logits widths, comma-separated")
     parser.add_argument("--blocks", type=int, default=15)
-    parser.add_argument("--waves", type=int, default=64, help="waves per block")
+    parser.add_argument(
+        "--waves", type=int, default=64, help="waves per block at most (fewer for large shapes)"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (a pinned worker: 1)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     counts = [int(x) for x in args.reqs.split(",")]
-    results = {n: measure(n, args.vocab, args.blocks, args.waves) for n in counts}
-    rows = [(v, *(f"{results[n][v]:.1f}" for n in counts)) for v in (*NAMES, "all", "all+spec")]
-    print(
-        f"added host time per wave (us), CPU, vocab {args.vocab}, torch threads {args.threads}, "
-        f"median of {args.blocks} blocks x {args.waves} waves, vs the same waves with none enabled"
-    )
-    print(
-        render_table(
-            ("detector", *(f"{n} reqs" for n in counts)),
-            rows,
-            right=tuple(range(1, len(counts) + 1)),
+    vocabs = [int(x) for x in args.vocab.split(",")]
+    results = {}
+    for vocab in vocabs:
+        for n in counts:
+            waves = waves_for(n, vocab, args.waves)
+            print(
+                f"  measuring {n} requests x vocab {vocab} ({waves} waves a block) ...", flush=True
+            )
+            results[(n, vocab)] = measure(n, vocab, args.blocks, waves)
+    variants = (*NAMES, "all", "all+spec")
+    for vocab in vocabs:
+        rows = [(v, *(f"{results[(n, vocab)][v]:.1f}" for n in counts)) for v in variants]
+        rows += [
+            (f"{v}: host only", *(f"{results[(n, vocab)][v + ' host']:.1f}" for n in counts))
+            for v in WITH_REDUCTION
+        ]
+        kernels = (
+            ("row max kernel (logits_finite)", "row max kernel"),
+            ("logits kernels, with health stats", "reduction"),
         )
-    )
+        for label, key in kernels:
+            rows.append((label, *(f"{results[(n, vocab)][key]:.1f}" for n in counts)))
+        print(
+            f"\nadded time per wave (us), CPU, vocab {vocab}, torch threads {args.threads}, median "
+            f"of {args.blocks} blocks, vs the same waves with none enabled"
+        )
+        print(
+            render_table(
+                ("detector", *(f"{n} reqs" for n in counts)),
+                rows,
+                right=tuple(range(1, len(counts) + 1)),
+            )
+        )
     print(
-        "logits_stats runs every 16 waves by default; its figure is that cost spread over 16 waves"
+        "\nlogits_stats runs every 16 waves by default; its figure is that cost spread over 16 "
+        "waves. 'host only' is the variant less its logits kernels (the row max per wave, the "
+        "health stats every 16), which on a device are launches the host does not wait for; "
+        "where the kernels dwarf the host work, its noise can make that negative."
+    )
+    vocab = 32000 if 32000 in vocabs else vocabs[0]
+
+    def host_at(n: int) -> str:
+        found = results.get((n, vocab))
+        return f"{found['all host']:.1f}" if found else "n/a"
+
+    reduction = results.get((256, vocab))
+    print(
+        f"detectors: host us per wave 16 req {host_at(16)}; 256 req {host_at(256)}; reduction "
+        f"256x{vocab} {reduction['row max kernel']:.1f} us"
+        if reduction
+        else f"detectors: host us per wave 16 req {host_at(16)}; 256 req {host_at(256)}; "
+        f"reduction 256x{vocab} n/a"
     )
     return 0
 
