@@ -79,13 +79,19 @@ CUSTOM_OP_METHODS = {
 }
 
 
-def bypass_of(reached: list[tuple[Any, str]]) -> tuple[tuple[dict, str, Callable[..., Any]], ...]:
-    """`CompiledGraph.bypass` for the (coordinator, method) pairs a graph's custom ops reach:
-    each guard-wrapped method's original, bound to its coordinator, with where it shadows the
-    wrapper (the instance `__dict__`, which an attribute lookup reads before the class's
-    function). A method the guard has not wrapped needs none."""
+def bypass_of(
+    collectives_found: list[tuple[Any, str, str]],
+) -> tuple[tuple[dict, str, Callable[..., Any]], ...]:
+    """`CompiledGraph.bypass` for a graph's collectives, each (coordinator, op, how its group
+    is named): for those that are vLLM's custom ops (named by "name"), the guard-wrapped
+    method each one's implementation calls, unwrapped and bound to its coordinator, with
+    where it shadows the wrapper (the instance `__dict__`, which an attribute lookup reads
+    before the class's function). A method the guard has not wrapped needs none."""
     found: dict[tuple[int, str], tuple[dict, str, Callable[..., Any]]] = {}
-    for group, name in reached:
+    for group, op, naming in collectives_found:
+        name = CUSTOM_OP_METHODS.get(op) if naming == "name" else None
+        if name is None:
+            continue
         original = getattr(getattr(type(group), name, None), collectives.WRAPPED_ATTR, None)
         namespace = getattr(group, "__dict__", None)
         if original is None or not isinstance(namespace, dict) or name in namespace:
@@ -210,7 +216,7 @@ def scan(
     locations = _symbol_locations(gm)
     symbols = {sym: k for k, sym in enumerate(locations)}
     entries = []
-    reached = []  # (coordinator, method) that the graph's custom ops call from Python
+    reached = []  # (coordinator, op, naming) of each collective, for `bypass_of`
     for node in gm.graph.nodes:
         if node.op != "call_function":
             continue
@@ -228,8 +234,7 @@ def scan(
         constant, terms, exact = _bytes(tensor, symbols)
         dtype = str(tensor.dtype).removeprefix("torch.")
         entries.append((op, group, dtype, constant, terms, exact))
-        if naming == "name" and op in CUSTOM_OP_METHODS:
-            reached.append((group, CUSTOM_OP_METHODS[op]))
+        reached.append((group, op, naming))
         if portable is not None:  # what a saved artifact keeps: groups by how they are named
             portable.append((op, naming, naming_value, dtype, constant, terms, exact is not None))
     where = [(i + offset, dim) for i, dim in locations.values()]
@@ -454,8 +459,7 @@ def _rebuild(portable: list, owner: Any) -> collectives.CompiledGraph:
             log.warning("compiled_graph_unreadable", error=f"no live group for {value!r}")
             return _NONE
         entries.append((op, group, dtype, constant, tuple(terms), None))
-        if naming == "name" and op in CUSTOM_OP_METHODS:
-            reached.append((group, CUSTOM_OP_METHODS[op]))
+        reached.append((group, op, naming))
     graph = collectives.CompiledGraph(f"compiled model #{next(_labels)}", entries, [])
     graph.bypass = bypass_of(reached)
     return graph
