@@ -58,11 +58,28 @@ CALLS_PER_WAVE = 6  # tiny model at TP=2: 5 all-reduces + 1 all-gather per step
 COMPILED_CALLS = 6  # collectives per compiled call (a wave's worth)
 
 
+def _timed_round(tracker, wave: dict, on: bool, calls: int, per_wave: int, fn, *args) -> float:
+    """One round of `calls` calls of `fn(*args)`, a new wave every `per_wave` of them, with the
+    tracker installed when `on` (guard on) and none otherwise: ns per call."""
+    from guard.collectives import install_tracker
+
+    install_tracker(tracker if on else None)
+    start = time.perf_counter_ns()
+    for i in range(calls):
+        if i % per_wave == 0:
+            wave["n"] += 1
+        fn(*args)
+    elapsed = time.perf_counter_ns() - start
+    install_tracker(None)
+    tracker.finished.clear()
+    return elapsed / calls
+
+
 def _micro(calls: int, rounds: int, entry: str) -> dict[str, dict[str, list[float]]]:
     import torch
     import torch.distributed as dist
 
-    from guard.collectives import CollectivesConfig, CollectiveTracker, install_tracker
+    from guard.collectives import CollectivesConfig, CollectiveTracker
     from guard.collectives import wrap_collective as wrap
 
     store = tempfile.NamedTemporaryFile(prefix="ag-bench-", delete=False)  # noqa: SIM115
@@ -95,22 +112,20 @@ def _micro(calls: int, rounds: int, entry: str) -> dict[str, dict[str, list[floa
             "guard on": wrap("all_reduce", fn, is_compiling=compiling),
         }
 
-    def run(method, on: bool) -> float:
-        install_tracker(tracker if on else None)
-        start = time.perf_counter_ns()
-        for i in range(calls):
-            if i % CALLS_PER_WAVE == 0:
-                wave["n"] += 1
-            method(bare, tensor)
-        elapsed = time.perf_counter_ns() - start
-        install_tracker(None)
-        tracker.finished.clear()
-        return elapsed / calls
-
     runners: dict[str, dict[str, Callable[[], float]]] = {}
     for name, by_mode in variants.items():
         runners[name] = {
-            mode: functools.partial(run, method, mode == "guard on")
+            mode: functools.partial(
+                _timed_round,
+                tracker,
+                wave,
+                mode == "guard on",
+                calls,
+                CALLS_PER_WAVE,
+                method,
+                bare,
+                tensor,
+            )
             for mode, method in by_mode.items()
         }
     cleanups: list[Callable[[], None]] = []
@@ -194,19 +209,10 @@ def _compiled_fns(step, example, reset: bool = True, entry: str = "bytecode") ->
 
 
 def _compiled_runners(fns: dict, n: int, tracker, wave, tensor) -> dict[str, Callable[[], float]]:
-    """Per mode, a round of `n` compiled calls: ns per collective."""
-    from guard.collectives import install_tracker
+    """Per mode, a round of `n` compiled calls, a wave each: ns per collective."""
 
     def run(fn, on: bool) -> float:
-        install_tracker(tracker if on else None)
-        start = time.perf_counter_ns()
-        for _ in range(n):
-            wave["n"] += 1
-            fn(tensor)
-        elapsed = time.perf_counter_ns() - start
-        install_tracker(None)
-        tracker.finished.clear()
-        return elapsed / (n * COMPILED_CALLS)
+        return _timed_round(tracker, wave, on, n, 1, fn, tensor) / COMPILED_CALLS
 
     return {mode: functools.partial(run, fn, mode == "guard on") for mode, fn in fns.items()}
 
@@ -292,7 +298,6 @@ def _compiled_custom_op(
     from vllm.distributed import parallel_state
 
     from ascend_runtime.collective_binding import collective_wrapper
-    from guard.collectives import install_tracker
 
     def out_place(self, input_):
         return torch.empty_like(input_)  # a new tensor, as a device communicator returns
@@ -323,27 +328,18 @@ def _compiled_custom_op(
         cleanups.append(functools.partial(parallel_state._groups.pop, f"tp:op-{name}"))
     cleanups.append(coordinators.clear)
 
-    def eager(group_name: str, on: bool) -> float:
+    def eager(group_name: str, on: bool) -> Callable[[], float]:
         """The eager CUDA / Ascend path: `GroupCoordinator.all_reduce` calls the custom op,
         whose implementation reaches the wrapped method (the guard's per-call count)."""
-        install_tracker(tracker if on else None)
-        op = torch.ops.vllm.all_reduce
+        op = functools.partial(torch.ops.vllm.all_reduce, group_name=group_name)
         calls = n * COMPILED_CALLS
-        start = time.perf_counter_ns()
-        for i in range(calls):
-            if i % CALLS_PER_WAVE == 0:
-                wave["n"] += 1
-            op(tensor, group_name=group_name)
-        elapsed = time.perf_counter_ns() - start
-        install_tracker(None)
-        tracker.finished.clear()
-        return elapsed / calls
+        return functools.partial(_timed_round, tracker, wave, on, calls, CALLS_PER_WAVE, op, tensor)
 
     return {
         "eager vllm custom op": {
-            "bare": functools.partial(eager, "tp:op-bare", False),
-            "guard off": functools.partial(eager, "tp:op-guarded", False),
-            "guard on": functools.partial(eager, "tp:op-guarded", True),
+            "bare": eager("tp:op-bare", False),
+            "guard off": eager("tp:op-guarded", False),
+            "guard on": eager("tp:op-guarded", True),
         },
         "compiled vllm custom op": _compiled_runners(fns, n, tracker, wave, tensor),
     }
