@@ -18,8 +18,9 @@ from typing import Any
 from guard.detectors import logits as logit_checks
 from guard.detectors.config import DetectorsConfig
 from guard.detectors.evidence import EvidenceDumper, request_kv_blocks
+from guard.detectors.slots import WaveTokens
 from guard.detectors.spec import AcceptanceTracker
-from guard.detectors.tokens import RepeatDetector, out_of_range
+from guard.detectors.tokens import RepeatDetector, out_of_range, rows_out_of_range
 from guard.incidents import IncidentReporter
 
 
@@ -113,19 +114,17 @@ class DetectorSuite:
         sampled = getattr(output, "sampled_token_ids", None)
         if not req_ids or not sampled or not isinstance(sampled, list):
             return
+        if len(sampled) != len(req_ids):
+            count = min(len(sampled), len(req_ids))
+            req_ids, sampled = req_ids[:count], sampled[:count]
         if self.vocab_size is None:
             self.vocab_size = _vocab_size(runner, None)
-        vocab = self.vocab_size if self.config.token_range.enabled else None
-        add = self.repeat.add if self.repeat is not None else None
-        for req_id, tokens in zip(req_ids, sampled, strict=False):  # one pass, hot path
-            if not tokens:
-                continue
-            if vocab and (min(tokens) < 0 or max(tokens) >= vocab):
-                self._out_of_range(wave, runner, req_id, tokens, vocab)
-            if add is not None:
-                findings = add(req_id, tokens)
-                if findings and self.report_tokens:
-                    self._repeats(wave, runner, req_id, findings)
+        tokens = WaveTokens(sampled)  # read once, as arrays: no Python pass per request
+        if self.config.token_range.enabled and self.vocab_size:
+            for row in rows_out_of_range(tokens, self.vocab_size):  # rows with a bad id: rare
+                self._out_of_range(wave, runner, req_ids[row], sampled[row], self.vocab_size)
+        if self.repeat is not None:
+            self._report_repeats(runner, self.repeat.add_wave(wave, req_ids, tokens))
         if self.spec is not None and self._drafts and self._drafts_wave == wave:
             self._observe_spec(wave, runner, req_ids, sampled)
 
@@ -137,8 +136,11 @@ class DetectorSuite:
             {"ids": bad[:16], "vocab_size": vocab}, self.config.token_range.action, runner,
         )  # fmt: skip
 
-    def _repeats(self, wave: int, runner: Any, req_id: str, findings) -> None:
-        for kind, size, extent, block in findings:
+    def _report_repeats(self, runner: Any, found) -> None:
+        """A screened batch's findings, each with the wave it belongs to."""
+        if not self.report_tokens:
+            return
+        for wave, req_id, (kind, size, extent, block) in found:
             if kind == "loop":
                 summary = f"loop of period {size} over the last {extent} tokens"
                 evidence = {"kind": kind, "period": size, "span": extent, "block": block[:32]}
@@ -191,7 +193,8 @@ class DetectorSuite:
         pending = self._pending
         while pending and (force or pending[0].ready() or len(pending) > 2):
             check = pending.pop(0)
-            check.wait()
+            if not check.ready():  # waiting on a done event is a sync too (sync debug mode)
+                check.wait()
             self._resolve(check)
 
     def _resolve(self, check: logit_checks.PendingCheck) -> None:
@@ -261,7 +264,7 @@ class DetectorSuite:
     def _dump(self, type_, wave, req_id, evidence, runner, logits_row, row) -> str:
         tokens = None
         if self.repeat is not None and req_id in self.repeat.requests:
-            tokens = list(self.repeat.requests[req_id].tokens)
+            tokens = self.repeat.recent_tokens(req_id)
         if row is None and runner is not None:
             try:
                 row = list(runner.input_batch.req_ids).index(req_id)
@@ -287,6 +290,8 @@ class DetectorSuite:
 
     def close(self) -> None:
         self.resolve_ready(force=True)
+        if self.repeat is not None:
+            self._report_repeats(None, self.repeat.flush())
 
 
 def _vocab_size(runner: Any, logits: Any) -> int | None:

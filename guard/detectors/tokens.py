@@ -1,10 +1,23 @@
 """Detectors on each request's sampled token stream: loops and n-gram repeats, ids out of range.
 
-They run on the token lists the runner already hands back to the scheduler (no device work).
-To keep the per-token cost flat, n-gram counts over the window are kept up to date as tokens
-arrive and leave (a dict update each), and loops are looked for every `CHECK_EVERY` tokens with
-C-speed list slices. A loop or repeat raises one hit when it starts and another only after the
-stream has left it ("episodes"), not one per token.
+They run on the token lists the runner already hands back to the scheduler (no device work),
+with every request's state in numpy rows indexed by a slot (`guard/detectors/slots.py`), so
+the work per wave is a fixed number of array operations whatever the batch size, and Python
+runs per suspect request, not per request:
+
+- Each wave's tokens go into each request's history ring (one gather and one scatter).
+- Every `BATCH_WAVES` waves the batch is screened at once. New n-grams enter a per-request
+  count sketch (each n-gram's count lands in one of `buckets` cells, shared with the n-grams
+  that hash there, so a cell never reads below the n-gram's true count); a request whose
+  cell reaches `ngram_max_count` is a suspect. Requests with `CHECK_EVERY` new tokens are
+  looked at for loops: a vectorised match of the window's tail against itself at each period.
+- A suspect's batch is replayed exactly in Python from its history, token by token, with the
+  same episode rules as always. Random or ordinary text makes no suspects; a repeating
+  stream makes one per batch.
+
+A loop or repeat raises one finding when it starts and another only after the stream has left
+it ("episodes"), not one per token. A finding names the wave its token arrived in, though it
+is reported at the batch's end (at most `BATCH_WAVES - 1` waves later).
 """
 
 from __future__ import annotations
@@ -12,96 +25,306 @@ from __future__ import annotations
 import collections
 from collections.abc import Sequence
 
+import numpy as np
+
 from guard.detectors.config import TokenRepeatConfig
+from guard.detectors.slots import SlotMap, WaveTokens, grown
 
-CHECK_EVERY = 8
-# n-grams are packed GRAM_BITS bits per token into one int (ids above 2**24 alias; harmless)
-GRAM_BITS = 24
-TOKEN_MASK = (1 << GRAM_BITS) - 1
-
+CHECK_EVERY = 8  # new tokens of a request before its stream is looked at for loops again
+BATCH_WAVES = 8  # waves screened together
+BATCH_TOKENS = 256  # most tokens of one request in one batch (a longer `add` is cut up)
+_HASH_MULT = np.uint64(0x9E3779B97F4A7C15)
+_POWER = np.uint64(1_000_003)
+_ONE = np.int32(1)  # np.add.at takes its fast path only with the target's own dtype
+_LOOP_CELLS = 1 << 20  # bound on one vectorised loop test's [requests, periods, tail] cells
 
 # (kind "loop" or "ngram", period or n, span or count, the repeated block)
 RepeatFinding = tuple[str, int, int, list[int]]
-
-
-class RequestTokens:
-    """The recent sampled tokens of one request, its n-gram counts, and its open episodes."""
-
-    __slots__ = (
-        "counts", "grams", "hot", "in_loop", "in_ngram", "key", "since_check", "tokens", "total",
-    )  # fmt: skip
-
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.since_check = 0
-        self.total = 0
-        self.in_loop = False
-        self.in_ngram = False
-        # n-grams in the window, oldest first, and how often each occurs there
-        self.grams: collections.deque[int] = collections.deque()
-        self.counts: dict[int, int] = {}
-        self.key = 0  # the latest n-gram, packed
-        self.hot = 0  # n-grams at or above ngram_max_count right now
+# a finding with the wave it belongs to and its request
+WaveFinding = tuple[int, str, RepeatFinding]
 
 
 class RepeatDetector:
+    """Loop and n-gram episodes of every request, batched over waves."""
+
     def __init__(self, config: TokenRepeatConfig) -> None:
         self.config = config
-        self.requests: dict[str, RequestTokens] = {}
+        self.requests = SlotMap()
+        self.requests.hold_releases = True  # a finished request's batch is screened first
+        self.requests.register(self._grow, self._clear)
+        window, size = config.window, config.ngram_size
+        self._size = size
+        self._grams = window - size + 1  # n-grams counted per request
+        self._batch_tokens = max(window, BATCH_TOKENS)
+        self._ring = window + self._batch_tokens  # the window before a batch, and the batch
+        self._gram_ring = self._grams + self._batch_tokens
+        bits = max(10, (8 * self._grams - 1).bit_length())
+        self._buckets = 1 << bits
+        self._bucket_shift = np.uint64(64 - bits)
+        periods = np.arange(1, config.max_period + 1)
+        self._need = np.maximum(config.min_repeats * periods, config.min_span)
+        self._tail = min(int(self._need.max()), window)  # a loop is looked for in the window
+        lag_span = max(1, int((self._need - periods).max()))
+        offsets = np.arange(lag_span)
+        self._lag_index = np.minimum(offsets + periods[:, None], self._tail - 1)
+        self._lag_mask = offsets < (self._need - periods)[:, None]
+        self._tail_offsets = np.arange(self._tail)
+        self._near_offsets = np.arange(config.max_period + 1)
+        rows = self.requests.capacity
+        self.hist = np.zeros((rows, self._ring), dtype=np.int64)
+        self.total = np.zeros(rows, dtype=np.int64)  # tokens seen
+        self.flushed = np.zeros(rows, dtype=np.int64)  # tokens seen at the last screen
+        self.since_check = np.zeros(rows, dtype=np.int64)
+        self.in_loop = np.zeros(rows, dtype=bool)
+        self.in_ngram = np.zeros(rows, dtype=bool)
+        self.sketch = np.zeros((rows, self._buckets), dtype=np.int32)
+        self.gram_bucket = np.zeros((rows, self._gram_ring), dtype=np.int32)
+        # queued waves: (wave, slots of its rows, each row's token total after the wave)
+        self._pending: list[tuple[int, np.ndarray, np.ndarray]] = []
+        self._pending_tokens = 0  # the most tokens any one request may have queued
+
+    # -- slot lifecycle -------------------------------------------------------------------
+    def _grow(self, rows: int) -> None:
+        self.hist = grown(self.hist, rows)
+        self.total = grown(self.total, rows)
+        self.flushed = grown(self.flushed, rows)
+        self.since_check = grown(self.since_check, rows)
+        self.in_loop = grown(self.in_loop, rows, False)
+        self.in_ngram = grown(self.in_ngram, rows, False)
+        self.sketch = grown(self.sketch, rows)
+        self.gram_bucket = grown(self.gram_bucket, rows)
+
+    def _clear(self, slots: np.ndarray) -> None:
+        self.total[slots] = 0
+        self.flushed[slots] = 0
+        self.since_check[slots] = 0
+        self.in_loop[slots] = False
+        self.in_ngram[slots] = False
+        self.sketch[slots] = 0
 
     def forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
+        """A finished request; its queued tokens are still screened."""
+        self.requests.release([request_id])
+        if not self._pending:
+            self.requests.apply_releases()
 
+    def recent_tokens(self, request_id: str) -> list[int]:
+        """The request's recent sampled tokens, oldest first, as many as its ring holds (the
+        window and a batch; for evidence dumps)."""
+        slot = self.requests.lookup(request_id)
+        if slot is None:
+            return []
+        end = int(self.total[slot])
+        return self._history(slot, max(0, end - self._ring), end)
+
+    def _history(self, slot: int, start: int, end: int) -> list[int]:
+        """Tokens at stream positions [start, end) of a slot (all within the ring)."""
+        return self.hist[slot, np.arange(start, end) % self._ring].tolist()
+
+    # -- the per-wave update --------------------------------------------------------------
     def add(self, request_id: str, new_tokens: Sequence[int]) -> list[RepeatFinding]:
-        """Append one wave's tokens of a request; return the repeat episodes that start now."""
-        state = self.requests.get(request_id)
-        if state is None:
-            state = self.requests[request_id] = RequestTokens()
-        config = self.config
-        tokens = state.tokens
-        size, limit, window = config.ngram_size, config.ngram_max_count, config.window
-        counts, grams = state.counts, state.grams
-        shift, mask = GRAM_BITS, (1 << (GRAM_BITS * size)) - 1
-        key = state.key
-        ngram_started = None
-        for token in new_tokens:  # usually one token per wave
-            tokens.append(token)
-            # the last `size` tokens packed into one int: two integer ops instead of a tuple
-            key = ((key << shift) | (token & TOKEN_MASK)) & mask
-            if len(tokens) < size:
-                continue
-            count = counts.get(key, 0) + 1
-            counts[key] = count
-            grams.append(key)
-            if count == limit:
-                state.hot += 1
-                if state.hot == 1 and not state.in_ngram:
-                    ngram_started = (size, count, tokens[-size:])
-            if len(grams) > window - size + 1:
-                old = grams.popleft()
-                left = counts[old] - 1
-                if left == limit - 1:
-                    state.hot -= 1
-                if left:
-                    counts[old] = left
-                else:
-                    del counts[old]
-        state.key = key
-        if len(tokens) > window * 2:  # trim rarely: amortised O(1) per token
-            del tokens[: len(tokens) - window]
-        state.total += len(new_tokens)
-        state.since_check += len(new_tokens)
-        findings: list[RepeatFinding] = []
-        if state.since_check >= CHECK_EVERY:
-            state.since_check = 0
-            loop = find_loop(tokens, config.max_period, config.min_repeats, config.min_span)
-            if loop is not None and not state.in_loop:
-                findings.append(("loop", *loop))
-            state.in_loop = loop is not None
-        if ngram_started is not None and not state.in_loop:
-            findings.append(("ngram", *ngram_started))
-        state.in_ngram = state.hot > 0
-        return findings
+        """One request's tokens of one wave, screened at once; the episodes that start."""
+        tokens, step = list(new_tokens), self._batch_tokens
+        found = []
+        for i in range(0, len(tokens), step):
+            self.add_wave(0, [request_id], WaveTokens([tokens[i : i + step]]))
+            found += self.flush()
+        return [finding for _, _, finding in found]
+
+    def add_wave(self, wave: int, req_ids: Sequence[str], tokens: WaveTokens) -> list[WaveFinding]:
+        """Queue one wave's tokens (row i's are request `req_ids[i]`'s); screens the batch when
+        it is full and returns that batch's findings, else nothing."""
+        found: list[WaveFinding] = []
+        if self._pending_tokens + tokens.width > self._batch_tokens:
+            found = self.flush()  # a request's batch must fit in its ring beside the window
+        slots = self.requests.slots(req_ids)
+        start = self.total[slots]
+        if tokens.lengths is None:
+            self.hist[slots, start % self._ring] = tokens.flat
+            end = start + 1
+        else:
+            lengths = tokens.lengths
+            row = tokens.row_of_each()
+            first = np.cumsum(lengths) - lengths
+            position = start[row] + np.arange(len(row)) - first[row]
+            self.hist[slots[row], position % self._ring] = tokens.flat
+            end = start + lengths
+        self.total[slots] = end
+        self._pending.append((wave, slots, end))
+        self._pending_tokens += tokens.width
+        if len(self._pending) >= BATCH_WAVES:
+            found += self.flush()
+        return found
+
+    # -- the batch screen -----------------------------------------------------------------
+    def flush(self) -> list[WaveFinding]:
+        """Screen every queued wave; returns the episodes that started, in wave order."""
+        pending = self._pending
+        if not pending:
+            self.requests.apply_releases()
+            return []
+        first_slots = pending[0][1]
+        if all(slots is first_slots for _, slots, _ in pending):
+            touched = first_slots  # the same batch every wave: the common case
+        else:
+            touched = np.unique(np.concatenate([slots for _, slots, _ in pending]))
+        start, end = self.flushed[touched], self.total[touched]
+        found: list[WaveFinding] = []
+        for slot, finding in self._check_loops(touched, end - start):
+            last_wave = self._waves_of(slot)[-1][0]  # the wave of the newest token checked
+            found.append((last_wave, self.requests.id_of[slot], finding))
+        for slot in self._screen_ngrams(touched, start, end).tolist():
+            found += self._replay(slot)  # after the loop checks: a loop hides its n-grams
+        self.flushed[touched] = end
+        self._pending = []
+        self._pending_tokens = 0
+        self.requests.apply_releases()
+        found.sort(key=lambda item: item[0])
+        return found
+
+    def _check_loops(self, touched: np.ndarray, new: np.ndarray) -> list[tuple[int, RepeatFinding]]:
+        """Requests with `CHECK_EVERY` new tokens: is the window's tail a loop now? Updates
+        `in_loop`; returns (slot, finding) for each loop that starts."""
+        since = self.since_check[touched] + new
+        due = since >= CHECK_EVERY
+        self.since_check[touched] = np.where(due, 0, since)
+        slots = touched[due]
+        if not len(slots):
+            return []
+        total = self.total[slots]
+        # enough tokens for each period, and within the window
+        possible = (total[:, None] >= self._need) & (self._need <= self._tail)
+        # cheap test first: the newest token equals the one p back, for some period p
+        near = self._newest(slots, total, self._near_offsets)
+        maybe = np.flatnonzero(((near[:, 1:] == near[:, :1]) & possible).any(axis=1))
+        was = self.in_loop[slots]
+        self.in_loop[slots] = False
+        if not len(maybe):
+            return []
+        slots, total, possible, was = slots[maybe], total[maybe], possible[maybe], was[maybe]
+        tail = self._newest(slots, total, self._tail_offsets)
+        looping = np.zeros(len(slots), dtype=bool)
+        period = np.zeros(len(slots), dtype=np.intp)
+        step = max(1, _LOOP_CELLS // self._lag_index.size)
+        for i in range(0, len(slots), step):
+            part = tail[i : i + step]
+            same = part[:, None, : self._lag_index.shape[1]] == part[:, self._lag_index]
+            loop = (same | ~self._lag_mask).all(axis=2) & possible[i : i + step]
+            looping[i : i + step] = loop.any(axis=1)
+            period[i : i + step] = loop.argmax(axis=1) + 1
+        self.in_loop[slots] = looping
+        out = []
+        for i in np.flatnonzero(looping & ~was).tolist():
+            p = int(period[i])
+            block = tail[i, :p][::-1].tolist()
+            out.append((int(slots[i]), ("loop", p, int(self._need[p - 1]), block)))
+        return out
+
+    def _newest(self, slots: np.ndarray, total: np.ndarray, back: np.ndarray) -> np.ndarray:
+        """[slot, j]: each slot's token `back[j]` places before its newest (0: the newest)."""
+        ring = self._ring
+        position = (total[:, None] - 1 - back) % ring
+        return self.hist.reshape(-1)[(slots * ring)[:, None] + position]
+
+    def _screen_ngrams(self, touched: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """Add the batch's n-grams to the sketch; the requests that may hold a repeat now (a
+        cell at the limit, or an episode still open)."""
+        size, grams, buckets, ring = self._size, self._grams, self._buckets, self._ring
+        first = np.maximum(start - size + 1, 0)  # index of the first new n-gram
+        count = np.maximum(end - size + 1 - first, 0)
+        open_now = touched[self.in_ngram[touched]]
+        total = int(count.sum())
+        if not total:
+            return open_now
+        row = np.repeat(touched, count)
+        index = (
+            np.repeat(first, count) + np.arange(total) - np.repeat(np.cumsum(count) - count, count)
+        )
+        # the n-gram's ids, hashed column by column (a sum over a short axis is slow in numpy)
+        hist = self.hist.reshape(-1)
+        at = row * ring
+        key = hist[at + index % ring].view(np.uint64)
+        for j in range(1, size):
+            key = key * _POWER + hist[at + (index + j) % ring].view(np.uint64)
+        bucket = ((key * _HASH_MULT) >> self._bucket_shift).astype(np.intp)
+        # written first: an n-gram leaving may have entered in this same batch
+        places = self.gram_bucket.reshape(-1)
+        at = row * self._gram_ring
+        places[at + index % self._gram_ring] = bucket
+        cells = self.sketch.reshape(-1)
+        cell = row * buckets + bucket
+        np.add.at(cells, cell, _ONE)
+        # a cell never reads below its n-gram's true count at any token of the batch
+        hot = row[cells[cell] >= self.config.ngram_max_count]
+        leaving = np.flatnonzero(index >= grams)
+        if len(leaving):
+            old = places[at[leaving] + (index[leaving] - grams) % self._gram_ring]
+            np.subtract.at(cells, row[leaving] * buckets + old, _ONE)
+        if not len(hot):
+            return open_now
+        return np.union1d(hot, open_now)
+
+    def _replay(self, slot: int) -> list[WaveFinding]:
+        """A suspect's batch token by token, with the exact n-gram counts over its window."""
+        config, size, grams = self.config, self._size, self._grams
+        limit = config.ngram_max_count
+        start, end = int(self.flushed[slot]), int(self.total[slot])
+        low = max(0, start - config.window)
+        ids = self._history(slot, low, end)
+        counts: collections.Counter[tuple[int, ...]] = collections.Counter()
+        first_new = max(start - size + 1, 0)
+        for g in range(max(0, first_new - grams), first_new):
+            counts[tuple(ids[g - low : g - low + size])] += 1
+        hot = sum(1 for c in counts.values() if c >= limit)
+        in_ngram = bool(self.in_ngram[slot])
+        in_loop = bool(self.in_loop[slot])
+        request_id = self.requests.id_of[slot]
+        found: list[WaveFinding] = []
+        position = start
+        for wave, end_of_wave in self._waves_of(slot):
+            started = None
+            for q in range(position, end_of_wave):
+                g = q - size + 1
+                if g < 0:
+                    continue
+                key = tuple(ids[g - low : g - low + size])
+                c = counts[key] + 1
+                counts[key] = c
+                if c == limit:
+                    hot += 1
+                    if hot == 1 and not in_ngram:
+                        started = list(key)
+                if g >= grams:
+                    old = tuple(ids[g - grams - low : g - grams - low + size])
+                    left = counts[old] - 1
+                    if left == limit - 1:
+                        hot -= 1
+                    if left:
+                        counts[old] = left
+                    else:
+                        del counts[old]
+            position = end_of_wave
+            if started is not None and not in_loop:
+                found.append((wave, request_id, ("ngram", size, limit, started)))
+            in_ngram = hot > 0
+        self.in_ngram[slot] = in_ngram
+        return found
+
+    def _waves_of(self, slot: int) -> list[tuple[int, int]]:
+        """(wave, the slot's token total after it) for each queued wave that gave it tokens."""
+        out = []
+        last = int(self.flushed[slot])
+        for wave, slots, end in self._pending:
+            where = np.flatnonzero(slots == slot)
+            if len(where):
+                after = int(end[where[0]])
+                if after > last:
+                    out.append((wave, after))
+                    last = after
+        return out
+
+
+_count = np.count_nonzero  # truth of a bool array: cheaper than .any() on small arrays
 
 
 def find_loop(
@@ -131,3 +354,12 @@ def out_of_range(tokens: Sequence[int], vocab_size: int) -> list[int]:
     if not tokens or (min(tokens) >= 0 and max(tokens) < vocab_size):
         return []
     return [t for t in tokens if t < 0 or t >= vocab_size]
+
+
+def rows_out_of_range(tokens: WaveTokens, vocab_size: int) -> list[int]:
+    """Rows holding a sampled id outside [0, vocab_size); the common case is two reductions."""
+    flat = tokens.flat
+    if not len(flat) or (int(flat.min()) >= 0 and int(flat.max()) < vocab_size):
+        return []
+    bad = (flat < 0) | (flat >= vocab_size)
+    return np.unique(tokens.row_of_each()[bad]).tolist()

@@ -1,0 +1,203 @@
+"""The batched, array-backed repeat detector against a plain Python model of the same rules.
+
+`Reference` keeps each request's tokens in a list and counts its n-grams in a dict, one token
+at a time (as the detector did before its state moved into arrays). It follows the documented
+batch rules: loops are looked for at a batch's end in requests with `CHECK_EVERY` new tokens,
+and an n-gram episode that starts inside a batch is reported unless the request is in a loop
+at the batch's end. The streams mix random text, loops of every period, repeated phrases
+between fillers, spec-decode waves of 1-4 tokens, empty rows, and requests that come and go.
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+
+from guard.detectors.config import TokenRepeatConfig
+from guard.detectors.slots import WaveTokens
+from guard.detectors.tokens import BATCH_WAVES, CHECK_EVERY, RepeatDetector, find_loop
+
+
+class Reference:
+    def __init__(self, config: TokenRepeatConfig) -> None:
+        self.config = config
+        self.grams = config.window - config.ngram_size + 1
+        self.requests: dict[str, dict] = {}
+        self.waves = 0
+        self.finished: list[str] = []
+
+    def add_wave(self, wave: int, req_ids, sampled) -> list:
+        for req_id, tokens in zip(req_ids, sampled, strict=True):
+            state = self.requests.setdefault(req_id, self._new())
+            started = None
+            for token in tokens:
+                self._token(state, token)
+                if state["started_now"] is not None:
+                    started, state["started_now"] = state["started_now"], None
+            if started is not None:
+                state["starts"].append((wave, started))
+            state["in_ngram"] = state["hot"] > 0
+            state["since"] += len(tokens)
+            state["new"] += len(tokens)
+            if tokens:
+                state["last_wave"] = wave
+        self.waves += 1
+        return self.flush() if self.waves == BATCH_WAVES else []
+
+    def finish(self, req_id: str) -> None:
+        if req_id in self.requests:
+            self.finished.append(req_id)
+
+    def flush(self) -> list:
+        config, found = self.config, []
+        for req_id, state in self.requests.items():
+            if state["new"] and state["since"] >= CHECK_EVERY:
+                state["since"] = 0
+                loop = find_loop(
+                    state["tokens"][-config.window :],
+                    config.max_period,
+                    config.min_repeats,
+                    config.min_span,
+                )
+                if loop is not None and not state["in_loop"]:
+                    found.append((state["last_wave"], req_id, ("loop", *loop)))
+                state["in_loop"] = loop is not None
+            if not state["in_loop"]:
+                found += [(w, req_id, ("ngram", config.ngram_size, config.ngram_max_count, g))
+                          for w, g in state["starts"]]  # fmt: skip
+            state["starts"], state["new"] = [], 0
+        for req_id in self.finished:
+            del self.requests[req_id]
+        self.finished, self.waves = [], 0
+        return found
+
+    def _new(self) -> dict:
+        return {"tokens": [], "grams": collections.deque(), "counts": collections.Counter(),
+                "hot": 0, "in_ngram": False, "in_loop": False, "since": 0, "new": 0,
+                "starts": [], "started_now": None, "last_wave": 0}  # fmt: skip
+
+    def _token(self, state: dict, token: int) -> None:
+        size, limit = self.config.ngram_size, self.config.ngram_max_count
+        tokens = state["tokens"]
+        tokens.append(token)
+        if len(tokens) < size:
+            return
+        gram = tuple(tokens[-size:])
+        counts = state["counts"]
+        counts[gram] += 1
+        state["grams"].append(gram)
+        if counts[gram] == limit:
+            state["hot"] += 1
+            if state["hot"] == 1 and not state["in_ngram"]:
+                state["started_now"] = list(gram)
+        if len(state["grams"]) > self.grams:
+            old = state["grams"].popleft()
+            counts[old] -= 1
+            if counts[old] == limit - 1:
+                state["hot"] -= 1
+
+
+def stream(rng: random.Random, length: int) -> list[int]:
+    """Random text with stretches of loops and of a phrase repeated between fillers."""
+    out: list[int] = []
+    while len(out) < length:
+        kind = rng.random()
+        if kind < 0.5:
+            out += [rng.randrange(40) for _ in range(rng.randrange(5, 60))]  # small vocabulary
+        elif kind < 0.8:
+            block = [rng.randrange(1000) for _ in range(rng.randrange(1, 20))]
+            out += block * rng.randrange(2, 8)
+        else:
+            phrase = [rng.randrange(1000) for _ in range(4)]
+            for _ in range(rng.randrange(4, 12)):
+                out += phrase + [rng.randrange(1000) for _ in range(rng.randrange(0, 6))]
+    return out[:length]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(
+    "config",
+    [TokenRepeatConfig(), TokenRepeatConfig(window=64, min_span=16, ngram_size=3,
+                                            ngram_max_count=5, max_period=8)],
+    ids=["defaults", "small-window"],
+)  # fmt: skip
+def test_batched_arrays_find_what_the_plain_model_finds(seed, config):
+    rng = random.Random(seed)
+    detector, reference = RepeatDetector(config), Reference(config)
+    streams: dict[str, list[int]] = {}
+    got, want = [], []
+    for wave in range(1, 400):
+        for req_id in [r for r, s in streams.items() if not s]:  # done: finished this wave
+            del streams[req_id]
+            detector.forget(req_id)
+            reference.finish(req_id)
+        while len(streams) < 24 and rng.random() < 0.3:  # up to 90+ slots over the run
+            streams[f"s{seed}-{wave}-{len(streams)}"] = stream(rng, rng.randrange(20, 600))
+        req_ids, sampled = [], []
+        for req_id, rest in streams.items():
+            take = rng.choice((0, 1, 1, 1, 1, 2, 4)) if seed % 2 else 1
+            sampled.append(rest[:take])
+            del rest[:take]
+            req_ids.append(req_id)
+        got += detector.add_wave(wave, req_ids, WaveTokens(sampled))
+        want += reference.add_wave(wave, req_ids, sampled)
+    got += detector.flush()
+    want += reference.flush()
+
+    def order(found):
+        return sorted(found, key=repr)
+
+    assert len(want) > 10, "the streams were meant to raise findings"
+    assert {f[2][0] for f in want} == {"loop", "ngram"}
+    assert order(got) == order(want)
+
+
+def test_a_finding_names_the_wave_its_token_came_in_not_the_batch_end():
+    config = TokenRepeatConfig(ngram_size=2, ngram_max_count=3)
+    detector = RepeatDetector(config)
+    found = []
+    # the third (7, 9) arrives at wave 6; the batch is screened at wave 8
+    tokens = [7, 9, 7, 9, 7, 9] + list(range(200, 210))
+    for wave, token in enumerate(tokens, start=1):
+        found += detector.add_wave(wave, ["a", "b"], WaveTokens([[token], [5000 + wave]]))
+        if wave < BATCH_WAVES:
+            assert found == []  # nothing reported before the batch's end
+    assert found == [(6, "a", ("ngram", 2, 3, [7, 9]))]
+
+
+def test_a_slot_freed_by_a_finished_request_starts_clean():
+    detector = RepeatDetector(TokenRepeatConfig(window=64, min_span=16))
+    loop = [5, 6, 7, 8] * 8
+    found = []
+    for wave in range(8):  # the eighth wave fills the batch
+        found += detector.add_wave(wave, ["old"], WaveTokens([loop[wave * 4 : wave * 4 + 4]]))
+    assert [(f[1], f[2][0]) for f in found] == [("old", "loop")]
+    slot = detector.requests.lookup("old")
+    detector.forget("old")
+    assert "old" not in detector.requests
+    # the new request gets the freed slot, and none of the old loop's state
+    detector.add_wave(9, ["new"], WaveTokens([[1, 2, 3, 4]]))
+    assert detector.requests.lookup("new") == slot
+    assert int(detector.total[slot]) == 4 and not detector.in_loop[slot]
+    assert detector.recent_tokens("new") == [1, 2, 3, 4]
+
+
+def test_a_request_finished_inside_a_batch_still_has_its_tokens_screened():
+    detector = RepeatDetector(TokenRepeatConfig(window=64, min_span=16))
+    for wave in range(4):
+        detector.add_wave(wave, ["a", "b"], WaveTokens([[42] * 4, [wave]]))
+    detector.forget("a")  # finished: its slot is held until the batch is screened
+    detector.add_wave(4, ["b", "c"], WaveTokens([[9], [10]]))
+    assert detector.requests.lookup("c") != 0 and len(detector.requests) == 2
+    found = detector.flush()
+    assert [(f[0], f[1], f[2][:2]) for f in found] == [(3, "a", ("loop", 1))]
+    assert "a" not in detector.requests
+
+
+def test_a_long_single_add_is_cut_to_fit_the_ring():
+    detector = RepeatDetector(TokenRepeatConfig())
+    found = detector.add("r", list(range(1024)) + [3] * 64)  # in pieces of 256
+    assert [f[:2] for f in found] == [("loop", 1)]
+    assert detector.recent_tokens("r")[-3:] == [3, 3, 3]
