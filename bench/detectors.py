@@ -114,12 +114,15 @@ class Feed:
             )
 
 
-def run_waves(suite: DetectorSuite | None, feed: Feed, first_wave: int) -> int:
+def run_waves(suite: DetectorSuite | None, feed: Feed, first_wave: int, waves: int) -> int:
     """Time one block of waves through the suite; returns nanoseconds."""
     start = time.perf_counter_ns()
     if suite is not None:
         runner = feed.runner
-        for n, (output, schedule) in enumerate(zip(feed.outputs, feed.schedules, strict=True)):
+        block = slice(first_wave - 1, first_wave - 1 + waves)  # fresh tokens in every block
+        for n, (output, schedule) in enumerate(
+            zip(feed.outputs[block], feed.schedules[block], strict=True)
+        ):
             wave = first_wave + n
             suite.on_schedule(wave, schedule)
             suite.on_logits(wave, runner, feed.logits[n % 4], None)
@@ -131,13 +134,13 @@ _TINY = torch.randn(1, 8)
 STATS_EVERY = LogitsStatsConfig().every_n_waves
 
 
-def run_reduction(feed: Feed, first_wave: int) -> tuple[int, int]:
+def run_reduction(feed: Feed, first_wave: int, count: int) -> tuple[int, int]:
     """The logits detectors' kernels alone over the same waves, in nanoseconds: the row max of
     every wave (logits_finite) and the health stats of every `STATS_EVERY`-th (logits_stats),
     each less the same call on a 1 x 8 tensor, so that the calls' own Python and dispatch
     (host work on a device too) stay in the host figures."""
     row_max, health_stats = logit_checks.row_max, logit_checks.health_stats
-    waves = range(first_wave, first_wave + len(feed.outputs))
+    waves = range(first_wave, first_wave + count)
     stats_waves = [n for n, wave in enumerate(waves) if wave % STATS_EVERY == 0]
 
     def timed(call: Any, tensors: Any) -> int:
@@ -174,7 +177,10 @@ def measure(reqs: int, vocab: int, blocks: int, waves: int) -> dict[str, float]:
     logits = [torch.randn(reqs, vocab, generator=gen) for _ in range(4)]
     thin = [torch.randn(reqs, NARROW, generator=gen) for _ in range(4)]
     feeds = {
-        (spec, width): Feed(reqs, vocab, waves, spec=spec, logits=logits if width else thin)
+        # distinct waves for every block: streams that came back would be loops to the detectors
+        (spec, width): Feed(
+            reqs, vocab, waves * (blocks + 1), spec=spec, logits=logits if width else thin
+        )
         for spec in (False, True)
         for width in (True, False)
     }
@@ -193,13 +199,13 @@ def measure(reqs: int, vocab: int, blocks: int, waves: int) -> dict[str, float]:
             took = {}
             for v in order:
                 if v == "reduction":
-                    rows, stats = run_reduction(feeds[False], 1 + block * waves)
+                    rows, stats = run_reduction(feeds[(False, True)], 1 + block * waves, waves)
                     took["logits_finite kernel"], took["logits_stats kernel"] = rows, stats
                     took[v] = rows + stats
                     continue
                 spec = v.removesuffix(" narrow") in ("spec_acceptance", "all+spec")
                 feed = feeds[(spec, not v.endswith(" narrow"))]
-                took[v] = run_waves(suites[v], feed, 1 + block * waves)
+                took[v] = run_waves(suites[v], feed, 1 + block * waves, waves)
             if block == 0:
                 continue  # warm-up
             for v in variants:
