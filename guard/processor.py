@@ -385,6 +385,11 @@ class GuardProcessor:
 
     def _probe_snapshot(self) -> list[tuple[str, float, dict[str, str]]]:
         detectors = self.detectors
+        if detectors is not None:
+            try:
+                detectors.flush_idle()  # a finding left queued when the engine went idle
+            except Exception:  # noqa: BLE001
+                self.errors.record("detectors_idle_flush")
         found = detectors.probe_values() if detectors is not None else []
         return [*identity.readings(), *found]  # build_info, attach points: every heartbeat
 

@@ -115,30 +115,44 @@ def grown(array: np.ndarray, rows: int, fill: int | float | bool = 0) -> np.ndar
 
 
 class WaveTokens:
-    """One wave's sampled tokens as arrays: `flat` (all ids, row by row) and, unless every row
-    has exactly one token (`uniform`, a plain decode wave), `lengths` per row.
+    """One wave's sampled tokens: `ids` (all of them, row by row) and, unless every row has
+    exactly one token (`uniform`, a plain decode wave), `lengths` per row.
 
     `sampled` is the runner's list of token lists; it is read once here, at C speed, so later
     changes to those lists (the scheduler trims tokens past a stop) do not reach the detectors.
+    No numpy runs here: inside the engine numpy's first calls after the model's own work cost
+    several times their figure in a loop, so arrays are built per batch, not per wave
+    (`flat` on demand).
     """
 
-    __slots__ = ("flat", "lengths", "rows", "uniform", "width")
+    __slots__ = ("_flat", "ids", "lengths", "rows", "width")
 
     def __init__(self, sampled: Sequence[Sequence[int]]) -> None:
         rows = len(sampled)
         lengths = list(map(len, sampled))
         self.rows = rows
-        self.uniform = lengths.count(1) == rows
-        self.flat = np.array(list(itertools.chain.from_iterable(sampled)), dtype=np.int64)
-        if self.uniform:
-            self.lengths = None
+        self.ids = list(itertools.chain.from_iterable(sampled))
+        if lengths.count(1) == rows:
+            self.lengths: list[int] | None = None
             self.width = 1 if rows else 0
         else:
-            self.lengths = np.array(lengths, dtype=np.intp)
+            self.lengths = lengths
             self.width = max(lengths) if rows else 0
+        self._flat: np.ndarray | None = None
+
+    @property
+    def uniform(self) -> bool:
+        return self.lengths is None
+
+    @property
+    def flat(self) -> np.ndarray:
+        """`ids` as an array."""
+        if self._flat is None:
+            self._flat = np.array(self.ids, dtype=np.int64)
+        return self._flat
 
     def row_of_each(self) -> np.ndarray:
-        """The row of each id in `flat`."""
+        """The row of each id in `ids`."""
         if self.lengths is None:
             return np.arange(self.rows)
         return np.repeat(np.arange(self.rows), self.lengths)

@@ -13,6 +13,8 @@ logits checks run on every rank, since a NaN may appear on one rank only.
 from __future__ import annotations
 
 import math
+import threading
+import time
 from typing import Any
 
 from guard.detectors import logits as logit_checks
@@ -22,6 +24,10 @@ from guard.detectors.slots import WaveTokens
 from guard.detectors.spec import AcceptanceTracker
 from guard.detectors.tokens import RepeatDetector, out_of_range, rows_out_of_range
 from guard.incidents import IncidentReporter
+
+# a token batch left queued this long with no new wave is screened by the streamer thread, so a
+# finding does not wait for the next request
+IDLE_FLUSH_S = 1.0
 
 
 def request_ids(runner: Any, count: int) -> list[str]:
@@ -61,6 +67,9 @@ class DetectorSuite:
         self._drafts: dict[str, list[int]] = {}
         self._drafts_wave = 0
         self._pending: list[logit_checks.PendingCheck] = []
+        # the engine thread's token batches and the streamer thread's idle flush
+        self._tokens_lock = threading.Lock()
+        self._last_tokens = time.monotonic()
 
     # -- execute_model entry ----------------------------------------------------------------
     def on_schedule(self, wave: int, scheduler_output: Any) -> None:
@@ -68,7 +77,8 @@ class DetectorSuite:
         if finished:
             for req_id in finished:
                 if self.repeat is not None:
-                    self.repeat.forget(req_id)
+                    with self._tokens_lock:
+                        self.repeat.forget(req_id)
                 if self.spec is not None:
                     self.spec.forget(req_id)
                 self.reporter.forget_request(req_id)
@@ -124,7 +134,10 @@ class DetectorSuite:
             for row in rows_out_of_range(tokens, self.vocab_size):  # rows with a bad id: rare
                 self._out_of_range(wave, runner, req_ids[row], sampled[row], self.vocab_size)
         if self.repeat is not None:
-            self._report_repeats(runner, self.repeat.add_wave(wave, req_ids, tokens))
+            with self._tokens_lock:
+                found = self.repeat.add_wave(wave, req_ids, tokens)
+            self._last_tokens = time.monotonic()
+            self._report_repeats(runner, found)
         if self.spec is not None and self._drafts and self._drafts_wave == wave:
             self._observe_spec(wave, runner, req_ids, sampled)
 
@@ -263,8 +276,9 @@ class DetectorSuite:
 
     def _dump(self, type_, wave, req_id, evidence, runner, logits_row, row) -> str:
         tokens = None
-        if self.repeat is not None and req_id in self.repeat.requests:
-            tokens = self.repeat.recent_tokens(req_id)
+        if self.repeat is not None:
+            with self._tokens_lock:  # the streamer thread's idle flush may be screening
+                tokens = self.repeat.recent_tokens(req_id) or None
         if row is None and runner is not None:
             try:
                 row = list(runner.input_batch.req_ids).index(req_id)
@@ -288,10 +302,21 @@ class DetectorSuite:
             ("spec_acceptance_rate", spec.waves.rate, method),
         ]
 
+    def flush_idle(self, idle_s: float = IDLE_FLUSH_S) -> None:
+        """Streamer thread: screen a token batch that has waited `idle_s` with no new wave."""
+        repeat = self.repeat
+        if repeat is None or not repeat.pending or time.monotonic() - self._last_tokens < idle_s:
+            return
+        with self._tokens_lock:
+            found = repeat.flush()
+        self._report_repeats(None, found)
+
     def close(self) -> None:
         self.resolve_ready(force=True)
         if self.repeat is not None:
-            self._report_repeats(None, self.repeat.flush())
+            with self._tokens_lock:
+                found = self.repeat.flush()
+            self._report_repeats(None, found)
 
 
 def _vocab_size(runner: Any, logits: Any) -> int | None:

@@ -6,7 +6,7 @@ the work per wave is a fixed number of array operations whatever the batch size,
 runs per suspect request, not per request:
 
 - Each wave's tokens go into each request's history ring (one gather and one scatter).
-- Every `BATCH_WAVES` waves the batch is screened at once. New n-grams enter a per-request
+- Every `batch_waves(requests)` waves (8-32) the batch is screened at once. New n-grams enter a per-request
   count sketch (each n-gram's count lands in one of `buckets` cells, shared with the n-grams
   that hash there, so a cell never reads below the n-gram's true count); a request whose
   cell reaches `ngram_max_count` is a suspect. Requests with `CHECK_EVERY` new tokens are
@@ -17,7 +17,8 @@ runs per suspect request, not per request:
 
 A loop or repeat raises one finding when it starts and another only after the stream has left
 it ("episodes"), not one per token. A finding names the wave its token arrived in, though it
-is reported at the batch's end (at most `BATCH_WAVES - 1` waves later).
+is reported at the batch's end (at most `MAX_BATCH_WAVES - 1` waves later; when the engine goes
+idle, the streamer thread screens what is left, `DetectorSuite.flush_idle`).
 """
 
 from __future__ import annotations
@@ -31,17 +32,25 @@ from guard.detectors.config import TokenRepeatConfig
 from guard.detectors.slots import SlotMap, WaveTokens, grown
 
 CHECK_EVERY = 8  # new tokens of a request before its stream is looked at for loops again
-BATCH_WAVES = 8  # waves screened together
+# waves screened together: about BATCH_IDS ids, within [MIN_BATCH_WAVES, MAX_BATCH_WAVES]; a
+# screen costs a fixed few dozen array calls, so small batches wait for more waves
+BATCH_IDS = 4096
+MIN_BATCH_WAVES, MAX_BATCH_WAVES = 8, 32
 BATCH_TOKENS = 256  # most tokens of one request in one batch (a longer `add` is cut up)
 _HASH_MULT = np.uint64(0x9E3779B97F4A7C15)
 _POWER = np.uint64(1_000_003)
-_ONE = np.int32(1)  # np.add.at takes its fast path only with the target's own dtype
+_ONE = np.int16(1)  # np.add.at takes its fast path only with the target's own dtype
 _LOOP_CELLS = 1 << 20  # bound on one vectorised loop test's [requests, periods, tail] cells
 
 # (kind "loop" or "ngram", period or n, span or count, the repeated block)
 RepeatFinding = tuple[str, int, int, list[int]]
 # a finding with the wave it belongs to and its request
 WaveFinding = tuple[int, str, RepeatFinding]
+
+
+def batch_waves(rows: int) -> int:
+    """Waves screened together when a wave has `rows` requests."""
+    return min(MAX_BATCH_WAVES, max(MIN_BATCH_WAVES, BATCH_IDS // max(rows, 1)))
 
 
 class RepeatDetector:
@@ -67,21 +76,25 @@ class RepeatDetector:
         lag_span = max(1, int((self._need - periods).max()))
         offsets = np.arange(lag_span)
         self._lag_index = np.minimum(offsets + periods[:, None], self._tail - 1)
-        self._lag_mask = offsets < (self._need - periods)[:, None]
+        self._lag_ignored = offsets >= (self._need - periods)[:, None]  # past a period's span
         self._tail_offsets = np.arange(self._tail)
         self._near_offsets = np.arange(config.max_period + 1)
         rows = self.requests.capacity
-        self.hist = np.zeros((rows, self._ring), dtype=np.int64)
+        # narrow types keep the rows few cache lines: the engine's own work evicts them between
+        # waves (ids past 2**31 wrap here; token_range reads the runner's own lists)
+        self.hist = np.zeros((rows, self._ring), dtype=np.int32)
         self.total = np.zeros(rows, dtype=np.int64)  # tokens seen
         self.flushed = np.zeros(rows, dtype=np.int64)  # tokens seen at the last screen
         self.since_check = np.zeros(rows, dtype=np.int64)
         self.in_loop = np.zeros(rows, dtype=bool)
         self.in_ngram = np.zeros(rows, dtype=bool)
-        self.sketch = np.zeros((rows, self._buckets), dtype=np.int32)
-        self.gram_bucket = np.zeros((rows, self._gram_ring), dtype=np.int32)
-        # queued waves: (wave, slots of its rows, each row's token total after the wave)
+        self.sketch = np.zeros((rows, self._buckets), dtype=np.int16)  # a cell <= grams < 2**15
+        self.gram_bucket = np.zeros((rows, self._gram_ring), dtype=np.int16)
+        # waves queued as they came: (wave, slots of its rows, its tokens)
+        self._queue: list[tuple[int, np.ndarray, WaveTokens]] = []
+        # waves written into the rows, not yet screened: (wave, slots, each row's total after)
         self._pending: list[tuple[int, np.ndarray, np.ndarray]] = []
-        self._pending_tokens = 0  # the most tokens any one request may have queued
+        self._queued_tokens = 0  # the most tokens any one request may have in the batch
 
     # -- slot lifecycle -------------------------------------------------------------------
     def _grow(self, rows: int) -> None:
@@ -102,10 +115,15 @@ class RepeatDetector:
         self.in_ngram[slots] = False
         self.sketch[slots] = 0
 
+    @property
+    def pending(self) -> bool:
+        """Waves queued for the next screen."""
+        return bool(self._queue or self._pending)
+
     def forget(self, request_id: str) -> None:
         """A finished request; its queued tokens are still screened."""
         self.requests.release([request_id])
-        if not self._pending:
+        if not self.pending:
             self.requests.apply_releases()
 
     def recent_tokens(self, request_id: str) -> list[int]:
@@ -114,6 +132,7 @@ class RepeatDetector:
         slot = self.requests.lookup(request_id)
         if slot is None:
             return []
+        self._write_queue()
         end = int(self.total[slot])
         return self._history(slot, max(0, end - self._ring), end)
 
@@ -133,32 +152,51 @@ class RepeatDetector:
 
     def add_wave(self, wave: int, req_ids: Sequence[str], tokens: WaveTokens) -> list[WaveFinding]:
         """Queue one wave's tokens (row i's are request `req_ids[i]`'s); screens the batch when
-        it is full and returns that batch's findings, else nothing."""
+        it is full and returns that batch's findings, else nothing. No numpy runs here unless
+        the batch's requests changed (their slots) or the batch is full."""
         found: list[WaveFinding] = []
-        if self._pending_tokens + tokens.width > self._batch_tokens:
+        if self._queued_tokens + tokens.width > self._batch_tokens:
             found = self.flush()  # a request's batch must fit in its ring beside the window
-        slots = self.requests.slots(req_ids)
-        start = self.total[slots]
-        if tokens.lengths is None:
-            self.hist[slots, start % self._ring] = tokens.flat
-            end = start + 1
-        else:
-            lengths = tokens.lengths
-            row = tokens.row_of_each()
-            first = np.cumsum(lengths) - lengths
-            position = start[row] + np.arange(len(row)) - first[row]
-            self.hist[slots[row], position % self._ring] = tokens.flat
-            end = start + lengths
-        self.total[slots] = end
-        self._pending.append((wave, slots, end))
-        self._pending_tokens += tokens.width
-        if len(self._pending) >= BATCH_WAVES:
+        self._queue.append((wave, self.requests.slots(req_ids), tokens))
+        self._queued_tokens += tokens.width
+        if len(self._queue) >= batch_waves(tokens.rows):
             found += self.flush()
         return found
+
+    def _write_queue(self) -> None:
+        """Write the queued waves' tokens into the history rows (not yet screened)."""
+        queue, self._queue = self._queue, []
+        if not queue:
+            return
+        ring, same = self._ring, queue[0][1]
+        if all(slots is same and tokens.uniform for _, slots, tokens in queue):
+            # a plain decode batch: the same requests, one token each, every wave: one scatter
+            ids = np.array([tokens.ids for _, _, tokens in queue], dtype=np.int64)
+            position = self.total[same] + np.arange(len(queue))[:, None]
+            self.hist[same, position % ring] = ids
+            end = position + 1
+            self.total[same] = end[-1]
+            self._pending += [(item[0], same, end[k]) for k, item in enumerate(queue)]
+            return
+        for wave, slots, tokens in queue:
+            start = self.total[slots]
+            if tokens.lengths is None:
+                self.hist[slots, start % ring] = tokens.flat
+                end = start + 1
+            else:
+                lengths = np.array(tokens.lengths, dtype=np.intp)
+                row = tokens.row_of_each()
+                first = np.cumsum(lengths) - lengths
+                position = start[row] + np.arange(len(row)) - first[row]
+                self.hist[slots[row], position % ring] = tokens.flat
+                end = start + lengths
+            self.total[slots] = end
+            self._pending.append((wave, slots, end))
 
     # -- the batch screen -----------------------------------------------------------------
     def flush(self) -> list[WaveFinding]:
         """Screen every queued wave; returns the episodes that started, in wave order."""
+        self._write_queue()
         pending = self._pending
         if not pending:
             self.requests.apply_releases()
@@ -173,11 +211,14 @@ class RepeatDetector:
         for slot, finding in self._check_loops(touched, end - start):
             last_wave = self._waves_of(slot)[-1][0]  # the wave of the newest token checked
             found.append((last_wave, self.requests.id_of[slot], finding))
-        for slot in self._screen_ngrams(touched, start, end).tolist():
+        open_now = touched[self.in_ngram[touched]]  # episodes open when the batch began
+        for slot in self._screen_ngrams(touched, start, end, open_now).tolist():
             found += self._replay(slot)  # after the loop checks: a loop hides its n-grams
+        if len(open_now):  # an open episode ends once no n-gram is at the limit
+            self.in_ngram[open_now] = self._repeat_in_window(open_now)
         self.flushed[touched] = end
         self._pending = []
-        self._pending_tokens = 0
+        self._queued_tokens = 0
         self.requests.apply_releases()
         found.sort(key=lambda item: item[0])
         return found
@@ -209,7 +250,7 @@ class RepeatDetector:
         for i in range(0, len(slots), step):
             part = tail[i : i + step]
             same = part[:, None, : self._lag_index.shape[1]] == part[:, self._lag_index]
-            loop = (same | ~self._lag_mask).all(axis=2) & possible[i : i + step]
+            loop = (same | self._lag_ignored).all(axis=2) & possible[i : i + step]
             looping[i : i + step] = loop.any(axis=1)
             period[i : i + step] = loop.argmax(axis=1) + 1
         self.in_loop[slots] = looping
@@ -226,26 +267,22 @@ class RepeatDetector:
         position = (total[:, None] - 1 - back) % ring
         return self.hist.reshape(-1)[(slots * ring)[:, None] + position]
 
-    def _screen_ngrams(self, touched: np.ndarray, start: np.ndarray, end: np.ndarray) -> np.ndarray:
-        """Add the batch's n-grams to the sketch; the requests that may hold a repeat now (a
-        cell at the limit, or an episode still open)."""
+    def _screen_ngrams(
+        self, touched: np.ndarray, start: np.ndarray, end: np.ndarray, open_now: np.ndarray
+    ) -> np.ndarray:
+        """Add the batch's n-grams to the sketch; the requests outside an open episode that
+        may have started one (a cell at the limit)."""
         size, grams, buckets, ring = self._size, self._grams, self._buckets, self._ring
         first = np.maximum(start - size + 1, 0)  # index of the first new n-gram
         count = np.maximum(end - size + 1 - first, 0)
-        open_now = touched[self.in_ngram[touched]]
         total = int(count.sum())
         if not total:
-            return open_now
+            return _NO_SLOTS
         row = np.repeat(touched, count)
         index = (
             np.repeat(first, count) + np.arange(total) - np.repeat(np.cumsum(count) - count, count)
         )
-        # the n-gram's ids, hashed column by column (a sum over a short axis is slow in numpy)
-        hist = self.hist.reshape(-1)
-        at = row * ring
-        key = hist[at + index % ring].view(np.uint64)
-        for j in range(1, size):
-            key = key * _POWER + hist[at + (index + j) % ring].view(np.uint64)
+        key = self._gram_keys(row * ring, index)
         bucket = ((key * _HASH_MULT) >> self._bucket_shift).astype(np.intp)
         # written first: an n-gram leaving may have entered in this same batch
         places = self.gram_bucket.reshape(-1)
@@ -255,14 +292,41 @@ class RepeatDetector:
         cell = row * buckets + bucket
         np.add.at(cells, cell, _ONE)
         # a cell never reads below its n-gram's true count at any token of the batch
-        hot = row[cells[cell] >= self.config.ngram_max_count]
+        hot = cells[cell] >= self.config.ngram_max_count
         leaving = np.flatnonzero(index >= grams)
         if len(leaving):
             old = places[at[leaving] + (index[leaving] - grams) % self._gram_ring]
             np.subtract.at(cells, row[leaving] * buckets + old, _ONE)
-        if not len(hot):
-            return open_now
-        return np.union1d(hot, open_now)
+        if not _count(hot):
+            return _NO_SLOTS
+        suspect = np.zeros(self.requests.capacity, dtype=bool)
+        suspect[row[hot]] = True
+        suspect[open_now] = False
+        return np.flatnonzero(suspect)
+
+    def _gram_keys(self, at: np.ndarray, index: np.ndarray) -> np.ndarray:
+        """64-bit keys of the n-grams starting at stream position `index` of the rows whose
+        ring starts at `at` in the flat history; hashed column by column (numpy sums over a
+        short axis slowly)."""
+        hist, ring = self.hist.reshape(-1), self._ring
+        key = hist[at + index % ring].astype(np.uint64)
+        for j in range(1, self._size):
+            key = key * _POWER + hist[at + (index + j) % ring].astype(np.uint64)
+        return key
+
+    def _repeat_in_window(self, slots: np.ndarray) -> np.ndarray:
+        """Whether each slot's window holds an n-gram `ngram_max_count` times now (exact: the
+        window's n-gram keys sorted, and the same key `ngram_max_count` places apart)."""
+        size, grams, limit = self._size, self._grams, self.config.ngram_max_count
+        if limit > grams:
+            return np.zeros(len(slots), dtype=bool)
+        first = self.total[slots] - size + 1 - grams  # index of the window's first n-gram
+        index = first[:, None] + np.arange(grams)
+        key = self._gram_keys((slots * self._ring)[:, None], index)
+        # places before the stream's first n-gram hold keys that cannot repeat
+        key = np.where(index >= 0, key, ~np.uint64(0) - np.arange(grams, dtype=np.uint64))
+        key.sort(axis=1)
+        return (key[:, limit - 1 :] == key[:, : grams - limit + 1]).any(axis=1)
 
     def _replay(self, slot: int) -> list[WaveFinding]:
         """A suspect's batch token by token, with the exact n-gram counts over its window."""
@@ -325,6 +389,7 @@ class RepeatDetector:
 
 
 _count = np.count_nonzero  # truth of a bool array: cheaper than .any() on small arrays
+_NO_SLOTS = np.zeros(0, dtype=np.intp)
 
 
 def find_loop(
@@ -356,10 +421,20 @@ def out_of_range(tokens: Sequence[int], vocab_size: int) -> list[int]:
     return [t for t in tokens if t < 0 or t >= vocab_size]
 
 
+# below this many ids a wave's range check runs on the list: builtins stay fast in the engine,
+# where numpy's first calls after the model's own work cost several times their loop figure
+SMALL_WAVE = 64
+
+
 def rows_out_of_range(tokens: WaveTokens, vocab_size: int) -> list[int]:
     """Rows holding a sampled id outside [0, vocab_size); the common case is two reductions."""
     flat = tokens.flat
-    if not len(flat) or (int(flat.min()) >= 0 and int(flat.max()) < vocab_size):
+    if not len(flat):
+        return []
+    if len(flat) < SMALL_WAVE:
+        if min(tokens.ids) >= 0 and max(tokens.ids) < vocab_size:
+            return []
+    elif int(flat.min()) >= 0 and int(flat.max()) < vocab_size:
         return []
     bad = (flat < 0) | (flat >= vocab_size)
     return np.unique(tokens.row_of_each()[bad]).tolist()

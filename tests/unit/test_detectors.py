@@ -23,9 +23,16 @@ from guard.detectors.config import (
     TokenRepeatConfig,
 )
 from guard.detectors.evidence import EvidenceDumper
+from guard.detectors.slots import WaveTokens
 from guard.detectors.spec import AcceptanceTracker
 from guard.detectors.suite import DetectorSuite
-from guard.detectors.tokens import RepeatDetector, find_loop, out_of_range
+from guard.detectors.tokens import (
+    SMALL_WAVE,
+    RepeatDetector,
+    find_loop,
+    out_of_range,
+    rows_out_of_range,
+)
 from guard.incidents import IncidentReporter
 
 
@@ -110,6 +117,14 @@ def test_random_streams_are_not_flagged():
 def test_out_of_range():
     assert out_of_range([1, 2, 3], 10) == []
     assert out_of_range([1, 10, -1, 3], 10) == [10, -1]
+
+
+@pytest.mark.parametrize("rows", [3, SMALL_WAVE + 5])  # the list path and the array path
+def test_rows_out_of_range_names_each_bad_row_once(rows):
+    sampled = [[1]] * rows
+    assert rows_out_of_range(WaveTokens(sampled), 10) == []
+    sampled = [[1], [2, 10, 11], [], [-1], *[[3]] * (rows - 4)]
+    assert rows_out_of_range(WaveTokens(sampled), 10) == [1, 3]
 
 
 # -- spec acceptance ------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 
 `Reference` keeps each request's tokens in a list and counts its n-grams in a dict, one token
 at a time (as the detector did before its state moved into arrays). It follows the documented
-batch rules: loops are looked for at a batch's end in requests with `CHECK_EVERY` new tokens,
-and an n-gram episode that starts inside a batch is reported unless the request is in a loop
-at the batch's end. The streams mix random text, loops of every period, repeated phrases
+batch rules: loops are looked for at a batch's end in requests with `CHECK_EVERY` new tokens;
+an n-gram episode that starts inside a batch is reported unless the request is in a loop at
+the batch's end; an episode open when a batch begins is judged at the batch's end (still a
+repeat, or over), with no new start inside that batch. The streams mix random text, loops of every period, repeated phrases
 between fillers, spec-decode waves of 1-4 tokens, empty rows, and requests that come and go.
 """
 
@@ -12,12 +13,17 @@ from __future__ import annotations
 
 import collections
 import random
+import types
 
 import pytest
 
-from guard.detectors.config import TokenRepeatConfig
+from guard.config import IncidentsConfig
+from guard.detectors.config import DetectorsConfig, DumpConfig, TokenRepeatConfig
+from guard.detectors.evidence import EvidenceDumper
 from guard.detectors.slots import WaveTokens
-from guard.detectors.tokens import BATCH_WAVES, CHECK_EVERY, RepeatDetector, find_loop
+from guard.detectors.suite import DetectorSuite
+from guard.detectors.tokens import CHECK_EVERY, RepeatDetector, batch_waves, find_loop
+from guard.incidents import IncidentReporter
 
 
 class Reference:
@@ -29,6 +35,9 @@ class Reference:
         self.finished: list[str] = []
 
     def add_wave(self, wave: int, req_ids, sampled) -> list:
+        if self.waves == 0:  # a batch begins
+            for state in self.requests.values():
+                state["open"] = state["in_ngram"]
         for req_id, tokens in zip(req_ids, sampled, strict=True):
             state = self.requests.setdefault(req_id, self._new())
             started = None
@@ -36,15 +45,16 @@ class Reference:
                 self._token(state, token)
                 if state["started_now"] is not None:
                     started, state["started_now"] = state["started_now"], None
-            if started is not None:
-                state["starts"].append((wave, started))
-            state["in_ngram"] = state["hot"] > 0
+            if not state["open"]:  # an open episode is judged at the batch's end
+                if started is not None:
+                    state["starts"].append((wave, started))
+                state["in_ngram"] = state["hot"] > 0
             state["since"] += len(tokens)
             state["new"] += len(tokens)
             if tokens:
                 state["last_wave"] = wave
         self.waves += 1
-        return self.flush() if self.waves == BATCH_WAVES else []
+        return self.flush() if self.waves >= batch_waves(len(req_ids)) else []
 
     def finish(self, req_id: str) -> None:
         if req_id in self.requests:
@@ -64,6 +74,8 @@ class Reference:
                 if loop is not None and not state["in_loop"]:
                     found.append((state["last_wave"], req_id, ("loop", *loop)))
                 state["in_loop"] = loop is not None
+            if state["open"]:
+                state["in_ngram"], state["open"] = state["hot"] > 0, False
             if not state["in_loop"]:
                 found += [(w, req_id, ("ngram", config.ngram_size, config.ngram_max_count, g))
                           for w, g in state["starts"]]  # fmt: skip
@@ -76,7 +88,7 @@ class Reference:
     def _new(self) -> dict:
         return {"tokens": [], "grams": collections.deque(), "counts": collections.Counter(),
                 "hot": 0, "in_ngram": False, "in_loop": False, "since": 0, "new": 0,
-                "starts": [], "started_now": None, "last_wave": 0}  # fmt: skip
+                "starts": [], "started_now": None, "last_wave": 0, "open": False}  # fmt: skip
 
     def _token(self, state: dict, token: int) -> None:
         size, limit = self.config.ngram_size, self.config.ngram_max_count
@@ -158,11 +170,11 @@ def test_a_finding_names_the_wave_its_token_came_in_not_the_batch_end():
     config = TokenRepeatConfig(ngram_size=2, ngram_max_count=3)
     detector = RepeatDetector(config)
     found = []
-    # the third (7, 9) arrives at wave 6; the batch is screened at wave 8
-    tokens = [7, 9, 7, 9, 7, 9] + list(range(200, 210))
+    # the third (7, 9) arrives at wave 6; the batch is screened at its last wave
+    tokens = [7, 9, 7, 9, 7, 9] + list(range(200, 200 + batch_waves(2) - 6))
     for wave, token in enumerate(tokens, start=1):
         found += detector.add_wave(wave, ["a", "b"], WaveTokens([[token], [5000 + wave]]))
-        if wave < BATCH_WAVES:
+        if wave < batch_waves(2):
             assert found == []  # nothing reported before the batch's end
     assert found == [(6, "a", ("ngram", 2, 3, [7, 9]))]
 
@@ -170,9 +182,9 @@ def test_a_finding_names_the_wave_its_token_came_in_not_the_batch_end():
 def test_a_slot_freed_by_a_finished_request_starts_clean():
     detector = RepeatDetector(TokenRepeatConfig(window=64, min_span=16))
     loop = [5, 6, 7, 8] * 8
-    found = []
-    for wave in range(8):  # the eighth wave fills the batch
-        found += detector.add_wave(wave, ["old"], WaveTokens([loop[wave * 4 : wave * 4 + 4]]))
+    for wave in range(8):
+        assert detector.add_wave(wave, ["old"], WaveTokens([loop[wave * 4 : wave * 4 + 4]])) == []
+    found = detector.flush()
     assert [(f[1], f[2][0]) for f in found] == [("old", "loop")]
     slot = detector.requests.lookup("old")
     detector.forget("old")
@@ -180,8 +192,8 @@ def test_a_slot_freed_by_a_finished_request_starts_clean():
     # the new request gets the freed slot, and none of the old loop's state
     detector.add_wave(9, ["new"], WaveTokens([[1, 2, 3, 4]]))
     assert detector.requests.lookup("new") == slot
+    assert detector.recent_tokens("new") == [1, 2, 3, 4]  # writes the queued wave
     assert int(detector.total[slot]) == 4 and not detector.in_loop[slot]
-    assert detector.recent_tokens("new") == [1, 2, 3, 4]
 
 
 def test_a_request_finished_inside_a_batch_still_has_its_tokens_screened():
@@ -201,3 +213,23 @@ def test_a_long_single_add_is_cut_to_fit_the_ring():
     found = detector.add("r", list(range(1024)) + [3] * 64)  # in pieces of 256
     assert [f[:2] for f in found] == [("loop", 1)]
     assert detector.recent_tokens("r")[-3:] == [3, 3, 3]
+
+
+def test_a_batch_left_by_an_idle_engine_is_screened_by_the_streamer_thread(tmp_path):
+    """The suite's idle flush (called with each heartbeat) reports a finding queued when the
+    waves stopped, with its own wave; while waves keep coming it leaves the batch alone."""
+    sent = []
+    reporter = IncidentReporter(
+        IncidentsConfig(), run_id="r", current_wave=lambda: 0, sink=sent.append
+    )
+    config = DetectorsConfig(dump=DumpConfig(directory=str(tmp_path)))
+    suite = DetectorSuite(config, reporter, EvidenceDumper(config.dump, "r", "dp0tp0pp0"))
+    runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=["a"]))
+    for wave in range(1, 6):  # 40 tokens of one id: a loop, in a batch not yet full
+        output = types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[11] * 8])
+        suite.on_output(wave, runner, output)
+    suite.flush_idle()  # the last wave was just now: not idle
+    assert sent == []
+    suite.flush_idle(idle_s=0.0)
+    assert [(i.type, i.request_id, i.wave) for i in sent] == [("token_repeat", "a", 5)]
+    assert "loop of period 1" in sent[0].summary
