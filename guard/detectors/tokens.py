@@ -2,18 +2,20 @@
 
 They run on the token lists the runner already hands back to the scheduler (no device work),
 with every request's state in numpy rows indexed by a slot (`guard/detectors/slots.py`), so
-the work per wave is a fixed number of array operations whatever the batch size, and Python
-runs per suspect request, not per request:
+the work per batch of waves is a fixed number of array operations whatever the batch size,
+and Python runs per suspect request, not per request:
 
-- Each wave's tokens go into each request's history ring (one gather and one scatter).
-- Every `batch_waves(requests)` waves (8-32) the batch is screened at once. New n-grams enter a per-request
-  count sketch (each n-gram's count lands in one of `buckets` cells, shared with the n-grams
-  that hash there, so a cell never reads below the n-gram's true count); a request whose
-  cell reaches `ngram_max_count` is a suspect. Requests with `CHECK_EVERY` new tokens are
-  looked at for loops: a vectorised match of the window's tail against itself at each period.
-- A suspect's batch is replayed exactly in Python from its history, token by token, with the
-  same episode rules as always. Random or ordinary text makes no suspects; a repeating
-  stream makes one per batch.
+- Each wave's ids are queued as they came, with no numpy: inside the engine, numpy's first
+  calls after the model's own work cost several times their figure in a loop.
+- Every `batch_waves(requests)` waves (8-32, about `BATCH_IDS` ids) the batch is written into
+  each request's history ring and screened at once. New n-grams enter a per-request count
+  sketch (each n-gram's count lands in one of `buckets` cells, shared with the n-grams that
+  hash there, so a cell never reads below the n-gram's true count); a request whose cell
+  reaches `ngram_max_count` is a suspect. Requests with `CHECK_EVERY` new tokens are looked
+  at for loops: a vectorised match of the window's tail against itself at each period.
+- A suspect's batch is replayed exactly in Python from its history, token by token. An
+  episode already open when the batch began is judged at its end instead: it goes on while
+  some n-gram of the window is still at the limit (exact: the window's keys sorted).
 
 A loop or repeat raises one finding when it starts and another only after the stream has left
 it ("episodes"), not one per token. A finding names the wave its token arrived in, though it
