@@ -129,7 +129,7 @@ class DetectorSuite:
             req_ids, sampled = req_ids[:count], sampled[:count]
         if self.vocab_size is None:
             self.vocab_size = _vocab_size(runner, None)
-        tokens = WaveTokens(sampled)  # read once, as arrays: no Python pass per request
+        tokens = WaveTokens(sampled)  # read once at C speed: no Python pass per request
         if self.config.token_range.enabled and self.vocab_size:
             for row in rows_out_of_range(tokens, self.vocab_size):  # rows with a bad id: rare
                 self._out_of_range(wave, runner, req_ids[row], sampled[row], self.vocab_size)
