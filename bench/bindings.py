@@ -20,7 +20,6 @@ from ascend_runtime.probes import speculators
 from guard.config import GuardConfig
 from guard.decorators import install
 from guard.processor import GuardProcessor
-from guard.streamer import Streamer
 from telemetry.proto import guard_pb2
 
 
@@ -63,11 +62,7 @@ def main() -> None:
     args = parser.parse_args()
 
     processor = GuardProcessor(GuardConfig(sidecar="localhost:1"), lambda r: guard_pb2.RankInfo())
-    # a real Streamer, not started: probe readings land in its dict as in a streaming worker
-    processor.streamer = Streamer(
-        "localhost:1", guard_pb2.RankInfo(), buffer_size=64, batch_max=64, flush_interval_s=1.0,
-        heartbeat_interval_s=1.0, max_backoff_s=1.0, heartbeat_source=processor.heartbeat,
-    )  # fmt: skip
+    # its real Streamer, not started: probe readings land in its dict as in a streaming worker
     install(processor)
     actions.platform()  # detected once per process, as in a worker
 

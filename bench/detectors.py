@@ -53,7 +53,7 @@ from guard.detectors.config import (  # noqa: E402
 )
 from guard.detectors.evidence import EvidenceDumper  # noqa: E402
 from guard.detectors.suite import DetectorSuite  # noqa: E402
-from guard.incidents import IncidentReporter  # noqa: E402
+from guard.reporter import IncidentReporter  # noqa: E402
 from telemetry.table import render_table  # noqa: E402
 
 NAMES = ("logits_finite", "token_repeat", "spec_acceptance", "logits_stats", "token_range")

@@ -32,6 +32,7 @@ from guard.liveness_record import LivenessRecord, RecordReader  # noqa: E402
 from guard.streamer import HeartbeatState, Streamer  # noqa: E402
 from telemetry.proto import guard_pb2  # noqa: E402
 from telemetry.table import render_table  # noqa: E402
+from tests.support.feed import FixedHeartbeat  # noqa: E402
 
 CALLS_PER_WAVE = 6  # tiny model at TP=2: 5 all-reduces + 1 all-gather per step
 
@@ -111,8 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         flush_interval_s=0.05,
         heartbeat_interval_s=1.0,
         max_backoff_s=1.0,
-        heartbeat_source=lambda: HeartbeatState(5, "execute_model", 1000),
-        batch_filler=plain.fill_batch,
+        fillers=[FixedHeartbeat(HeartbeatState(5, "execute_model", 1000)), plain],
     )
 
     def heartbeats(n: int) -> None:

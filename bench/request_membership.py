@@ -66,7 +66,7 @@ class KeepStreamer:
     def offer_incident(self, *args) -> None:
         return
 
-    def start(self) -> None:
+    def start(self, rank=None, spool=None) -> None:
         return
 
     def stop(self) -> None:

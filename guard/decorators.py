@@ -5,15 +5,19 @@ They can be applied in source (an Ascend `NPUModelRunner` carries them right bel
 decorated method is the bare call plus one module-global read: same arguments, same result, no
 allocation, no device work. With the guard on, they hand the call to this process's
 `GuardProcessor`, which times it and records the wave without touching the result.
+
+This module is a leaf: it imports nothing of the guard (the processor is handed in through
+`install`), so the façade `guard/incidents.py` and any binding can import it freely.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from guard.processor import GuardProcessor
+if TYPE_CHECKING:  # for type checkers only: no import at run time
+    from guard.processor import GuardProcessor
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -5,31 +5,34 @@ One `GuardProcessor` lives in each worker process. The step decorator opens a wa
 goes to the streamer as a plain tuple. The wrapped method's own result and exceptions pass
 through untouched; anything that goes wrong in the guard's own code is caught, counted and
 logged at a bounded rate, and the engine carries on.
+
+The processor is a minimal shared core, in the manner of vLLM's Model Runner V2: it counts
+waves and fans out to a list of wave observers through one protocol (`guard/observers.py`):
+the config-stamp reader (hot reload), the detectors, the collectives observer, probes. The
+streamer is built here at start-up with one batch-filler protocol (the processor itself and
+the incident reporter) and started as soon as the first wave names the rank.
 """
 
 from __future__ import annotations
 
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from guard import identity
-from guard.config import RUN_ID_ENV, GuardConfig, config_from_json
-from guard.incidents import IncidentReporter
+from guard.config import RUN_ID_ENV, GuardConfig
+from guard.detectors.host import DetectorHost
+from guard.errors import ErrorBudget
 from guard.liveness_record import LivenessRecord
-from guard.reload import STAMP_ATTR
-from guard.request_membership import RequestMembership, chain_fillers
-from guard.schedule import (
-    EMPTY_SCHEDULE,
-    PrefillTracker,
-    ScheduleSummary,
-    sampled_counts,
-)
+from guard.observers import Observers
+from guard.reload import LiveConfig
+from guard.reporter import IncidentReporter
+from guard.request_membership import RequestMembership
+from guard.schedule import EMPTY_SCHEDULE, PrefillTracker, ScheduleSummary, sampled_counts
 from guard.spool import IncidentSpool
 from guard.streamer import HeartbeatState, Streamer, WaveTuple
 from telemetry.proto import guard_pb2
@@ -42,15 +45,6 @@ log = structlog.get_logger("ascend_guard.processor")
 RankDescriber = Callable[[Any], guard_pb2.RankInfo]
 
 
-class WaveObserver(Protocol):
-    """Extra per-wave work (guard/collective_guard.py): called on the engine thread at the
-    wave's boundaries, and on the streamer thread to add its fields to each batch."""
-
-    def begin_wave(self, wave: int) -> None: ...
-    def end_wave(self, wave: int) -> None: ...
-    def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool) -> None: ...
-
-
 # A wave between execute_model and sample_tokens: (wave, start_perf_ns, execute_ns, schedule).
 # A plain tuple: this is built on every step, on the engine thread.
 OpenWave = tuple[int, int, int, ScheduleSummary]
@@ -59,25 +53,6 @@ _IDLE = "idle"
 _EXECUTE = "execute_model"
 _SAMPLE = "sample_tokens"
 _new_tuple = tuple.__new__  # builds a WaveTuple without the Python-level __new__ frame
-
-
-class _RateLimitedErrors:
-    """Counts every guard-internal error; logs at most `per_minute` of them a minute."""
-
-    def __init__(self, per_minute: int) -> None:
-        self.total = 0
-        self._per_minute = per_minute
-        self._window_start = 0.0
-        self._in_window = 0
-
-    def record(self, where: str) -> None:
-        self.total += 1
-        now = time.monotonic()
-        if now - self._window_start >= 60.0:
-            self._window_start, self._in_window = now, 0
-        if self._in_window < self._per_minute:
-            self._in_window += 1
-            log.exception("guard_internal_error", where=where, errors_total=self.total)
 
 
 class GuardProcessor:
@@ -98,9 +73,7 @@ class GuardProcessor:
     ) -> None:
         self.config = config
         self._describe_rank = describe_rank
-        self._streamer_factory = streamer_factory
-        self.streamer: Streamer | None = None
-        self.errors = _RateLimitedErrors(config.error_log_per_minute)
+        self.errors = ErrorBudget(config.error_log_per_minute)
         self.wave = 0
         self._open: OpenWave | None = None
         self._prefill = PrefillTracker()
@@ -109,14 +82,6 @@ class GuardProcessor:
         self._phase: tuple[str, int] = (_IDLE, time.perf_counter_ns())
         # wall clock = perf_counter_ns + offset; refreshed by the streamer thread's heartbeat
         self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()
-        # incidents and probe readings raised before the first wave starts the streamer
-        self._early_incidents: list[guard_pb2.Incident] = []
-        self._early_probes: list[tuple[str, float, dict[str, str]]] = []
-        self._early_lock = threading.Lock()
-        # sampling detectors: built with the streamer (they need the rank), rebuilt on reload
-        self.detectors: DetectorSuite | None = None
-        self.config_generation = 1
-        self.wants_logits = False  # read by the sampler decorators on every sample
         self.logits_checked = False  # set while a verify sampler runs: skip its inner sampler
         self._runner: Any = None
         self._rank: guard_pb2.RankInfo | None = None
@@ -126,12 +91,64 @@ class GuardProcessor:
             current_wave=lambda: self.wave,
             sink=self._queue_incident,
         )
-        # issue 4: collectives, watchdog, fire drill (guard/collective_guard.py); None = off
-        self.observer: WaveObserver | None = None
+        # the wave observers: live config first (a change applies before this wave's
+        # sampling), the detectors (built once the rank is known), then collectives and probes
+        self.live_config = LiveConfig(
+            self.incidents, self._config_changed, self.offer_probe, self._run_id
+        )
+        self.detector_host = DetectorHost(self.incidents, self.offer_probe, self.errors.record)
+        self.observers = Observers(self.errors.record)
+        self.observers.add(self.live_config)
+        self.observers.add(self.detector_host)
         # issue 17: phase and collective in shared memory, for the sidecar (None = off)
         self.live_record: LivenessRecord | None = None
-        # issue 12: request membership per wave, on the rank that owns scheduling (None = off)
+        # issue 12: request membership per wave, on the rank that owns scheduling (None = off).
+        # Not an observer: it reads each wave's output and kept counts from _emit.
         self.membership: RequestMembership | None = None
+        try:
+            security = config.transport.client_security()
+        except ValueError as exc:  # checked at start-up; a file may have gone since
+            log.error("sidecar_transport_unusable", error=str(exc))
+            security = None
+        # built now, started by the first wave; what is offered before waits in its buffers
+        self.streamer: Streamer = streamer_factory(
+            config.sidecar,
+            buffer_size=config.buffer_size,
+            batch_max=config.batch_max,
+            flush_interval_s=config.flush_interval_ms / 1000.0,
+            heartbeat_interval_s=config.heartbeat_interval_s,
+            max_backoff_s=config.reconnect_max_backoff_s,
+            fillers=[self, self.incidents],
+            **({"security": security} if security is not None else {}),
+        )
+        self.streaming = False
+        self.streamer.offer_probe("config_generation", float(self.config_generation), {})
+
+    # -- what the decorators and tests read ---------------------------------------------------
+    @property
+    def wants_logits(self) -> bool:
+        return self.detector_host.wants_logits
+
+    @property
+    def detectors(self) -> DetectorSuite | None:
+        return self.detector_host.suite
+
+    @property
+    def config_generation(self) -> int:
+        return self.live_config.generation
+
+    def add_observer(self, observer: Any) -> None:
+        """Add a wave observer (any subset of `guard.observers.WaveObserver`'s hooks)."""
+        self.observers.add(observer)
+
+    @property
+    def observer(self) -> Any:
+        """The last observer added (kept for callers that set one observer)."""
+        return self.observers.members[-1] if self.observers.members else None
+
+    @observer.setter
+    def observer(self, observer: Any) -> None:
+        self.add_observer(observer)
 
     # -- decorator entry points ---------------------------------------------------------------
     def run_step(self, fn: Callable[..., Any], runner: Any, args: tuple, kwargs: dict) -> Any:
@@ -140,12 +157,11 @@ class GuardProcessor:
             return fn(runner, *args, **kwargs)
         # Counted first and unconditionally: wave N must name the same step on every rank.
         self.wave = wave = self.wave + 1
-        if self.streamer is None or self._open is not None:
+        if not self.streaming or self._open is not None:
             self._prepare_step(runner)
         self._runner = runner
-        observer = self.observer
-        if observer is not None:
-            observer.begin_wave(wave)
+        observers = self.observers
+        observers.begin_wave(wave)
         start = time.perf_counter_ns()
         self._phase = (_EXECUTE, start)
         record = self.live_record
@@ -165,13 +181,9 @@ class GuardProcessor:
                 schedule = EMPTY_SCHEDULE
             else:
                 scheduler_output = args[0] if args else kwargs.get("scheduler_output")
-                # a config change rides on the scheduler output: applied on every rank at this
-                # wave, before its sampling
-                stamp = getattr(scheduler_output, STAMP_ATTR, None)
-                if stamp is not None:
-                    self._apply_stamp(stamp)
-                if self.detectors is not None:
-                    self.detectors.on_schedule(wave, scheduler_output)
+                # config stamps (applied on every rank at this wave, before its sampling), then
+                # the detectors (finished requests, drafts)
+                observers.on_schedule(wave, scheduler_output)
                 schedule = self._prefill.summarize(scheduler_output)
                 if self.membership is not None:
                     self.membership.on_schedule(wave, scheduler_output)
@@ -180,11 +192,9 @@ class GuardProcessor:
                 self._open = opened  # sample_tokens finishes this wave
             else:
                 tokens, kept = sampled_counts(output, runner)
-                self._emit(opened, 0, 0, tokens, False, output, runner, kept)
-                if self.detectors is not None:
-                    self.detectors.on_output(wave, runner, output)
-                if observer is not None:
-                    observer.end_wave(wave)
+                self._emit(opened, 0, 0, tokens, False, output, kept)
+                observers.on_output(wave, runner, output)
+                observers.end_wave(wave)
         except Exception:  # noqa: BLE001
             self.errors.record("step_end")
         return output
@@ -207,9 +217,7 @@ class GuardProcessor:
             self._phase = (_IDLE, end)
             if record is not None:
                 record.phase(_IDLE, end, self.wave)
-        observer = self.observer
-        if observer is not None:
-            observer.end_wave(self.wave)
+        self.observers.end_wave(self.wave)
         opened = self._open
         if opened is not None:
             self._open = None
@@ -223,7 +231,7 @@ class GuardProcessor:
     def _prepare_step(self, runner: Any) -> None:
         """Start streaming on the first wave; flush a wave that never reached sample_tokens."""
         try:
-            if self.streamer is None:
+            if not self.streaming:
                 self._start_streamer(runner)
             opened = self._open
             if opened is not None:
@@ -236,11 +244,10 @@ class GuardProcessor:
         offset = start - opened[1]
         tokens, kept = sampled_counts(output, self._runner)
         get_output = getattr(output, "get_output", None) if tokens is None else None
-        detectors = self.detectors
+        observers = self.observers
         if get_output is None or not callable(get_output):
-            self._emit(opened, end - start, offset, tokens, True, output, self._runner, kept)
-            if detectors is not None:
-                detectors.on_output(opened[0], self._runner, output)
+            self._emit(opened, end - start, offset, tokens, True, output, kept)
+            observers.on_output(opened[0], self._runner, output)
             return
 
         # Async output (GPU/NPU runners): token lists exist only once get_output() resolves,
@@ -252,9 +259,8 @@ class GuardProcessor:
                 # may have moved on (async scheduling), so every returned token counts; the
                 # per-request counts are taken now, before the scheduler cuts any list
                 tokens, kept = sampled_counts(result)
-                self._emit(opened, end - start, offset, tokens, True, result, None, kept)
-                if detectors is not None:
-                    detectors.on_output(opened[0], self._runner, result)
+                self._emit(opened, end - start, offset, tokens, True, result, kept)
+                observers.on_output(opened[0], self._runner, result)
             except Exception:  # noqa: BLE001
                 self.errors.record("async_output")
             return result
@@ -269,129 +275,70 @@ class GuardProcessor:
         tokens: int | None,
         sampled: bool,
         output: Any = None,
-        runner: Any = None,
         kept: Any = None,
     ) -> None:
-        streamer = self.streamer
-        if streamer is None:
+        if not self.streaming:
             return
+        streamer = self.streamer
         wave, start, execute_ns, schedule = opened
         num_reqs, prefill_reqs, decode_reqs, prefill_tokens, decode_tokens, recompute = schedule
-        streamer.offer(
-            _new_tuple(
-                WaveTuple,
-                (
-                    wave,
-                    start + self._wall_offset_ns,
-                    execute_ns,
-                    sample_ns,
-                    sample_offset_ns,
-                    num_reqs,
-                    prefill_reqs,
-                    decode_reqs,
-                    prefill_tokens,
-                    decode_tokens,
-                    tokens or 0,
-                    num_reqs == 0,
-                    sampled,
-                    recompute,
-                ),
-            )  # fmt: skip
+        record = (
+            wave,
+            start + self._wall_offset_ns,
+            execute_ns,
+            sample_ns,
+            sample_offset_ns,
+            num_reqs,
+            prefill_reqs,
+            decode_reqs,
+            prefill_tokens,
+            decode_tokens,
+            tokens or 0,
+            num_reqs == 0,
+            sampled,
+            recompute,
         )
+        streamer.offer(_new_tuple(WaveTuple, record))
         if self.membership is not None:
             self.membership.on_wave(wave, output, tokens, kept)
 
     # -- sampling detectors and live config ----------------------------------------------------
     def on_logits(self, logits: Any, rows_per_req: list[int] | None) -> None:
         """Called by the sampler decorators with the logits about to be sampled."""
-        detectors = self.detectors
-        if detectors is None or self.logits_checked or logits is None:
+        if self.logits_checked or logits is None:
             return
         try:
-            detectors.on_logits(self.wave, self._runner, logits, rows_per_req)
+            self.detector_host.on_logits(self.wave, self._runner, logits, rows_per_req)
         except Exception:  # noqa: BLE001
             self.errors.record("detectors_logits")
 
-    def _build_detectors(self, rank: guard_pb2.RankInfo) -> None:
-        from guard.detectors.evidence import EvidenceDumper
-        from guard.detectors.suite import DetectorSuite
-
-        config = self.config.detectors
-        old, self.detectors = self.detectors, None
-        if old is not None:
-            old.close()
-        suite = DetectorSuite(
-            config,
-            self.incidents,
-            EvidenceDumper(
-                config.dump, rank.run_id, f"dp{rank.dp_rank}tp{rank.tp_rank}pp{rank.pp_rank}"
-            ),
-            report_tokens=rank.tp_rank == 0,
-            probe=self.offer_probe,
-        )
-        self.wants_logits = suite.needs_logits
-        if suite.needs_logits or suite.needs_output:
-            self.detectors = suite
-
-    def _apply_stamp(self, stamp: tuple) -> None:
-        """A config change stamped on this wave's scheduler output (see guard/reload.py)."""
-        generation, config_json, error, restart = stamp
-        if generation <= self.config_generation:
-            return
-        self.config_generation = generation
-        run_id = self._rank.run_id if self._rank is not None else "run"
-        if error:
-            self.incidents.report(
-                "config_reload_failed", "error", f"config edit refused, old config kept: {error}"[:1000],
-                evidence={"generation": generation, "error": error}, incident_id=f"{run_id}:config:{generation}",
-            )  # fmt: skip
-            log.error("config_reload_refused", generation=generation, wave=self.wave, error=error)
-            return
-        self.config = config_from_json(config_json)
-        self.incidents.reconfigure(self.config.incidents)
+    def _config_changed(self, config: GuardConfig) -> None:
+        """A live config change (guard/reload.py), applied at this wave on every rank."""
+        self.config = config
+        self.incidents.reconfigure(config.incidents)
         if self._rank is not None:
-            self._build_detectors(self._rank)
-        self.offer_probe("config_generation", float(generation), {})
-        if restart:
-            self.incidents.report(
-                "config_needs_restart", "warning",
-                f"changed keys need a restart and were not applied: {', '.join(restart)}",
-                evidence={"generation": generation, "keys": list(restart)},
-                incident_id=f"{run_id}:config-restart:{generation}",
-            )  # fmt: skip
-        log.info(
-            "config_reloaded", generation=generation, wave=self.wave, needs_restart=list(restart)
-        )
+            self.detector_host.build(config.detectors, self._rank)
+
+    def _run_id(self) -> str:
+        return self._rank.run_id if self._rank is not None else "run"
 
     def _queue_incident(self, incident: guard_pb2.Incident) -> None:
-        streamer = self.streamer
-        if streamer is None:
-            with self._early_lock:
-                streamer = self.streamer
-                if streamer is None:
-                    self._early_incidents.append(incident)
-                    return
-        streamer.offer_incident(incident)
+        self.streamer.offer_incident(incident)
 
     def offer_probe(self, name: str, value: float, labels: dict[str, str]) -> None:
-        streamer = self.streamer
-        if streamer is None:
-            with self._early_lock:
-                streamer = self.streamer
-                if streamer is None:
-                    self._early_probes.append((name, value, labels))
-                    return
-        streamer.offer_probe(name, value, labels)
+        self.streamer.offer_probe(name, value, labels)
 
-    def _probe_snapshot(self) -> list[tuple[str, float, dict[str, str]]]:
-        detectors = self.detectors
-        if detectors is not None:
-            try:
-                detectors.flush_idle()  # a finding left queued when the engine went idle
-            except Exception:  # noqa: BLE001
-                self.errors.record("detectors_idle_flush")
-        found = detectors.probe_values() if detectors is not None else []
-        return [*identity.readings(), *found]  # build_info, attach points: every heartbeat
+    def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool) -> None:
+        """Streamer thread: this rank's heartbeat, error count, readings, then the observers'."""
+        if with_heartbeat:
+            self.heartbeat().fill(batch)
+            for name, value, labels in identity.readings():  # build_info, attach points
+                batch.probes.add(name=name, labels=labels, value=value)
+        self.observers.fill_batch(batch, with_heartbeat)  # detectors' readings, collectives
+        membership = self.membership
+        if membership is not None:
+            membership.fill_batch(batch, with_heartbeat)
+        batch.guard_errors_total += self.errors.total
 
     def heartbeat(self) -> HeartbeatState:
         """What this rank is doing right now; called on the streamer thread."""
@@ -403,45 +350,17 @@ class GuardProcessor:
     def _start_streamer(self, runner: Any) -> None:
         config = self.config
         rank = self._describe_rank(runner)
-        try:
-            security = config.transport.client_security()
-        except ValueError as exc:  # checked at start-up; a file may have gone since
-            log.error("sidecar_transport_unusable", error=str(exc))
-            security = None
-        streamer = self._streamer_factory(
-            config.sidecar,
+        self._rank = rank
+        self._start_membership(rank)
+        self._start_live_record(rank)
+        self.detector_host.build(config.detectors, rank)
+        self.streamer.start(
             rank,
-            buffer_size=config.buffer_size,
-            batch_max=config.batch_max,
-            flush_interval_s=config.flush_interval_ms / 1000.0,
-            heartbeat_interval_s=config.heartbeat_interval_s,
-            max_backoff_s=config.reconnect_max_backoff_s,
-            heartbeat_source=self.heartbeat,
-            batch_filler=chain_fillers(
-                self.observer.fill_batch if self.observer is not None else None,
-                self._start_membership(rank),
-            ),
-            error_counter=lambda: self.errors.total,
-            hits_source=self.incidents.hits_snapshot,
-            probe_source=self._probe_snapshot,
-            spool=IncidentSpool(
+            IncidentSpool(
                 config.incidents.spool_dir, rank.run_id, rank.pid, config.incidents.spool_max_bytes
             ),
-            **({"security": security} if security is not None else {}),
         )
-        self._rank = rank
-        self._start_live_record(rank)
-        self._build_detectors(rank)
-        if hasattr(streamer, "offer_probe"):
-            streamer.offer_probe("config_generation", float(self.config_generation), {})
-        with self._early_lock:
-            for incident in self._early_incidents:
-                streamer.offer_incident(incident)
-            for probe in self._early_probes:
-                streamer.offer_probe(*probe)
-            self._early_incidents, self._early_probes = [], []
-            self.streamer = streamer
-        streamer.start()
+        self.streaming = True
         log.info(
             "guard_streaming",
             sidecar=config.sidecar,
@@ -453,14 +372,12 @@ class GuardProcessor:
             runner=rank.runner,
         )
 
-    def _start_membership(self, rank: guard_pb2.RankInfo):
-        """Request membership on tp0 (guard/request_membership.py); its batch filler."""
+    def _start_membership(self, rank: guard_pb2.RankInfo) -> None:
+        """Request membership on tp0 (guard/request_membership.py); fill_batch sends it."""
         if self.config.request_traces and rank.tp_rank == 0:
             self.membership = RequestMembership(
                 self.config.buffer_size, on_error=self.errors.record
             )
-            return self.membership.fill_batch
-        return None
 
     def _start_live_record(self, rank: guard_pb2.RankInfo) -> None:
         if not self.config.liveness_record:
@@ -468,21 +385,18 @@ class GuardProcessor:
         record = LivenessRecord.create(
             self.config.liveness_dir, rank.run_id, rank.dp_rank, rank.pp_rank, rank.tp_rank
         )
-        tracker = getattr(self.observer, "tracker", None)
-        if tracker is not None:
-            tracker.record = record
+        for observer in self.observers.members:  # the collectives' tracker writes its entries
+            tracker = getattr(observer, "tracker", None)
+            if tracker is not None:
+                tracker.record = record
         self.live_record = record
 
     def close(self) -> None:
         if self.live_record is not None:
             self.live_record.close()
-        if self.detectors is not None:
-            try:
-                self.detectors.close()
-            except Exception:  # noqa: BLE001
-                self.errors.record("detectors_close")
+        self.observers.close()  # the detectors drain their queued waves
         opened, self._open = self._open, None
         if opened is not None:
             self._emit(opened, 0, 0, None, False)
-        if self.streamer is not None:
+        if self.streaming:
             self.streamer.stop()

@@ -30,6 +30,7 @@ from guard.config import (
     GuardConfigError,
     _load_file,
     config_from_env,
+    config_from_json,
     parse_config,
 )
 
@@ -192,3 +193,59 @@ def guard_schedule(fn: F) -> F:
 
     guarded_schedule.__ascend_guard_wrapped__ = fn  # type: ignore[attr-defined]
     return guarded_schedule  # type: ignore[return-value]
+
+
+class LiveConfig:
+    """Worker side of hot reload, a wave observer: applies each new stamp at its wave.
+
+    A stamp rides on the scheduler output, so every rank applies (or refuses) it at the same
+    wave, before that wave's sampling. `on_change` gets the new config (the processor then
+    rebuilds what depends on it); a refusal or keys needing a restart become incidents with one
+    id shared by every rank.
+    """
+
+    def __init__(
+        self,
+        reporter: Any,
+        on_change: Callable[[GuardConfig], None],
+        offer_probe: Callable[[str, float, dict[str, str]], None],
+        run_id: Callable[[], str],
+    ) -> None:
+        self.generation = 1
+        self._reporter = reporter
+        self._on_change = on_change
+        self._offer_probe = offer_probe
+        self._run_id = run_id
+
+    def on_schedule(self, wave: int, scheduler_output: Any) -> None:
+        stamp = getattr(scheduler_output, STAMP_ATTR, None)
+        if stamp is not None:
+            self.apply(stamp, wave)
+
+    def apply(self, stamp: Stamp, wave: int) -> None:
+        generation, config_json, error, restart = stamp
+        if generation <= self.generation:
+            return
+        self.generation = generation
+        run_id = self._run_id()
+        if error:
+            self._reporter.report(
+                "config_reload_failed",
+                "error",
+                f"config edit refused, old config kept: {error}"[:1000],
+                evidence={"generation": generation, "error": error},
+                incident_id=f"{run_id}:config:{generation}",
+            )
+            log.error("config_reload_refused", generation=generation, wave=wave, error=error)
+            return
+        self._on_change(config_from_json(config_json))
+        self._offer_probe("config_generation", float(generation), {})
+        if restart:
+            self._reporter.report(
+                "config_needs_restart",
+                "warning",
+                f"changed keys need a restart and were not applied: {', '.join(restart)}",
+                evidence={"generation": generation, "keys": list(restart)},
+                incident_id=f"{run_id}:config-restart:{generation}",
+            )
+        log.info("config_reloaded", generation=generation, wave=wave, needs_restart=list(restart))

@@ -506,21 +506,6 @@ class RequestMembership:
                 cols.name_request_id.append(req_id)
 
 
-def chain_fillers(
-    *fillers: Callable[[guard_pb2.Batch, bool], None] | None,
-) -> Callable[[guard_pb2.Batch, bool], None] | None:
-    """One batch filler calling each given one in order (None: none given)."""
-    present = [f for f in fillers if f is not None]
-    if len(present) <= 1:
-        return present[0] if present else None
-
-    def fill(batch: guard_pb2.Batch, with_heartbeat: bool) -> None:
-        for filler in present:
-            filler(batch, with_heartbeat)
-
-    return fill
-
-
 def _position(req_ids: list, req_id: str) -> int | None:
     try:
         return req_ids.index(req_id)  # the runner's own strings: compared by identity first

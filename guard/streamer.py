@@ -7,6 +7,12 @@ exponential backoff when the sidecar is away. While it is away records wait in t
 the buffer is full the oldest are dropped and counted, and the cumulative drop count travels
 with every later batch so the sidecar can export it.
 
+What a batch carries besides waves and incidents comes from its batch fillers, one protocol
+(`BatchFiller`): the processor (heartbeat, error count, detector readings), the incident
+reporter (hit counts), the collectives observer. The streamer is built with them at start-up;
+`start(rank)` names the rank once the first wave knows it. Records, incidents and probe
+readings offered before that simply wait in the buffers.
+
 Incidents take another road, because none may be lost: they wait in their own queue, the ones
 sent on a stream that breaks are sent again on the next one, and while the sidecar is away they
 go to an on-disk spool (`guard/spool.py`). The sidecar deduplicates them by id.
@@ -17,8 +23,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple, Protocol
 
 import grpc
 import structlog
@@ -68,6 +74,18 @@ class HeartbeatState(NamedTuple):
     phase: str
     phase_age_ns: int
 
+    def fill(self, batch: guard_pb2.Batch) -> None:
+        heartbeat = batch.heartbeat
+        heartbeat.last_wave = self.last_wave
+        heartbeat.phase = self.phase
+        heartbeat.phase_age_ns = self.phase_age_ns
+
+
+class BatchFiller(Protocol):
+    """Adds its fields to each batch, on the streamer thread; must not block."""
+
+    def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool) -> None: ...
+
 
 class Streamer:
     """Ships records of one rank to the sidecar without ever blocking the caller."""
@@ -75,34 +93,27 @@ class Streamer:
     def __init__(
         self,
         address: str,
-        rank: guard_pb2.RankInfo,
+        rank: guard_pb2.RankInfo | None = None,
         *,
         buffer_size: int,
         batch_max: int,
         flush_interval_s: float,
         heartbeat_interval_s: float,
         max_backoff_s: float,
-        heartbeat_source: Callable[[], HeartbeatState],
-        error_counter: Callable[[], int] = lambda: 0,
-        hits_source: Callable[[], dict[str, int]] = dict,
+        fillers: Sequence[BatchFiller] = (),
         spool: IncidentSpool | None = None,
-        probe_source: Callable[[], list[tuple[str, float, dict[str, str]]]] | None = None,
-        batch_filler: Callable[[guard_pb2.Batch, bool], None] | None = None,
         security: ClientSecurity | None = None,
     ) -> None:
         self._address = address
-        self._rank = rank
+        self._rank = rank if rank is not None else guard_pb2.RankInfo()
         self._buffer: collections.deque[WaveTuple] = collections.deque()
         self._buffer_size = buffer_size
         self._batch_max = batch_max
         self._flush_interval_s = flush_interval_s
         self._heartbeat_interval_s = heartbeat_interval_s
         self._max_backoff_s = max_backoff_s
-        self._heartbeat_source = heartbeat_source
-        self._error_counter = error_counter
-        self._hits_source = hits_source
+        self.fillers: list[BatchFiller] = list(fillers)
         self._spool = spool
-        self._probe_source = probe_source
         self._incidents: collections.deque[guard_pb2.Incident] = collections.deque()
         self._unconfirmed: collections.deque[guard_pb2.Incident] = collections.deque(
             maxlen=RESEND_WINDOW
@@ -111,7 +122,6 @@ class Streamer:
         self._probes_lock = threading.Lock()
         self.incidents_sent = 0
         self.incidents_spooled = 0
-        self._batch_filler = batch_filler  # adds collective fields (issue 4), never raises
         self._security = security  # TLS and/or bearer token (telemetry/transport.py)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -148,7 +158,14 @@ class Streamer:
         return len(self._incidents)
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def start(self) -> None:
+    def start(
+        self, rank: guard_pb2.RankInfo | None = None, spool: IncidentSpool | None = None
+    ) -> None:
+        """Start sending, as `rank` (when not given at construction)."""
+        if rank is not None:
+            self._rank = rank
+        if spool is not None:
+            self._spool = spool
         self._thread = threading.Thread(target=self._run, name="ascend-guard-streamer", daemon=True)
         self._thread.start()
 
@@ -311,35 +328,22 @@ class Streamer:
     def _make_batch(self, records: list[WaveTuple], with_heartbeat: bool) -> guard_pb2.Batch:
         self._seq += 1
         batch = guard_pb2.Batch(
-            dropped_total=self.dropped,
-            guard_errors_total=self._error_counter(),
-            seq=self._seq,
-            wire_version=WIRE_VERSION,
+            dropped_total=self.dropped, seq=self._seq, wire_version=WIRE_VERSION
         )
         if self._seq == self._stream_first_seq:  # rank identity once per stream
             batch.rank.CopyFrom(self._rank)
-        hits = self._hits_source()
-        if hits:
-            batch.detector_hits_total.update(hits)
         if records:
             # one extend per column (wire v2) instead of one message per wave
             cols = batch.wave_columns
             for name, values in zip(WAVE_COLUMNS, zip(*records, strict=True), strict=True):
                 getattr(cols, name).extend(values)
-        if with_heartbeat and self._probe_source is not None:
-            try:
-                for name, value, labels in self._probe_source():
-                    self.offer_probe(name, value, labels)
-            except Exception:  # noqa: BLE001 - a probe must not break the stream
-                log.exception("probe_source_failed")
         if with_heartbeat:
-            state = self._heartbeat_source()
             batch.heartbeat.time_unix_nano = time.time_ns()
-            batch.heartbeat.last_wave = state.last_wave
-            batch.heartbeat.phase = state.phase
-            batch.heartbeat.phase_age_ns = state.phase_age_ns
-        if self._batch_filler is not None:
-            self._batch_filler(batch, with_heartbeat)
+        for filler in self.fillers:
+            try:
+                filler.fill_batch(batch, with_heartbeat)
+            except Exception:  # noqa: BLE001 - a filler must not break the stream
+                log.exception("batch_filler_failed", filler=type(filler).__name__)
         return batch
 
 

@@ -23,7 +23,7 @@ from guard.detectors.evidence import EvidenceDumper, request_kv_blocks
 from guard.detectors.slots import WaveTokens
 from guard.detectors.spec import AcceptanceTracker
 from guard.detectors.tokens import RepeatDetector, out_of_range, rows_out_of_range
-from guard.incidents import IncidentReporter
+from guard.reporter import IncidentReporter
 
 # a token batch left queued this long with no new wave is screened by the streamer thread, so a
 # finding does not wait for the next request

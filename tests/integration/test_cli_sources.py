@@ -29,7 +29,7 @@ from telemetry.store import connect
 from telemetry.traces import format_trace_id, wave_trace_id
 from tests.support.certs import TestCA
 from tests.support.collective_feed import _filler as collective_filler
-from tests.support.feed import attach_reporter, make_streamer, wave_tuple
+from tests.support.feed import FillWith, attach_reporter, make_streamer, wave_tuple
 from tests.support.ports import free_port
 from tests.support.sidecar import SidecarProcess
 
@@ -57,7 +57,7 @@ def _feed(address: str) -> None:
         colls = make_streamer(
             address, engine="coll", rank=(0, tp, 0), run_id="run-coll", pid=7200 + tp
         )
-        colls._batch_filler = collective_filler(tp, 12, 5, 1, 0.05)
+        colls.fillers.append(FillWith(collective_filler(tp, 12, 5, 1, 0.05)))
         for n in range(1, 13):
             colls.offer(wave_tuple(n))
         streamers += [streamer, colls]

@@ -27,7 +27,7 @@ from guard import identity
 from guard.streamer import HeartbeatState, Streamer
 from telemetry import paths
 from telemetry.proto import guard_pb2
-from tests.support.feed import send_waves, wave_tuple
+from tests.support.feed import FixedHeartbeat, send_waves, wave_tuple
 from tests.support.metrics import samples, value
 from tests.support.ports import free_port
 from tests.support.sidecar import SidecarProcess
@@ -128,8 +128,8 @@ def rank_streamer(address: str, engine: str, tp: int, *, run_id: str = "run-op",
 
     return Streamer(
         address, info, buffer_size=1024, batch_max=64, flush_interval_s=0.02,
-        heartbeat_interval_s=0.2, max_backoff_s=0.2, probe_source=probes,
-        heartbeat_source=lambda: HeartbeatState(3, "idle", 0),
+        heartbeat_interval_s=0.2, max_backoff_s=0.2,
+        fillers=[FixedHeartbeat(HeartbeatState(3, "idle", 0), probes=probes)],
     )  # fmt: skip
 
 

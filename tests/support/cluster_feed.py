@@ -11,7 +11,7 @@ import time
 
 from guard.streamer import HeartbeatState, Streamer
 from telemetry.proto import guard_pb2
-from tests.support.feed import DASHBOARD_PROBES, attach_reporter, wave_tuple
+from tests.support.feed import DASHBOARD_PROBES, FixedHeartbeat, attach_reporter, wave_tuple
 
 CALLS_PER_WAVE = 6  # 5 all_reduce + 1 all_gather on tp
 
@@ -45,8 +45,7 @@ class LiveRank:
         self.streamer = Streamer(
             address, info, buffer_size=4096, batch_max=256, flush_interval_s=0.02,
             heartbeat_interval_s=0.2, max_backoff_s=0.2,
-            heartbeat_source=lambda: HeartbeatState(waves, "execute_model", 0),
-            batch_filler=self._fill,
+            fillers=[FixedHeartbeat(HeartbeatState(waves, "execute_model", 0), self._fill)],
         )  # fmt: skip
         for n in range(1, waves + 1):
             self.streamer.offer(wave_tuple(n))

@@ -12,6 +12,7 @@ import time
 
 from guard.streamer import HeartbeatState, Streamer
 from telemetry.proto import guard_pb2
+from tests.support.feed import FixedHeartbeat
 
 
 def _filler(tp: int, waves: int, straggler_wave: int, straggler_tp: int, delay_s: float):
@@ -67,8 +68,8 @@ def send_collective_waves(
         streamer = Streamer(
             address, info, buffer_size=1024, batch_max=256, flush_interval_s=0.02,
             heartbeat_interval_s=0.2, max_backoff_s=0.2,
-            heartbeat_source=lambda: HeartbeatState(waves, "execute_model", 0),
-            batch_filler=_filler(tp, waves, straggler_wave, straggler_tp, delay_s),
+            fillers=[FixedHeartbeat(HeartbeatState(waves, "execute_model", 0),
+                                    _filler(tp, waves, straggler_wave, straggler_tp, delay_s))],
         )  # fmt: skip
         streamer.start()
         streamers.append(streamer)

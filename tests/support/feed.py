@@ -26,9 +26,37 @@ def make_streamer(
     )  # fmt: skip
     return Streamer(
         address, info, buffer_size=buffer_size, batch_max=256, flush_interval_s=0.02, heartbeat_interval_s=0.2,
-        max_backoff_s=0.2, heartbeat_source=lambda: HeartbeatState(0, "idle", 0),
-        probe_source=identity.readings,  # build_info with every heartbeat, as a real worker
+        max_backoff_s=0.2,
+        # build_info with every heartbeat, as a real worker
+        fillers=[FixedHeartbeat(HeartbeatState(0, "idle", 0), probes=identity.readings)],
     )  # fmt: skip
+
+
+class FillWith:
+    """A batch filler made of a function `(batch, with_heartbeat)`."""
+
+    def __init__(self, fill) -> None:
+        self.fill_batch = fill
+
+
+class FixedHeartbeat:
+    """A batch filler that reports the same heartbeat state every time.
+
+    `fill` adds more fields to every batch; `probes` gives readings for each heartbeat batch.
+    """
+
+    def __init__(self, state: HeartbeatState, fill=None, probes=None) -> None:
+        self.state = state
+        self._fill = fill
+        self._probes = probes
+
+    def fill_batch(self, batch, with_heartbeat: bool) -> None:
+        if with_heartbeat:
+            self.state.fill(batch)
+            for name, value, labels in self._probes() if self._probes is not None else ():
+                batch.probes.add(name=name, labels=labels, value=value)
+        if self._fill is not None:
+            self._fill(batch, with_heartbeat)
 
 
 def wave_tuple(
@@ -83,13 +111,13 @@ def send_waves(
 def attach_reporter(streamer: Streamer, run_id: str, *, wave: int = 7, **config):
     """An IncidentReporter wired to `streamer` the way GuardProcessor wires them."""
     from guard.config import IncidentsConfig
-    from guard.incidents import IncidentReporter
+    from guard.reporter import IncidentReporter
 
     reporter = IncidentReporter(
         IncidentsConfig(**config), run_id=run_id, current_wave=lambda: wave,
         sink=streamer.offer_incident,
     )  # fmt: skip
-    streamer._hits_source = reporter.hits_snapshot
+    streamer.fillers.append(reporter)  # each batch carries the hit counts
     return reporter
 
 

@@ -26,6 +26,7 @@ import grpc
 from guard.collectives import FinishedWave, add_waves
 from guard.streamer import HeartbeatState, Streamer, WaveTuple
 from telemetry.proto import guard_pb2
+from tests.support.feed import FixedHeartbeat
 
 METHOD = "/ascend_guard.v1.GuardIngest/Stream"
 BATCH = 256
@@ -78,8 +79,7 @@ def make_streamer(address: str, args: argparse.Namespace) -> Streamer:
         flush_interval_s=0.01,
         heartbeat_interval_s=1.0,
         max_backoff_s=0.2,
-        heartbeat_source=lambda: HeartbeatState(0, "execute_model", 0),
-        batch_filler=_filler(args.tp),
+        fillers=[FixedHeartbeat(HeartbeatState(0, "execute_model", 0), _filler(args.tp))],
     )
 
 

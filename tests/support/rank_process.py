@@ -30,6 +30,7 @@ import time
 from guard.liveness_record import LivenessRecord
 from guard.streamer import HeartbeatState, Streamer
 from telemetry.proto import guard_pb2
+from tests.support.feed import FixedHeartbeat
 
 WAVE = 5
 SEQ = 31
@@ -79,7 +80,7 @@ def main() -> None:
     streamer = Streamer(
         args.address, rank, buffer_size=64, batch_max=16, flush_interval_s=0.02,
         heartbeat_interval_s=0.2, max_backoff_s=0.2,
-        heartbeat_source=lambda: HeartbeatState(WAVE, "execute_model", 0), batch_filler=fill,
+        fillers=[FixedHeartbeat(HeartbeatState(WAVE, "execute_model", 0), fill)],
     )  # fmt: skip
     record = None
     if args.record_dir is not None:

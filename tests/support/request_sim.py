@@ -196,8 +196,9 @@ class Sim:
 class _QuietStreamer(Streamer):
     """The real Streamer, never started: tests pull its batches with `batches()`."""
 
-    def start(self) -> None:
-        return
+    def start(self, rank=None, spool=None) -> None:
+        if rank is not None:  # named as the real one is, never sending
+            self._rank = rank
 
     def stop(self, timeout: float = 2.0) -> None:
         return

@@ -141,7 +141,11 @@ def test_guard_on_exception_from_the_real_method_propagates(upstream):
         GuardConfig(sidecar="localhost:1"),
         lambda runner: guard_pb2.RankInfo(run_id="r"),
         lambda *a, **k: SimpleNamespace(
-            start=lambda: None, offer=lambda r: None, stop=lambda: None
+            start=lambda rank=None, spool=None: None,
+            offer=lambda r: None,
+            stop=lambda: None,
+            offer_probe=lambda *a: None,
+            offer_incident=lambda i: None,
         ),
     )
     install(processor)

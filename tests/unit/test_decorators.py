@@ -82,16 +82,25 @@ class BareRunner(Runner):
 
 
 class FakeStreamer:
-    def __init__(self, address, rank, **kwargs):
+    """Built by the processor at start-up; named its rank when the first wave starts it."""
+
+    def __init__(self, address, **kwargs):
         self.address = address
-        self.rank = rank
+        self.rank = None
         self.kwargs = kwargs
         self.records: list[WaveTuple] = []
         self.started = self.stopped = False
         self.fail_offer = False
 
-    def start(self):
+    def start(self, rank, spool=None):
+        self.rank = rank
         self.started = True
+
+    def offer_probe(self, name, value, labels):
+        pass
+
+    def offer_incident(self, incident):
+        pass
 
     def stop(self):
         self.stopped = True
@@ -116,8 +125,8 @@ class Guard:
             self.described.append(runner)
             return RANK
 
-        def factory(address, rank, **kwargs):
-            streamer = FakeStreamer(address, rank, **kwargs)
+        def factory(address, **kwargs):
+            streamer = FakeStreamer(address, **kwargs)
             self.streamers.append(streamer)
             return streamer
 
@@ -128,6 +137,10 @@ class Guard:
     @property
     def records(self) -> list[WaveTuple]:
         return [r for s in self.streamers for r in s.records]
+
+    @property
+    def started(self) -> list[FakeStreamer]:
+        return [s for s in self.streamers if s.started]
 
 
 @pytest.fixture
@@ -191,7 +204,7 @@ def test_guard_off_calls_no_processor():
         runner.execute_model(sched(a=1))
         runner.sample_tokens(None)
     assert guard.processor.wave == 0
-    assert guard.streamers == [] and guard.described == []
+    assert guard.started == [] and guard.described == []
     assert runner.phase_seen == [None] * 6
 
 
@@ -264,9 +277,17 @@ def test_guard_on_starts_one_streamer_with_the_config(guard):
     assert streamer.kwargs["buffer_size"] == 64
     assert streamer.kwargs["batch_max"] == 8
     assert streamer.kwargs["flush_interval_s"] == pytest.approx(0.05)
-    assert streamer.kwargs["heartbeat_source"]().last_wave == 3
+    # one batch-filler protocol: the processor fills heartbeat and error count
+    fillers = streamer.kwargs["fillers"]
+    batch = guard_pb2.Batch()
+    for filler in fillers:
+        filler.fill_batch(batch, True)
+    assert batch.heartbeat.last_wave == 3
     guard.processor.errors.total = 7
-    assert streamer.kwargs["error_counter"]() == 7
+    batch = guard_pb2.Batch()
+    for filler in fillers:
+        filler.fill_batch(batch, False)
+    assert batch.guard_errors_total == 7
 
 
 def test_guard_on_exceptions_propagate(guard):
@@ -422,7 +443,7 @@ def test_error_in_describe_rank_is_counted_and_result_returned():
     assert runner.execute_model(sched(a=1)) is output
     assert guard.processor.errors.total == 2
     assert len(runner.calls) == 2  # the bare method still ran each time
-    assert guard.streamers == []
+    assert guard.started == []
 
 
 def test_error_in_streamer_offer_is_counted_and_result_returned(guard):
@@ -495,3 +516,70 @@ def test_reentrant_override_counts_one_wave_even_when_the_guard_fails():
         assert runner.execute_model(sched(a=1)) is runner.execute_result
     assert guard.processor.errors.total >= 3
     assert guard.processor.wave == 3
+
+
+# -- the observer protocol and the module layering -------------------------------------------
+
+
+class Recorder:
+    """A wave observer with every hook, recording the calls."""
+
+    def __init__(self, calls, name):
+        self.calls, self.name = calls, name
+
+    def begin_wave(self, wave):
+        self.calls.append((self.name, "begin", wave))
+
+    def on_schedule(self, wave, scheduler_output):
+        self.calls.append((self.name, "schedule", wave))
+
+    def on_output(self, wave, runner, output):
+        self.calls.append((self.name, "output", wave))
+
+    def end_wave(self, wave):
+        self.calls.append((self.name, "end", wave))
+
+
+class CollectivesLike:
+    """Only the hooks the collectives observer has (guard/collective_guard.py), one raising."""
+
+    def __init__(self, calls):
+        self.calls = calls
+
+    def begin_wave(self, wave):
+        raise RuntimeError("tracker broke")
+
+    def end_wave(self, wave):
+        self.calls.append(("coll", "end", wave))
+
+    def fill_batch(self, batch, with_heartbeat):
+        batch.guard_errors_total += 5
+
+
+def test_observers_are_called_in_order_and_a_failing_hook_is_counted(guard):
+    calls = []
+    guard.processor.add_observer(Recorder(calls, "a"))
+    guard.processor.observer = CollectivesLike(calls)  # the collectives binding's way
+    runner = Runner(sample_result=Output([[1]]))
+    for _ in range(2):
+        runner.execute_model(sched(a=1))
+        runner.sample_tokens(None)
+    per_wave = [("a", "begin"), ("a", "schedule"), ("a", "end"), ("coll", "end"), ("a", "output")]
+    assert calls == [(name, hook, wave) for wave in (1, 2) for name, hook in per_wave]
+    assert guard.processor.errors.total == 2  # the raising begin_wave, twice; the step ran
+    assert [r.wave for r in guard.records] == [1, 2]
+    batch = guard_pb2.Batch()
+    guard.processor.fill_batch(batch, True)
+    assert batch.guard_errors_total == 2 + 5 and batch.heartbeat.last_wave == 2
+
+
+def test_decorators_are_a_leaf_and_the_facade_needs_no_processor():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import guard.incidents; "
+        "print(sorted(m for m in sys.modules if m.startswith('guard')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "['guard', 'guard.decorators', 'guard.incidents']"

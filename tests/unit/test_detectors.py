@@ -33,7 +33,7 @@ from guard.detectors.tokens import (
     out_of_range,
     rows_out_of_range,
 )
-from guard.incidents import IncidentReporter
+from guard.reporter import IncidentReporter
 
 
 # -- logits checks --------------------------------------------------------------------------

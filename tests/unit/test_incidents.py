@@ -7,7 +7,7 @@ import json
 import pytest
 
 from guard.config import GuardConfigError, IncidentsConfig, parse_config
-from guard.incidents import MAX_EVIDENCE_BYTES, IncidentReporter, encode_evidence
+from guard.reporter import MAX_EVIDENCE_BYTES, IncidentReporter, encode_evidence
 from guard.spool import IncidentSpool
 
 

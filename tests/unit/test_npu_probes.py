@@ -19,7 +19,7 @@ FAKES = Path(__file__).resolve().parents[1] / "fakes"
 
 
 def guard_processor():
-    """A real GuardProcessor (no sidecar yet: readings wait in it until streaming starts)."""
+    """A real GuardProcessor (no sidecar yet: readings wait in its streamer until it starts)."""
     from guard.config import GuardConfig
     from guard.processor import GuardProcessor
     from telemetry.proto import guard_pb2
@@ -28,7 +28,7 @@ def guard_processor():
 
 
 def held_probes(processor):
-    return {name: labels for name, _, labels in processor._early_probes}
+    return {name: dict(labels) for name, labels in processor.streamer._probes}
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from telemetry.pipeline import STAGE_QUEUE, BoundedQueue, Drops, Item, Writer
 from telemetry.proto import guard_pb2
 from telemetry.query import SpanQuery, search
 from telemetry.store import Store
-from tests.support.feed import wave_tuple
+from tests.support.feed import FixedHeartbeat, wave_tuple
 
 
 class _Aborted(Exception):
@@ -71,7 +71,7 @@ def streamer_batches(tp: int, waves: range, per_batch: int = 64) -> list[guard_p
         flush_interval_s=1,
         heartbeat_interval_s=1,
         max_backoff_s=1,
-        heartbeat_source=lambda: HeartbeatState(0, "", 0),
+        fillers=[FixedHeartbeat(HeartbeatState(0, "", 0))],
     )
     records = [wave_tuple(n) for n in waves]
     return [

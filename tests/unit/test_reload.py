@@ -71,7 +71,7 @@ class Streamer:
     def __init__(self, *a, **kw):
         self.incidents, self.probes = [], []
 
-    def start(self):
+    def start(self, rank=None, spool=None):
         pass
 
     def offer(self, record):

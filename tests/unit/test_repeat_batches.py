@@ -20,10 +20,12 @@ import pytest
 from guard.config import IncidentsConfig
 from guard.detectors.config import DetectorsConfig, DumpConfig, TokenRepeatConfig
 from guard.detectors.evidence import EvidenceDumper
+from guard.detectors.host import DetectorHost
 from guard.detectors.slots import WaveTokens
-from guard.detectors.suite import DetectorSuite
+from guard.detectors.suite import IDLE_FLUSH_S, DetectorSuite
 from guard.detectors.tokens import CHECK_EVERY, RepeatDetector, batch_waves, find_loop
-from guard.incidents import IncidentReporter
+from guard.reporter import IncidentReporter
+from telemetry.proto import guard_pb2
 
 
 class Reference:
@@ -233,3 +235,25 @@ def test_a_batch_left_by_an_idle_engine_is_screened_by_the_streamer_thread(tmp_p
     suite.flush_idle(idle_s=0.0)
     assert [(i.type, i.request_id, i.wave) for i in sent] == [("token_repeat", "a", 5)]
     assert "loop of period 1" in sent[0].summary
+
+
+def test_the_detector_host_screens_an_idle_batch_with_the_heartbeat(tmp_path):
+    """The processor's detector observer runs the idle flush on the streamer thread's
+    heartbeat batches (and only those), so a queued finding goes out with the next one."""
+    sent = []
+    reporter = IncidentReporter(
+        IncidentsConfig(), run_id="r", current_wave=lambda: 0, sink=sent.append
+    )
+    host = DetectorHost(reporter, lambda *a: None, lambda where: None)
+    config = DetectorsConfig(dump=DumpConfig(directory=str(tmp_path)))
+    host.build(config, guard_pb2.RankInfo(run_id="r"))
+    runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=["a"]))
+    for wave in range(1, 6):
+        host.on_output(
+            wave, runner, types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[11] * 8])
+        )
+    host.suite._last_tokens -= 2 * IDLE_FLUSH_S  # as if the engine had been idle since
+    host.fill_batch(guard_pb2.Batch(), with_heartbeat=False)
+    assert sent == []
+    host.fill_batch(guard_pb2.Batch(), with_heartbeat=True)
+    assert [(i.type, i.wave) for i in sent] == [("token_repeat", 5)]

@@ -16,7 +16,7 @@ import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from guard import request_membership
-from guard.request_membership import RequestMembership, chain_fillers
+from guard.request_membership import RequestMembership
 from telemetry import request_store, schema
 from telemetry.labels import EngineLabels
 from telemetry.pipeline import Item, RankSource
@@ -330,14 +330,6 @@ def test_queued_steps_are_bounded_by_the_engine_thread_catching_up(monkeypatch) 
     m.fill_batch(batch)
     assert list(batch.request_columns.wave) == list(range(1, 12))
     assert not m.dropped_rows and not len(m)
-
-
-def test_chain_fillers_calls_each() -> None:
-    seen = []
-    fill = chain_fillers(None, lambda b, h: seen.append(1), lambda b, h: seen.append(2))
-    fill(guard_pb2.Batch(), False)
-    assert seen == [1, 2]
-    assert chain_fillers(None, None) is None
 
 
 def test_only_tp0_records_membership() -> None:

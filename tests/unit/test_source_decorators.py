@@ -65,7 +65,13 @@ class Collect:
     def __init__(self, *args, **kwargs):
         self.records = []
 
-    def start(self):
+    def start(self, rank=None, spool=None):
+        pass
+
+    def offer_probe(self, name, value, labels):
+        pass
+
+    def offer_incident(self, incident):
         pass
 
     def offer(self, record):

@@ -1,0 +1,83 @@
+"""The sampling detectors' lifecycle on one rank, as one wave observer.
+
+Built once the first wave names the rank (the evidence directory and the reporting rank need
+it), rebuilt when a live config change arrives, closed with the processor. It forwards the
+wave's schedule and output to the `DetectorSuite`, takes the logits from the sampler
+decorators, and adds the detectors' readings to each heartbeat batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from guard.detectors.config import DetectorsConfig
+from guard.detectors.evidence import EvidenceDumper
+from guard.detectors.suite import DetectorSuite
+from guard.reporter import IncidentReporter
+from telemetry.proto import guard_pb2
+
+ProbeSink = Callable[[str, float, dict[str, str]], None]
+
+
+class DetectorHost:
+    def __init__(
+        self, reporter: IncidentReporter, probe: ProbeSink, on_error: Callable[[str], None]
+    ) -> None:
+        self._reporter = reporter
+        self._probe = probe
+        self._on_error = on_error
+        self.suite: DetectorSuite | None = None
+        self.wants_logits = False  # read by the sampler decorators on every sample
+
+    def build(self, config: DetectorsConfig, rank: guard_pb2.RankInfo) -> None:
+        """(Re)build the suite for `config`; the old one drains and closes first."""
+        old, self.suite = self.suite, None
+        self.wants_logits = False
+        if old is not None:
+            old.close()
+        suite = DetectorSuite(
+            config,
+            self._reporter,
+            EvidenceDumper(
+                config.dump, rank.run_id, f"dp{rank.dp_rank}tp{rank.tp_rank}pp{rank.pp_rank}"
+            ),
+            report_tokens=rank.tp_rank == 0,
+            probe=self._probe,
+        )
+        if suite.needs_logits or suite.needs_output:
+            self.suite = suite
+            self.wants_logits = suite.needs_logits
+
+    # -- wave observer hooks ----------------------------------------------------------------
+    def on_schedule(self, wave: int, scheduler_output: Any) -> None:
+        suite = self.suite
+        if suite is not None:
+            suite.on_schedule(wave, scheduler_output)
+
+    def on_output(self, wave: int, runner: Any, output: Any) -> None:
+        suite = self.suite
+        if suite is not None:
+            suite.on_output(wave, runner, output)
+
+    def on_logits(self, wave: int, runner: Any, logits: Any, rows: list[int] | None) -> None:
+        suite = self.suite
+        if suite is not None:
+            suite.on_logits(wave, runner, logits, rows)
+
+    def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool) -> None:
+        """Streamer thread: the detectors' readings ride on heartbeat batches."""
+        suite = self.suite
+        if with_heartbeat and suite is not None:
+            try:
+                suite.flush_idle()  # a finding left queued when the engine went idle
+            except Exception:  # noqa: BLE001 - the readings below still go out
+                self._on_error("detectors_idle_flush")
+            for name, value, labels in suite.probe_values():
+                batch.probes.add(name=name, labels=labels, value=value)
+
+    def close(self) -> None:
+        suite, self.suite = self.suite, None
+        self.wants_logits = False
+        if suite is not None:
+            suite.close()
