@@ -1,10 +1,10 @@
-"""Per-request state in arrays: a slot per request id, and one wave's tokens as arrays.
+"""Per-request state in arrays: a slot per request id, and one wave's tokens read once.
 
 A detector keeps each request's state in preallocated numpy rows indexed by a slot. A wave maps
 its request ids to slots once (`SlotMap.slots`, cached while the batch's composition stays the
-same, which is most waves) and then gathers and scatters all rows at once in C, with no Python
-loop over requests. A finished request's slot is cleared before it is reused, so a new request
-always starts from a clean row.
+same, which is most waves); the detector then gathers and scatters all rows at once in C, with
+no Python loop over requests. A finished request's slot is cleared before it is reused, so a
+new request always starts from a clean row.
 """
 
 from __future__ import annotations
@@ -23,16 +23,15 @@ Grower = Callable[[int], None]
 class SlotMap:
     """Request id → slot; the owner registers how to grow and clear its arrays.
 
-    `release` frees a finished request's slot. With `hold_releases` set, a released slot is
-    only cleared and reused at the next `apply_releases`: a detector that batches waves still
-    has the finished request's queued tokens to process under that slot.
+    `release` takes a finished request's id away; its slot is only cleared and reused at the
+    next `apply_releases`, since a detector that batches waves may still have the request's
+    queued tokens to process under that slot.
     """
 
     def __init__(self, capacity: int = INITIAL_SLOTS) -> None:
         self.capacity = capacity
         self.slot_of: dict[str, int] = {}
         self.id_of: list[str | None] = [None] * capacity
-        self.hold_releases = False
         self._free: list[int] = list(range(capacity - 1, -1, -1))
         self._released: list[int] = []
         self._growers: list[Grower] = []
@@ -85,15 +84,12 @@ class SlotMap:
         self.capacity = new
 
     def release(self, request_ids: Iterable[str]) -> None:
-        """Finished requests: their slots are cleared and freed (now, or at `apply_releases`)."""
+        """Finished requests: their slots are cleared and freed at `apply_releases`."""
         pop = self.slot_of.pop
         freed = [s for s in map(pop, request_ids, itertools.repeat(None)) if s is not None]
-        if not freed:
-            return
-        self._cached_ids = None
-        self._released.extend(freed)
-        if not self.hold_releases:
-            self.apply_releases()
+        if freed:
+            self._cached_ids = None
+            self._released.extend(freed)
 
     def apply_releases(self) -> None:
         freed, self._released = self._released, []
@@ -156,3 +152,9 @@ class WaveTokens:
         if self.lengths is None:
             return np.arange(self.rows)
         return np.repeat(np.arange(self.rows), self.lengths)
+
+
+def rank_in_group(counts: np.ndarray) -> np.ndarray:
+    """For groups of `counts` items laid end to end, each item's place in its group:
+    [2, 0, 3] -> [0, 1, 0, 1, 2]."""
+    return np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)

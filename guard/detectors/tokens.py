@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from guard.detectors.config import TokenRepeatConfig
-from guard.detectors.slots import SlotMap, WaveTokens, grown
+from guard.detectors.slots import SlotMap, WaveTokens, grown, rank_in_group
 
 CHECK_EVERY = 8  # new tokens of a request before its stream is looked at for loops again
 # waves screened together: about BATCH_IDS ids, within [MIN_BATCH_WAVES, MAX_BATCH_WAVES]; a
@@ -61,7 +61,6 @@ class RepeatDetector:
     def __init__(self, config: TokenRepeatConfig) -> None:
         self.config = config
         self.requests = SlotMap()
-        self.requests.hold_releases = True  # a finished request's batch is screened first
         self.requests.register(self._grow, self._clear)
         window, size = config.window, config.ngram_size
         self._size = size
@@ -188,8 +187,7 @@ class RepeatDetector:
             else:
                 lengths = np.array(tokens.lengths, dtype=np.intp)
                 row = tokens.row_of_each()
-                first = np.cumsum(lengths) - lengths
-                position = start[row] + np.arange(len(row)) - first[row]
+                position = start[row] + rank_in_group(lengths)
                 self.hist[slots[row], position % ring] = tokens.flat
                 end = start + lengths
             self.total[slots] = end
@@ -281,9 +279,7 @@ class RepeatDetector:
         if not total:
             return _NO_SLOTS
         row = np.repeat(touched, count)
-        index = (
-            np.repeat(first, count) + np.arange(total) - np.repeat(np.cumsum(count) - count, count)
-        )
+        index = np.repeat(first, count) + rank_in_group(count)
         key = self._gram_keys(row * ring, index)
         bucket = ((key * _HASH_MULT) >> self._bucket_shift).astype(np.intp)
         # written first: an n-gram leaving may have entered in this same batch
