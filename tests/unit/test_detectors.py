@@ -234,6 +234,21 @@ def test_suite_names_the_nan_request_and_dumps_evidence(tmp_path):
     assert meta["request_id"] == "b" and meta["kv"] == "not exposed by this runtime"
 
 
+def test_a_batch_left_by_an_idle_engine_is_screened_by_the_streamer_thread(tmp_path):
+    """The suite's idle flush (called with each heartbeat) reports a finding queued when the
+    waves stopped, with its own wave; while waves keep coming it leaves the batch alone."""
+    suite, sent, _ = make_suite(tmp_path)
+    runner = Runner(["a"])
+    for wave in range(1, 6):  # 40 tokens of one id: a loop, in a batch not yet full
+        output = types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[11] * 8])
+        suite.on_output(wave, runner, output)
+    suite.flush_idle()  # the last wave was just now: not idle
+    assert sent == []
+    suite.flush_idle(idle_s=0.0)
+    assert [(i.type, i.request_id, i.wave) for i in sent] == [("token_repeat", "a", 5)]
+    assert "loop of period 1" in sent[0].summary
+
+
 def test_dump_is_skipped_with_a_reason_when_the_disk_is_short(tmp_path):
     config = DumpConfig(directory=str(tmp_path), min_free_bytes=1 << 60)
     action = EvidenceDumper(config, "r", "x").dump("t", 1, "q", meta={}, tokens=[1, 2])

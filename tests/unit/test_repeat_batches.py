@@ -19,10 +19,9 @@ import pytest
 
 from guard.config import IncidentsConfig
 from guard.detectors.config import DetectorsConfig, DumpConfig, TokenRepeatConfig
-from guard.detectors.evidence import EvidenceDumper
 from guard.detectors.host import DetectorHost
 from guard.detectors.slots import WaveTokens
-from guard.detectors.suite import IDLE_FLUSH_S, DetectorSuite
+from guard.detectors.suite import IDLE_FLUSH_S
 from guard.detectors.tokens import CHECK_EVERY, RepeatDetector, batch_waves, find_loop
 from guard.reporter import IncidentReporter
 from telemetry.proto import guard_pb2
@@ -215,26 +214,6 @@ def test_a_long_single_add_is_cut_to_fit_the_ring():
     found = detector.add("r", list(range(1024)) + [3] * 64)  # in pieces of 256
     assert [f[:2] for f in found] == [("loop", 1)]
     assert detector.recent_tokens("r")[-3:] == [3, 3, 3]
-
-
-def test_a_batch_left_by_an_idle_engine_is_screened_by_the_streamer_thread(tmp_path):
-    """The suite's idle flush (called with each heartbeat) reports a finding queued when the
-    waves stopped, with its own wave; while waves keep coming it leaves the batch alone."""
-    sent = []
-    reporter = IncidentReporter(
-        IncidentsConfig(), run_id="r", current_wave=lambda: 0, sink=sent.append
-    )
-    config = DetectorsConfig(dump=DumpConfig(directory=str(tmp_path)))
-    suite = DetectorSuite(config, reporter, EvidenceDumper(config.dump, "r", "dp0tp0pp0"))
-    runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=["a"]))
-    for wave in range(1, 6):  # 40 tokens of one id: a loop, in a batch not yet full
-        output = types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[11] * 8])
-        suite.on_output(wave, runner, output)
-    suite.flush_idle()  # the last wave was just now: not idle
-    assert sent == []
-    suite.flush_idle(idle_s=0.0)
-    assert [(i.type, i.request_id, i.wave) for i in sent] == [("token_repeat", "a", 5)]
-    assert "loop of period 1" in sent[0].summary
 
 
 def test_the_detector_host_screens_an_idle_batch_with_the_heartbeat(tmp_path):
