@@ -242,7 +242,7 @@ def test_a_batch_left_by_an_idle_engine_is_screened_by_the_streamer_thread(tmp_p
     for wave in range(1, 6):  # 40 tokens of one id: a loop, in a batch not yet full
         output = types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[11] * 8])
         suite.on_output(wave, runner, output)
-    suite.flush_idle()  # the last wave was just now: not idle
+    suite.flush_idle(idle_s=3600.0)  # waves came within the hour: not idle
     assert sent == []
     suite.flush_idle(idle_s=0.0)
     assert [(i.type, i.request_id, i.wave) for i in sent] == [("token_repeat", "a", 5)]
