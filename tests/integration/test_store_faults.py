@@ -228,12 +228,20 @@ def test_a_full_disk_degrades_the_store_and_writing_resumes_when_space_returns(
             )
             feeder.stop()
             sent = 2 * (40 + feeder.offered)
-            text = wait_for(
-                lambda: (t := metrics()) and value(t, "ascend_guard_waves_total") == sent and t,
-                20,
-                "every wave received",
-                sidecar.log,
-            )
+
+            def settled() -> str | None:
+                """The scrape once every wave is received and the store has written or counted
+                each of its records: the receive counter runs ahead of the store's writer."""
+                t = metrics()
+                received = value(t, "ascend_guard_waves_total") == sent
+                accounted = (
+                    value(t, "ascend_guard_store_committed_records_total")
+                    + value(t, "ascend_guard_pipeline_dropped_records_total")
+                    == sent
+                )
+                return t if received and accounted else None
+
+            text = wait_for(settled, 20, "every wave received and written or counted", sidecar.log)
             resumed = log_events(sidecar, "store_resumed")
             assert len(resumed) == 1 and resumed[0]["lost_records"] > 0, resumed
         finally:
