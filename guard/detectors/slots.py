@@ -15,6 +15,11 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 INITIAL_SLOTS = 64
+# waves a batching detector screens together: about BATCH_IDS rows' worth, within
+# [MIN_BATCH_WAVES, MAX_BATCH_WAVES]; a screen costs a fixed few dozen array calls, so small
+# batches wait for more waves
+BATCH_IDS = 4096
+MIN_BATCH_WAVES, MAX_BATCH_WAVES = 8, 32
 
 Clearer = Callable[[np.ndarray], None]
 Grower = Callable[[int], None]
@@ -101,6 +106,11 @@ class SlotMap:
         for slot in freed:
             self.id_of[slot] = None
         self._free.extend(freed)
+
+
+def batch_waves(rows: int) -> int:
+    """Waves screened together when a wave has `rows` requests."""
+    return min(MAX_BATCH_WAVES, max(MIN_BATCH_WAVES, BATCH_IDS // max(rows, 1)))
 
 
 def grown(array: np.ndarray, rows: int, fill: int | float | bool = 0) -> np.ndarray:

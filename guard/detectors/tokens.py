@@ -31,13 +31,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from guard.detectors.config import TokenRepeatConfig
-from guard.detectors.slots import SlotMap, WaveTokens, grown, rank_in_group
+from guard.detectors.slots import SlotMap, WaveTokens, batch_waves, grown, rank_in_group
 
 CHECK_EVERY = 8  # new tokens of a request before its stream is looked at for loops again
-# waves screened together: about BATCH_IDS ids, within [MIN_BATCH_WAVES, MAX_BATCH_WAVES]; a
-# screen costs a fixed few dozen array calls, so small batches wait for more waves
-BATCH_IDS = 4096
-MIN_BATCH_WAVES, MAX_BATCH_WAVES = 8, 32
 BATCH_TOKENS = 256  # most tokens of one request in one batch (a longer `add` is cut up)
 _HASH_MULT = np.uint64(0x9E3779B97F4A7C15)
 _POWER = np.uint64(1_000_003)
@@ -48,11 +44,6 @@ _LOOP_CELLS = 1 << 20  # bound on one vectorised loop test's [requests, periods,
 RepeatFinding = tuple[str, int, int, list[int]]
 # a finding with the wave it belongs to and its request
 WaveFinding = tuple[int, str, RepeatFinding]
-
-
-def batch_waves(rows: int) -> int:
-    """Waves screened together when a wave has `rows` requests."""
-    return min(MAX_BATCH_WAVES, max(MIN_BATCH_WAVES, BATCH_IDS // max(rows, 1)))
 
 
 class RepeatDetector:

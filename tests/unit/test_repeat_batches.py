@@ -20,9 +20,9 @@ import pytest
 from guard.config import IncidentsConfig
 from guard.detectors.config import DetectorsConfig, DumpConfig, TokenRepeatConfig
 from guard.detectors.host import DetectorHost
-from guard.detectors.slots import WaveTokens
+from guard.detectors.slots import WaveTokens, batch_waves
 from guard.detectors.suite import IDLE_FLUSH_S
-from guard.detectors.tokens import CHECK_EVERY, RepeatDetector, batch_waves, find_loop
+from guard.detectors.tokens import CHECK_EVERY, RepeatDetector, find_loop
 from guard.reporter import IncidentReporter
 from telemetry.proto import guard_pb2
 
