@@ -11,19 +11,31 @@ A window is judged two ways, each reported once per episode:
   to accept, so acceptance rising far above what this engine usually gets is a warning sign
   that no fixed band catches. The baseline is judged against only once it has seen
   `window_waves` waves with drafts, and each wave is folded into it after it was judged.
+
+Each wave is judged as if on its own, but the work is batched like token_repeat's: a wave only
+queues its drafted and returned counts (plain lists, no numpy), and every `batch_waves(rows)`
+waves the batch is judged at once. The engine-wide window and the baseline step wave by wave
+in Python (a few operations per wave); each request's window is a ring row indexed by its slot,
+and its sum at every wave of the batch comes from one cumulative sum over the ring's entries
+followed by the batch's; an episode's state at each wave is the value at the key's last judged
+wave before it. A finding names its wave and is reported at the batch's end.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
+import numpy as np
+
 from guard.detectors.config import SpecAcceptanceConfig
+from guard.detectors.slots import SlotMap, WaveTokens, batch_waves, grown
 
 
 class Window:
-    """Sums of (drafted, accepted) over the last `size` entries."""
+    """Sums of (drafted, accepted) over the last `size` entries (the engine-wide window)."""
 
     __slots__ = ("accepted", "drafted", "entries", "size")
 
@@ -47,40 +59,181 @@ class Window:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
+class WindowSums(NamedTuple):
+    """A window's sums as they were when it was judged."""
+
+    drafted: int
+    accepted: int
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
 class Judged(NamedTuple):
-    """A window found out of line just now: its key ("" = the wave window), the window, why
+    """A window found out of line at `wave`: its key ("" = the wave window), its sums, why
     ("band" or "jump") and the baseline it was judged against."""
 
+    wave: int
     key: str
-    window: Window
+    window: WindowSums
     kind: str
     baseline: float
 
 
-class AcceptanceTracker:
-    """Totals, the engine-wide wave window and baseline, and one window per request."""
+class _Queued(NamedTuple):
+    """One wave's counts, as it came: row i is request `slots[i]`."""
 
-    def __init__(self, config: SpecAcceptanceConfig) -> None:
+    wave: int
+    slots: np.ndarray
+    drafted: list[int]
+    returned: list[int] | None  # tokens returned per row; None: one each
+
+
+class AcceptanceTracker:
+    """Totals, the engine-wide wave window and baseline, and one window per request.
+
+    `judge=False` (a rank that does not report token incidents) keeps the totals and the
+    baseline only.
+    """
+
+    def __init__(self, config: SpecAcceptanceConfig, *, judge: bool = True) -> None:
         self.config = config
+        self.judge = judge
         self.waves = Window(config.window_waves)
-        self.requests: dict[str, Window] = {}
-        self.out_of_band: set[str] = set()  # request ids ("" = the wave window) now outside
-        self.jumped: set[str] = set()  # ... now far above the baseline
         self.drafted_total = 0
         self.accepted_total = 0
         self.baseline = 0.0  # the per-wave rate's slow average
         self.baseline_waves = 0  # waves with drafts folded into it
         self._alpha = 1.0 / config.baseline_waves
+        self._wave_out_of_band = False  # the wave window's episodes
+        self._wave_jumped = False
+        self.requests = SlotMap()
+        capacity, size = self.requests.capacity, config.request_window
+        self.ring = np.zeros((2, capacity, size), dtype=np.int64)  # [drafted, accepted]
+        self.entries = np.zeros(capacity, dtype=np.int64)  # waves with drafts, ever
+        self.out_of_band = np.zeros(capacity, dtype=bool)
+        self.jumped = np.zeros(capacity, dtype=bool)
+        self.requests.register(self._grow, self._clear)
+        self._queue: list[_Queued] = []
+
+    # -- slot lifecycle -------------------------------------------------------------------
+    def _grow(self, rows: int) -> None:
+        self.ring = np.stack([grown(self.ring[0], rows), grown(self.ring[1], rows)])
+        self.entries = grown(self.entries, rows)
+        self.out_of_band = grown(self.out_of_band, rows, False)
+        self.jumped = grown(self.jumped, rows, False)
+
+    def _clear(self, slots: np.ndarray) -> None:
+        self.ring[:, slots] = 0
+        self.entries[slots] = 0
+        self.out_of_band[slots] = False
+        self.jumped[slots] = False
+
+    @property
+    def pending(self) -> bool:
+        """Waves queued for the next judgement."""
+        return bool(self._queue)
 
     def forget(self, request_id: str) -> None:
-        self.requests.pop(request_id, None)
-        self.out_of_band.discard(request_id)
-        self.jumped.discard(request_id)
+        """A finished request; its queued waves are still judged."""
+        self.requests.release([request_id])
+        if not self._queue:
+            self.requests.apply_releases()
 
-    def update_baseline(self, drafted: int, accepted: int) -> None:
+    def window(self, request_id: str) -> WindowSums | None:
+        """A request's window as of the last judged batch."""
+        slot = self.requests.lookup(request_id)
+        if slot is None:
+            return None
+        drafted, accepted = self.ring[:, slot].sum(axis=1).tolist()
+        return WindowSums(drafted, accepted)
+
+    @property
+    def baseline_ready(self) -> bool:
+        return self.config.jump_above > 0 and self.baseline_waves >= self.config.window_waves
+
+    # -- the per-wave update --------------------------------------------------------------
+    def add_wave(
+        self,
+        wave: int,
+        req_ids: Sequence[str],
+        drafts: Mapping[str, Sequence[int]],
+        tokens: WaveTokens,
+    ) -> list[Judged]:
+        """Queue one wave: the drafts scheduled for it, and the tokens each request got back
+        (row i is `req_ids[i]`'s). Judges the batch when it is full and returns its findings,
+        else nothing. No numpy runs here unless the wave's requests changed."""
+        drafted = list(map(len, map(drafts.get, req_ids, itertools.repeat(()))))
+        if not any(drafted):
+            return []
+        self._queue.append(_Queued(wave, self.requests.slots(req_ids), drafted, tokens.lengths))
+        if len(self._queue) >= batch_waves(len(req_ids)):
+            return self.flush()
+        return []
+
+    # -- the batch ------------------------------------------------------------------------
+    def flush(self) -> list[Judged]:
+        """Judge every queued wave; returns the windows found out of line, in wave order."""
+        queue, self._queue = self._queue, []
+        if not queue:
+            self.requests.apply_releases()
+            return []
+        slots = np.concatenate([q.slots for q in queue])
+        drafted = np.array(list(itertools.chain.from_iterable(q.drafted for q in queue)))
+        returned = np.array(
+            list(
+                itertools.chain.from_iterable(
+                    q.returned if q.returned is not None else [1] * len(q.drafted) for q in queue
+                )
+            )
+        )
+        index = np.repeat(np.arange(len(queue)), [len(q.drafted) for q in queue])
+        keep = np.flatnonzero((drafted > 0) & (returned > 0))  # a row with drafts, tokens back
+        slots, drafted, index = slots[keep], drafted[keep], index[keep]
+        accepted = returned[keep] - 1
+        count = len(queue)
+        wave_drafted = np.bincount(index, drafted, minlength=count).astype(np.int64).tolist()
+        wave_accepted = np.bincount(index, accepted, minlength=count).astype(np.int64).tolist()
+        found: list[tuple[int, int, Judged]] = []  # (batch wave, row order, finding)
+        baselines, ready = [0.0] * count, [False] * count
+        for k, item in enumerate(queue):
+            if not wave_drafted[k]:
+                continue
+            baselines[k], ready[k] = self.baseline, self.baseline_ready
+            judged = self._wave_window(item.wave, wave_drafted[k], wave_accepted[k])
+            found += [(k, -1, j) for j in judged]
+            self._fold_baseline(wave_drafted[k], wave_accepted[k])
+        if self.judge and len(slots):
+            waves = [q.wave for q in queue]
+            found += self._request_windows(slots, drafted, accepted, index, waves, baselines, ready)
+        self.requests.apply_releases()
+        found.sort(key=lambda item: item[:2])
+        return [judged for _, _, judged in found]
+
+    def _wave_window(self, wave: int, drafted: int, accepted: int) -> list[Judged]:
+        """Add one wave to the engine-wide window and judge it (before the baseline moves)."""
+        self.waves.add(drafted, accepted)
+        self.drafted_total += drafted
+        self.accepted_total += accepted
+        window, config = self.waves, self.config
+        if not self.judge or window.drafted < config.min_drafts:
+            return []
+        rate, found = window.rate, []
+        sums = WindowSums(window.drafted, window.accepted)
+        outside = not config.min_rate <= rate <= config.max_rate
+        if outside and not self._wave_out_of_band:
+            found.append(Judged(wave, "", sums, "band", self.baseline))
+        self._wave_out_of_band = outside
+        if self.baseline_ready:
+            jump = rate - self.baseline >= config.jump_above
+            if jump and not outside and not self._wave_jumped:
+                found.append(Judged(wave, "", sums, "jump", self.baseline))
+            self._wave_jumped = jump
+        return found
+
+    def _fold_baseline(self, drafted: int, accepted: int) -> None:
         """Fold one wave's rate into the baseline (after the wave was judged against it)."""
-        if not drafted:
-            return
         rate = accepted / drafted
         if self.baseline_waves == 0:
             self.baseline = rate
@@ -88,63 +241,87 @@ class AcceptanceTracker:
             self.baseline += self._alpha * (rate - self.baseline)
         self.baseline_waves += 1
 
-    @property
-    def baseline_ready(self) -> bool:
-        return self.config.jump_above > 0 and self.baseline_waves >= self.config.window_waves
-
-    def observe(
+    def _request_windows(
         self,
-        drafts: Mapping[str, Sequence[int]],
-        req_ids: Sequence[str],
-        sampled: Sequence[Sequence[int]],
-    ) -> tuple[int, int, dict[str, tuple[int, int]]]:
-        """One wave: returns (drafted, accepted, per-request (drafted, accepted))."""
-        per_request = {}
-        wave_drafted = wave_accepted = 0
-        for index, req_id in enumerate(req_ids):
-            draft = drafts.get(req_id)
-            if not draft or index >= len(sampled) or not sampled[index]:
-                continue
-            drafted = len(draft)
-            accepted = max(len(sampled[index]) - 1, 0)
-            per_request[req_id] = (drafted, accepted)
-            wave_drafted += drafted
-            wave_accepted += accepted
-            window = self.requests.get(req_id)
-            if window is None:
-                window = self.requests[req_id] = Window(self.config.request_window)
-            window.add(drafted, accepted)
-        if wave_drafted:
-            self.waves.add(wave_drafted, wave_accepted)
-            self.drafted_total += wave_drafted
-            self.accepted_total += wave_accepted
-        return wave_drafted, wave_accepted, per_request
+        slots: np.ndarray,
+        drafted: np.ndarray,
+        accepted: np.ndarray,
+        index: np.ndarray,
+        waves: list[int],
+        baselines: list[float],
+        ready: list[bool],
+    ) -> list[tuple[int, int, Judged]]:
+        """Each request's window at each of its waves in the batch, judged in arrays.
 
-    def newly_out_of_band(self, request_ids: Sequence[str]) -> list[Judged]:
-        """Windows (the wave window as "") that left the band or jumped above the baseline just
-        now; each once per episode. A window outside the band is not also a jump."""
-        config = self.config
-        ready = self.baseline_ready
-        baseline = self.baseline
+        The entries are grouped by slot (in wave order within a group). Laid out per group as
+        the ring's `size` entries, oldest first, then the batch's, one cumulative sum gives each
+        batch entry's window: the sum at it less the sum `size` entries before.
+        """
+        config, size = self.config, self.config.request_window
+        order = np.argsort(slots, kind="stable")
+        slots, index = slots[order], index[order]
+        values = np.stack([drafted[order], accepted[order]])  # [2, entries]
+        entries = len(slots)
+        first = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]])
+        touched, per_group = slots[first], np.diff(np.r_[first, entries])
+        group = np.repeat(np.arange(len(first)), per_group)
+        done = self.entries[touched]  # entries already in each ring
+        oldest_first = (done[:, None] + np.arange(size)) % size
+        history = self.ring[:, touched[:, None], oldest_first]  # [2, groups, size]
+        at_entry = (group + 1) * size + np.arange(entries)  # where each entry is laid out
+        at_history = (np.arange(len(first)) * size + first)[:, None] + np.arange(size)
+        laid = np.zeros((2, entries + len(first) * size + 1), dtype=np.int64)
+        laid[:, 1 + at_history] = history
+        laid[:, 1 + at_entry] = values
+        running = np.cumsum(laid, axis=1)
+        win_drafted, win_accepted = running[:, 1 + at_entry] - running[:, 1 + at_entry - size]
+        rate = np.divide(win_accepted, win_drafted, out=np.zeros(entries), where=win_drafted > 0)
+        judged = win_drafted >= config.min_drafts
+        outside = ~((rate >= config.min_rate) & (rate <= config.max_rate))
+        band_before, band_after = _episode(judged, outside, group, first, self.out_of_band[touched])
+        new_band = judged & outside & ~band_before
+        self.out_of_band[touched] = band_after
+        new_jump = np.zeros(entries, dtype=bool)
+        if any(ready):
+            judged_ready = judged & np.array(ready)[index]
+            jump = rate - np.array(baselines)[index] >= config.jump_above
+            jump_before, jump_after = _episode(
+                judged_ready, jump, group, first, self.jumped[touched]
+            )
+            new_jump = judged_ready & jump & ~outside & ~jump_before
+            self.jumped[touched] = jump_after
+        # the newest `size` entries of each group go into its ring
+        rank = np.arange(entries) - first[group]
+        write = np.flatnonzero(rank >= per_group[group] - size)
+        self.ring[:, slots[write], (done[group[write]] + rank[write]) % size] = values[:, write]
+        self.entries[touched] = done + per_group
         found = []
-        for key in ("", *request_ids):
-            window = self.waves if key == "" else self.requests.get(key)
-            if window is None or window.drafted < config.min_drafts:
-                continue
-            rate = window.rate
-            outside = not config.min_rate <= rate <= config.max_rate
-            if outside and key not in self.out_of_band:
-                self.out_of_band.add(key)
-                found.append(Judged(key, window, "band", baseline))
-            elif not outside:
-                self.out_of_band.discard(key)
-            if not ready:
-                continue
-            jump = rate - baseline >= config.jump_above
-            if jump and not outside and key not in self.jumped:
-                found.append(Judged(key, window, "jump", baseline))
-            if jump:
-                self.jumped.add(key)
-            else:
-                self.jumped.discard(key)
+        for i in np.flatnonzero(new_band | new_jump).tolist():
+            k = int(index[i])
+            sums = WindowSums(int(win_drafted[i]), int(win_accepted[i]))
+            kind = "band" if new_band[i] else "jump"
+            request_id = self.requests.id_of[int(slots[i])] or ""
+            found.append((k, int(order[i]), Judged(waves[k], request_id, sums, kind, baselines[k])))
         return found
+
+
+def _episode(
+    judged: np.ndarray,
+    value: np.ndarray,
+    group: np.ndarray,
+    first: np.ndarray,
+    before_batch: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray]:
+    """An episode flag stepped over entries grouped by request: at each judged entry it takes
+    `value`, otherwise it keeps what it had. `group` is each entry's group, `first` each
+    group's first entry, `before_batch` each group's flag before the batch. Returns the flag
+    just before each entry, and each group's flag after its last entry."""
+    at = np.arange(len(judged))
+    start = first[group]
+    # the last judged entry at or before each one (start - 1: none yet in its group)
+    last = np.maximum.accumulate(np.where(judged, at, start - 1))
+    previous = np.r_[-1, last[:-1]]
+    before = np.where(previous >= start, value[np.maximum(previous, 0)], before_batch[group])
+    group_last = last[np.r_[first[1:], len(judged)] - 1]
+    after = np.where(group_last >= first, value[np.maximum(group_last, 0)], before_batch)
+    return before, after

@@ -21,7 +21,7 @@ from guard.detectors import logits as logit_checks
 from guard.detectors.config import DetectorsConfig
 from guard.detectors.evidence import EvidenceDumper, request_kv_blocks
 from guard.detectors.slots import WaveTokens
-from guard.detectors.spec import AcceptanceTracker
+from guard.detectors.spec import AcceptanceTracker, Judged
 from guard.detectors.tokens import RepeatDetector, out_of_range, rows_out_of_range
 from guard.reporter import IncidentReporter
 
@@ -56,7 +56,9 @@ class DetectorSuite:
         self._probe = probe or (lambda name, value, labels: None)
         self.repeat = RepeatDetector(config.token_repeat) if config.token_repeat.enabled else None
         self.spec = (
-            AcceptanceTracker(config.spec_acceptance) if config.spec_acceptance.enabled else None
+            AcceptanceTracker(config.spec_acceptance, judge=report_tokens)
+            if config.spec_acceptance.enabled
+            else None
         )
         self.check_finite = config.logits_finite.enabled
         self.stats_every = config.logits_stats.every_n_waves if config.logits_stats.enabled else 0
@@ -80,7 +82,8 @@ class DetectorSuite:
                     with self._tokens_lock:
                         self.repeat.forget(req_id)
                 if self.spec is not None:
-                    self.spec.forget(req_id)
+                    with self._tokens_lock:
+                        self.spec.forget(req_id)
                 self.reporter.forget_request(req_id)
         if self.spec is not None:
             drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
@@ -139,7 +142,13 @@ class DetectorSuite:
             self._last_tokens = time.monotonic()
             self._report_repeats(runner, found)
         if self.spec is not None and self._drafts and self._drafts_wave == wave:
-            self._observe_spec(wave, runner, req_ids, sampled)
+            if not self.spec_method:
+                config = getattr(runner, "speculative_config", None)
+                self.spec_method = str(getattr(config, "method", "") or "unknown")
+            with self._tokens_lock:
+                judged = self.spec.add_wave(wave, req_ids, self._drafts, tokens)
+            self._last_tokens = time.monotonic()
+            self._report_spec(runner, judged)
 
     def _out_of_range(self, wave: int, runner: Any, req_id: str, tokens, vocab: int) -> None:
         bad = out_of_range(tokens, vocab)
@@ -165,23 +174,13 @@ class DetectorSuite:
                 self.config.token_repeat.action, runner,
             )  # fmt: skip
 
-    def _observe_spec(self, wave: int, runner: Any, req_ids, sampled) -> None:
-        spec = self.spec
-        drafted, accepted, per_request = spec.observe(self._drafts, req_ids, sampled)
-        if not drafted:
+    def _report_spec(self, runner: Any, found: list[Judged]) -> None:
+        """A judged batch's windows found out of line, each with the wave it belongs to."""
+        if not found:
             return
-        if not self.spec_method:
-            config = getattr(runner, "speculative_config", None)
-            self.spec_method = str(getattr(config, "method", "") or "unknown")
-        method = self.spec_method
-        if self.report_tokens:
-            self._judge_spec(wave, runner, method, list(per_request))
-        spec.update_baseline(drafted, accepted)  # after the wave was judged against it
-
-    def _judge_spec(self, wave: int, runner: Any, method: str, request_ids: list[str]) -> None:
-        spec = self.spec
+        spec, method = self.spec, self.spec_method
         band = f"[{spec.config.min_rate:g}, {spec.config.max_rate:g}]"
-        for key, window, kind, baseline in spec.newly_out_of_band(request_ids):
+        for wave, key, window, kind, baseline in found:
             scope = f"request {key}" if key else "wave window"
             rate = window.rate
             if kind == "band":
@@ -303,20 +302,30 @@ class DetectorSuite:
         ]
 
     def flush_idle(self, idle_s: float = IDLE_FLUSH_S) -> None:
-        """Streamer thread: screen a token batch that has waited `idle_s` with no new wave."""
-        repeat = self.repeat
-        if repeat is None or not repeat.pending or time.monotonic() - self._last_tokens < idle_s:
+        """Streamer thread: judge the token batches that have waited `idle_s` with no new wave."""
+        if not self._batches_pending() or time.monotonic() - self._last_tokens < idle_s:
             return
+        self._flush_batches()
+
+    def _batches_pending(self) -> bool:
+        return bool(
+            (self.repeat is not None and self.repeat.pending)
+            or (self.spec is not None and self.spec.pending)
+        )
+
+    def _flush_batches(self) -> None:
+        repeats, judged = [], []
         with self._tokens_lock:
-            found = repeat.flush()
-        self._report_repeats(None, found)
+            if self.repeat is not None:
+                repeats = self.repeat.flush()
+            if self.spec is not None:
+                judged = self.spec.flush()
+        self._report_repeats(None, repeats)
+        self._report_spec(None, judged)
 
     def close(self) -> None:
         self.resolve_ready(force=True)
-        if self.repeat is not None:
-            with self._tokens_lock:
-                found = self.repeat.flush()
-            self._report_repeats(None, found)
+        self._flush_batches()
 
 
 def _vocab_size(runner: Any, logits: Any) -> int | None:

@@ -129,28 +129,34 @@ def test_rows_out_of_range_names_each_bad_row_once(rows):
 
 # -- spec acceptance ------------------------------------------------------------------------
 def test_acceptance_uses_vllms_rule_and_judges_windows_once_per_episode():
-    tracker = AcceptanceTracker(SpecAcceptanceConfig(min_rate=0.5, min_drafts=6, window_waves=4))
+    config = SpecAcceptanceConfig(min_rate=0.5, min_drafts=6, window_waves=4, jump_above=0.0)
+    tracker = AcceptanceTracker(config)  # the band alone (jumps: the tests below)
     drafts = {"a": [1, 2, 3], "b": [4, 5, 6], "c": []}
     # a: 3 drafted, 2 accepted (3 tokens back); b: 3 drafted, none accepted; c: no drafts
-    out = tracker.observe(drafts, ["a", "b", "c"], [[1, 2, 9], [7], [8]])
-    assert out == (6, 2, {"a": (3, 2), "b": (3, 0)})
+    tracker.add_wave(1, ["a", "b", "c"], drafts, WaveTokens([[1, 2, 9], [7], [8]]))
+    low = tracker.flush()
     assert (tracker.drafted_total, tracker.accepted_total) == (6, 2)
-    low = tracker.newly_out_of_band(["a", "b"])
+    assert (tracker.window("a"), tracker.window("b"), tracker.window("c")) == (
+        (3, 2),
+        (3, 0),
+        (0, 0),
+    )
     assert [j.key for j in low] == [""]  # the wave window (2/6); a and b have < 6 drafts
-    assert tracker.newly_out_of_band(["a", "b"]) == []  # same episode: not again
-    for _ in range(4):
-        tracker.observe({"a": [1, 2, 3]}, ["a"], [[1, 2, 3, 4]])
-    assert tracker.waves.rate == 1.0 and tracker.newly_out_of_band(["a"]) == []
+    tracker.add_wave(2, ["a"], drafts, WaveTokens([[1, 2, 9]]))
+    assert tracker.flush() == []  # the wave window at 4/9, a at 4/6: same episode, not again
+    for wave in range(3, 7):
+        tracker.add_wave(wave, ["a"], {"a": [1, 2, 3]}, WaveTokens([[1, 2, 3, 4]]))
+    assert tracker.flush() == [] and tracker.waves.rate == 1.0
 
 
 def _waves(tracker, n, accepted_of_4, req="a"):
-    """n waves of one request with 4 drafts each, `accepted_of_4` of them accepted; each wave
-    judged, then folded into the baseline (the suite's order)."""
+    """n waves of one request with 4 drafts each, `accepted_of_4` of them accepted, each judged
+    on its own (a batch of one wave)."""
     found = []
     for _ in range(n):
-        d, a, _ = tracker.observe({req: [1, 2, 3, 4]}, [req], [[0] * (accepted_of_4 + 1)])
-        found += tracker.newly_out_of_band([req])
-        tracker.update_baseline(d, a)
+        tokens = WaveTokens([[0] * (accepted_of_4 + 1)])
+        tracker.add_wave(0, [req], {req: [1, 2, 3, 4]}, tokens)
+        found += tracker.flush()
     return found
 
 
@@ -272,6 +278,7 @@ def test_an_acceptance_jump_through_the_suite_names_the_baseline(tmp_path):
         suite.on_schedule(wave, scheduled)
         output = types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[5] * (accepted + 1)])
         suite.on_output(wave, runner, output)
+    suite.flush_idle(idle_s=0.0)  # waves 33-60 are still a batch: judged as the engine idles
     hits = [i for i in sent if i.type == "spec_acceptance"]
     assert [(i.request_id, i.wave) for i in hits] == [("", 45), ("a", 45)]
     evidence = json.loads(hits[1].evidence_json)
