@@ -23,6 +23,7 @@ wave before it. A finding names its wave and is reported at the batch's end.
 
 from __future__ import annotations
 
+import array
 import collections
 import itertools
 from collections.abc import Mapping, Sequence
@@ -86,8 +87,8 @@ class _Queued(NamedTuple):
 
     wave: int
     slots: np.ndarray
-    drafted: list[int]
-    returned: list[int] | None  # tokens returned per row; None: one each
+    drafted: bytes | array.array  # drafts per row (`_counts`)
+    returned: bytes | array.array | None  # tokens back per row; None: one each
 
 
 class AcceptanceTracker:
@@ -109,8 +110,12 @@ class AcceptanceTracker:
         self._wave_out_of_band = False  # the wave window's episodes
         self._wave_jumped = False
         self.requests = SlotMap()
-        capacity, size = self.requests.capacity, config.request_window
-        self.ring = np.zeros((2, capacity, size), dtype=np.int64)  # [drafted, accepted]
+        capacity = self.requests.capacity
+        # each request's running totals (packed: see `_pack`) after each of its last
+        # request_window + 1 entries, and after its newest; a window is a difference of two
+        self._width = config.request_window + 1
+        self.prefix = np.zeros((capacity, self._width), dtype=np.int64)
+        self.total = np.zeros(capacity, dtype=np.int64)
         self.entries = np.zeros(capacity, dtype=np.int64)  # waves with drafts, ever
         self.out_of_band = np.zeros(capacity, dtype=bool)
         self.jumped = np.zeros(capacity, dtype=bool)
@@ -119,13 +124,15 @@ class AcceptanceTracker:
 
     # -- slot lifecycle -------------------------------------------------------------------
     def _grow(self, rows: int) -> None:
-        self.ring = np.stack([grown(self.ring[0], rows), grown(self.ring[1], rows)])
+        self.prefix = grown(self.prefix, rows)
+        self.total = grown(self.total, rows)
         self.entries = grown(self.entries, rows)
         self.out_of_band = grown(self.out_of_band, rows, False)
         self.jumped = grown(self.jumped, rows, False)
 
     def _clear(self, slots: np.ndarray) -> None:
-        self.ring[:, slots] = 0
+        self.prefix[slots] = 0
+        self.total[slots] = 0
         self.entries[slots] = 0
         self.out_of_band[slots] = False
         self.jumped[slots] = False
@@ -146,8 +153,11 @@ class AcceptanceTracker:
         slot = self.requests.lookup(request_id)
         if slot is None:
             return None
-        drafted, accepted = self.ring[:, slot].sum(axis=1).tolist()
-        return WindowSums(drafted, accepted)
+        entries, size = int(self.entries[slot]), self.config.request_window
+        before = (
+            0 if entries <= size else int(self.prefix[slot, (entries - 1 - size) % self._width])
+        )
+        return _unpack(int(self.total[slot]) - before)
 
     @property
     def baseline_ready(self) -> bool:
@@ -167,7 +177,9 @@ class AcceptanceTracker:
         drafted = list(map(len, map(drafts.get, req_ids, itertools.repeat(()))))
         if not any(drafted):
             return []
-        self._queue.append(_Queued(wave, self.requests.slots(req_ids), drafted, tokens.lengths))
+        lengths = tokens.lengths
+        returned = _counts(lengths) if lengths is not None else None
+        self._queue.append(_Queued(wave, self.requests.slots(req_ids), _counts(drafted), returned))
         if len(self._queue) >= batch_waves(len(req_ids)):
             return self.flush()
         return []
@@ -180,18 +192,13 @@ class AcceptanceTracker:
             self.requests.apply_releases()
             return []
         slots = np.concatenate([q.slots for q in queue])
-        drafted = np.array(list(itertools.chain.from_iterable(q.drafted for q in queue)))
-        returned = np.array(
-            list(
-                itertools.chain.from_iterable(
-                    q.returned if q.returned is not None else [1] * len(q.drafted) for q in queue
-                )
-            )
-        )
+        drafted = _array_of([q.drafted for q in queue])
+        returned = _array_of([q.returned or _ONE_EACH * len(q.drafted) for q in queue])
         index = np.repeat(np.arange(len(queue)), [len(q.drafted) for q in queue])
         keep = np.flatnonzero((drafted > 0) & (returned > 0))  # a row with drafts, tokens back
         slots, drafted, index = slots[keep], drafted[keep], index[keep]
         accepted = returned[keep] - 1
+        same = all(q.slots is queue[0].slots for q in queue) and len(keep) == len(returned)
         count = len(queue)
         wave_drafted = np.bincount(index, drafted, minlength=count).astype(np.int64).tolist()
         wave_accepted = np.bincount(index, accepted, minlength=count).astype(np.int64).tolist()
@@ -206,7 +213,18 @@ class AcceptanceTracker:
             self._fold_baseline(wave_drafted[k], wave_accepted[k])
         if self.judge and len(slots):
             waves = [q.wave for q in queue]
-            found += self._request_windows(slots, drafted, accepted, index, waves, baselines, ready)
+            if same:  # the same requests every wave, all with drafts: a [waves, rows] grid
+                rows = len(queue[0].slots)
+                by_request = np.arange(len(slots)).reshape(count, rows).T.ravel()
+                first = np.arange(0, len(slots), count)
+            else:
+                by_request = np.argsort(slots, kind="stable")
+                ordered = slots[by_request]
+                first = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+            packed = drafted + (accepted << _SHIFT)
+            found += self._request_windows(
+                slots, packed, index, by_request, first, waves, baselines, ready
+            )
         self.requests.apply_releases()
         found.sort(key=lambda item: item[:2])
         return [judged for _, _, judged in found]
@@ -244,37 +262,40 @@ class AcceptanceTracker:
     def _request_windows(
         self,
         slots: np.ndarray,
-        drafted: np.ndarray,
-        accepted: np.ndarray,
+        packed: np.ndarray,
         index: np.ndarray,
+        by_request: np.ndarray,
+        first: np.ndarray,
         waves: list[int],
         baselines: list[float],
         ready: list[bool],
     ) -> list[tuple[int, int, Judged]]:
-        """Each request's window at each of its waves in the batch, judged in arrays.
+        """Each request's window at each of its entries in the batch, judged in arrays.
 
-        The entries are grouped by slot (in wave order within a group). Laid out per group as
-        the ring's `size` entries, oldest first, then the batch's, one cumulative sum gives each
-        batch entry's window: the sum at it less the sum `size` entries before.
+        `by_request` orders the entries by slot, in wave order within a slot; `first` is where
+        each slot's group begins in that order. A request's
+        running totals after each entry are its total before the batch plus a cumulative sum
+        over its group; the window ending at an entry is that less the running totals
+        `request_window` entries before, from the batch itself or from the slot's ring.
         """
-        config, size = self.config, self.config.request_window
-        order = np.argsort(slots, kind="stable")
-        slots, index = slots[order], index[order]
-        values = np.stack([drafted[order], accepted[order]])  # [2, entries]
+        config, size, width = self.config, self.config.request_window, self._width
+        slots, index, packed = slots[by_request], index[by_request], packed[by_request]
         entries = len(slots)
-        first = np.flatnonzero(np.r_[True, slots[1:] != slots[:-1]])
-        touched, per_group = slots[first], np.diff(np.r_[first, entries])
+        touched, per_group = slots[first], np.diff(first, append=entries)
         group = np.repeat(np.arange(len(first)), per_group)
-        done = self.entries[touched]  # entries already in each ring
-        oldest_first = (done[:, None] + np.arange(size)) % size
-        history = self.ring[:, touched[:, None], oldest_first]  # [2, groups, size]
-        at_entry = (group + 1) * size + np.arange(entries)  # where each entry is laid out
-        at_history = (np.arange(len(first)) * size + first)[:, None] + np.arange(size)
-        laid = np.zeros((2, entries + len(first) * size + 1), dtype=np.int64)
-        laid[:, 1 + at_history] = history
-        laid[:, 1 + at_entry] = values
-        running = np.cumsum(laid, axis=1)
-        win_drafted, win_accepted = running[:, 1 + at_entry] - running[:, 1 + at_entry - size]
+        rank = np.arange(entries) - first[group]  # place in its group
+        done = self.entries[touched]  # entries already behind each request
+        running = np.cumsum(packed)
+        before_group = self.total[touched] - (running[first] - packed[first])
+        prefix = running + before_group[group]
+        back = np.zeros(entries, dtype=np.int64)  # running totals `size` entries before
+        in_batch = np.flatnonzero(rank >= size)
+        back[in_batch] = prefix[in_batch - size]
+        entry_back = done[group] + rank - size
+        in_ring = np.flatnonzero((rank < size) & (entry_back >= 0))
+        flat = self.prefix.reshape(-1)  # a view: the ring rows end to end
+        back[in_ring] = flat[slots[in_ring] * width + entry_back[in_ring] % width]
+        win_drafted, win_accepted = _unpack_arrays(prefix - back)
         rate = np.divide(win_accepted, win_drafted, out=np.zeros(entries), where=win_drafted > 0)
         judged = win_drafted >= config.min_drafts
         outside = ~((rate >= config.min_rate) & (rate <= config.max_rate))
@@ -290,10 +311,10 @@ class AcceptanceTracker:
             )
             new_jump = judged_ready & jump & ~outside & ~jump_before
             self.jumped[touched] = jump_after
-        # the newest `size` entries of each group go into its ring
-        rank = np.arange(entries) - first[group]
-        write = np.flatnonzero(rank >= per_group[group] - size)
-        self.ring[:, slots[write], (done[group[write]] + rank[write]) % size] = values[:, write]
+        # the newest `width` running totals of each request go into its ring
+        write = np.flatnonzero(rank >= per_group[group] - width)
+        flat[slots[write] * width + (done[group[write]] + rank[write]) % width] = prefix[write]
+        self.total[touched] = prefix[first + per_group - 1]
         self.entries[touched] = done + per_group
         found = []
         for i in np.flatnonzero(new_band | new_jump).tolist():
@@ -301,8 +322,45 @@ class AcceptanceTracker:
             sums = WindowSums(int(win_drafted[i]), int(win_accepted[i]))
             kind = "band" if new_band[i] else "jump"
             request_id = self.requests.id_of[int(slots[i])] or ""
-            found.append((k, int(order[i]), Judged(waves[k], request_id, sums, kind, baselines[k])))
+            found.append(
+                (k, int(by_request[i]), Judged(waves[k], request_id, sums, kind, baselines[k]))
+            )
         return found
+
+
+def _counts(values: list[int]) -> bytes | array.array:
+    """Per-row counts, stored compactly: bytes convert several times faster than a list does,
+    and a count of 256 or more (never seen: drafts per wave are a handful) still fits."""
+    try:
+        return bytes(values)
+    except ValueError:
+        return array.array("q", values)
+
+
+def _array_of(counts: list[bytes | array.array]) -> np.ndarray:
+    """The waves' counts end to end, as int64."""
+    if all(type(c) is bytes for c in counts):
+        return np.frombuffer(b"".join(counts), dtype=np.uint8).astype(np.int64)
+    return np.concatenate(
+        [np.frombuffer(c, dtype=np.uint8 if type(c) is bytes else np.int64) for c in counts]
+    ).astype(np.int64)
+
+
+_ONE_EACH = b"\x01"  # a plain decode wave: one token back per row
+
+# A request's (drafted, accepted) sums travel as one int64, drafted in the low 32 bits and
+# accepted above, so one cumulative sum and one gather serve both. Neither can reach 2**31 in
+# a request (that many tokens is far past any model's context).
+_SHIFT = 32
+_LOW = (1 << _SHIFT) - 1
+
+
+def _unpack(packed: int) -> WindowSums:
+    return WindowSums(packed & _LOW, packed >> _SHIFT)
+
+
+def _unpack_arrays(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return packed & _LOW, packed >> _SHIFT
 
 
 def _episode(
@@ -320,8 +378,9 @@ def _episode(
     start = first[group]
     # the last judged entry at or before each one (start - 1: none yet in its group)
     last = np.maximum.accumulate(np.where(judged, at, start - 1))
-    previous = np.r_[-1, last[:-1]]
+    previous = np.empty_like(last)
+    previous[0], previous[1:] = -1, last[:-1]
     before = np.where(previous >= start, value[np.maximum(previous, 0)], before_batch[group])
-    group_last = last[np.r_[first[1:], len(judged)] - 1]
+    group_last = last[np.append(first[1:], len(judged)) - 1]
     after = np.where(group_last >= first, value[np.maximum(group_last, 0)], before_batch)
     return before, after
