@@ -68,20 +68,19 @@ def health_stats(logits: torch.Tensor, rows: int = STATS_ROWS) -> torch.Tensor:
     values = logits[:rows].float()
     if values.numel() == 0:  # shapes live on the host: no sync
         return torch.tensor([float("nan"), float("nan")], device=logits.device)
-    masked = values == float("-inf")
-    healthy = ~(torch.isnan(values) | (values == float("inf"))).any(dim=-1) & ~masked.all(dim=-1)
-    # No boolean indexing (`values[healthy]`): on CUDA or NPU that reads the mask back to the
-    # host, a device sync. Unhealthy rows are zeroed instead and weighted out; with no healthy
-    # row, 0 / 0 gives the NaN "no reading" on the device.
-    unhealthy = ~healthy.unsqueeze(-1)
-    values = values.masked_fill(unhealthy, 0.0)
-    ignored = masked | unhealthy
-    count = healthy.sum()
-    max_abs = values.masked_fill(ignored, 0.0).abs().amax()
-    max_abs = torch.where(count > 0, max_abs, torch.full_like(max_abs, float("nan")))
     logp = torch.log_softmax(values, dim=-1)
-    row_entropy = -(logp.exp() * logp).masked_fill(ignored, 0.0).sum(dim=-1)
-    entropy = (row_entropy * healthy).sum() / count
+    # a NaN or +Inf anywhere in a row, or nothing left unmasked, makes its log-probabilities
+    # NaN; a healthy row's are finite or -Inf (its masked tokens)
+    healthy = torch.isfinite(logp.amax(dim=-1))
+    count = healthy.sum()
+    # No boolean indexing (`values[healthy]`): on CUDA or NPU that reads the mask back to the
+    # host, a device sync. Unhealthy rows are weighted out instead, and with no healthy row
+    # 0 / 0 gives the NaN "no reading" on the device. A masked token's p * log p is
+    # 0 * -Inf = NaN: it counts as 0.
+    plogp = (logp.exp() * logp).nan_to_num(nan=0.0).sum(dim=-1)
+    entropy = torch.where(healthy, plogp, 0.0).sum() / -count
+    row_abs = values.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).abs().amax(dim=-1)
+    max_abs = torch.where(healthy, row_abs, 0.0).amax() * (count / count)
     return torch.stack([max_abs, entropy])
 
 
