@@ -96,9 +96,10 @@ def as_tuples(found) -> list[tuple]:
     ]
 
 
-def run(seed: int, waves: int = 400) -> tuple[int, int]:
+def run(seed: int, waves: int = 400, grid: bool = False) -> tuple[int, int]:
     """One random run; returns how many (bands, jumps) it found, so the caller can check the
-    run exercised both."""
+    run exercised both. `grid`: the same requests every wave, each with drafts and tokens
+    back (the tracker's sort-free path)."""
     rng = random.Random(seed)
     config = SpecAcceptanceConfig(
         min_rate=rng.choice([0.05, 0.2, 0.35]),
@@ -114,26 +115,31 @@ def run(seed: int, waves: int = 400) -> tuple[int, int]:
     bias: dict[str, float] = {}  # each request's current chance that a draft is accepted
     next_id, got, expected = 0, [], []
     for wave in range(1, waves + 1):
-        for req_id in [r for r in active if rng.random() < 0.03]:  # finished requests
+        for req_id in [r for r in active if not grid and rng.random() < 0.03]:  # finished
             active.remove(req_id)
             tracker.forget(req_id)
             reference.forget(req_id)
-        while len(active) < rng.randint(1, 12):
+        while (not grid or wave == 1) and len(active) < rng.randint(1, 12):
             active.append(f"r{next_id}")
             bias[f"r{next_id}"] = rng.random()
             next_id += 1
         for req_id in active:
             if rng.random() < 0.05:  # the stream turns easy or hard to draft for
                 bias[req_id] = rng.choice([0.0, 0.1, 0.9, 1.0, rng.random()])
-        req_ids = rng.sample(active, rng.randint(1, len(active)))
-        drafts = {r: [7] * rng.choice([0, 0, 1, 2, 3, 4, 5]) for r in req_ids}
-        if rng.random() < 0.05:
-            drafts = {}  # a wave without drafts
+        if grid:
+            req_ids = list(active)
+            drafts = {r: [7] * rng.randint(1, 5) for r in req_ids}
+        else:
+            req_ids = rng.sample(active, rng.randint(1, len(active)))
+            drafts = {r: [7] * rng.choice([0, 0, 1, 2, 3, 4, 5]) for r in req_ids}
+            if rng.random() < 0.05:
+                drafts = {}  # a wave without drafts
         sampled = []
         for req_id in req_ids:
             k = len(drafts.get(req_id, ()))
             accepted = sum(rng.random() < bias[req_id] for _ in range(k))
-            sampled.append([] if rng.random() < 0.03 else [1] * (accepted + 1))
+            empty = not grid and rng.random() < 0.03
+            sampled.append([] if empty else [1] * (accepted + 1))
         got += as_tuples(tracker.add_wave(wave, req_ids, drafts, WaveTokens(sampled)))
         expected += reference.wave(wave, req_ids, drafts, sampled)
         if rng.random() < 0.05:  # an idle flush, or the run's end, between batches
@@ -155,6 +161,11 @@ def run(seed: int, waves: int = 400) -> tuple[int, int]:
 @pytest.mark.parametrize("seed", range(16))
 def test_batched_judgement_equals_judging_each_wave_alone(seed):
     run(seed)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_same_requests_every_wave_judge_alike(seed):
+    run(seed, grid=True)
 
 
 def test_the_runs_open_band_and_jump_episodes_for_requests_and_the_wave_window():
