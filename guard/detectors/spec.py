@@ -92,15 +92,10 @@ class _Queued(NamedTuple):
 
 
 class AcceptanceTracker:
-    """Totals, the engine-wide wave window and baseline, and one window per request.
+    """Totals, the engine-wide wave window and baseline, and one window per request."""
 
-    `judge=False` (a rank that does not report token incidents) keeps the totals and the
-    baseline only.
-    """
-
-    def __init__(self, config: SpecAcceptanceConfig, *, judge: bool = True) -> None:
+    def __init__(self, config: SpecAcceptanceConfig) -> None:
         self.config = config
-        self.judge = judge
         self.waves = Window(config.window_waves)
         self.drafted_total = 0
         self.accepted_total = 0
@@ -211,7 +206,7 @@ class AcceptanceTracker:
             judged = self._wave_window(item.wave, wave_drafted[k], wave_accepted[k])
             found += [(k, -1, j) for j in judged]
             self._fold_baseline(wave_drafted[k], wave_accepted[k])
-        if self.judge and len(slots):
+        if len(slots):
             waves = [q.wave for q in queue]
             if same:  # the same requests every wave, all with drafts: a [waves, rows] grid
                 rows = len(queue[0].slots)
@@ -235,7 +230,7 @@ class AcceptanceTracker:
         self.drafted_total += drafted
         self.accepted_total += accepted
         window, config = self.waves, self.config
-        if not self.judge or window.drafted < config.min_drafts:
+        if window.drafted < config.min_drafts:
             return []
         rate, found = window.rate, []
         sums = WindowSums(window.drafted, window.accepted)

@@ -52,12 +52,18 @@ class DetectorSuite:
         self.config = config
         self.reporter = reporter
         self.dumper = dumper
-        self.report_tokens = report_tokens
         self._probe = probe or (lambda name, value, labels: None)
-        self.repeat = RepeatDetector(config.token_repeat) if config.token_repeat.enabled else None
+        # A rank that does not report token incidents (TP rank > 0 sees the driver's tokens)
+        # keeps no token_repeat or acceptance state; its evidence bundles carry no tokens (the
+        # driver's do), and it exports no acceptance readings (the driver does).
+        self.repeat = (
+            RepeatDetector(config.token_repeat)
+            if config.token_repeat.enabled and report_tokens
+            else None
+        )
         self.spec = (
-            AcceptanceTracker(config.spec_acceptance, judge=report_tokens)
-            if config.spec_acceptance.enabled
+            AcceptanceTracker(config.spec_acceptance)
+            if config.spec_acceptance.enabled and report_tokens
             else None
         )
         self.check_finite = config.logits_finite.enabled
@@ -160,8 +166,6 @@ class DetectorSuite:
 
     def _report_repeats(self, runner: Any, found) -> None:
         """A screened batch's findings, each with the wave it belongs to."""
-        if not self.report_tokens:
-            return
         for wave, req_id, (kind, size, extent, block) in found:
             if kind == "loop":
                 summary = f"loop of period {size} over the last {extent} tokens"
@@ -292,7 +296,7 @@ class DetectorSuite:
     def probe_values(self) -> list[tuple[str, float, dict[str, str]]]:
         """Readings taken by the streamer thread with each heartbeat: nothing on the hot path."""
         spec = self.spec
-        if spec is None or not spec.drafted_total or not self.report_tokens:
+        if spec is None or not spec.drafted_total:
             return []
         method = {"method": self.spec_method}
         return [

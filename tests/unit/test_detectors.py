@@ -369,3 +369,28 @@ def test_no_probe_is_sent_when_no_row_was_healthy(tmp_path):
     suite.on_output(16, runner, types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[7]]))
     assert [i.type for i in sent] == ["logits_finite"]  # the gate still reports the NaN
     assert probes == []
+
+
+def test_a_rank_that_does_not_report_tokens_keeps_no_token_state_but_checks_the_range(tmp_path):
+    """TP ranks past the driver see the driver's tokens: they keep no repeat or acceptance
+    state and export no acceptance readings, but still check each id against the vocab."""
+    config = DetectorsConfig(dump=DumpConfig(directory=str(tmp_path), min_free_bytes=0))
+    sent = []
+    reporter = IncidentReporter(
+        IncidentsConfig(), run_id="r", current_wave=lambda: 1, sink=sent.append
+    )
+    suite = DetectorSuite(
+        config, reporter, EvidenceDumper(config.dump, "r", "dp0tp1pp0"), report_tokens=False
+    )
+    assert suite.repeat is None and suite.spec is None and suite.needs_output
+    runner = Runner(["a"])
+    for wave in range(1, 65):  # a loop of one id, with drafts none of which is accepted
+        drafts = types.SimpleNamespace(
+            finished_req_ids=None, scheduled_spec_decode_tokens={"a": [1, 2, 3, 4]}
+        )
+        suite.on_schedule(wave, drafts)
+        ids = [[99]] if wave == 64 else [[11]]  # 99 is outside the vocab of 50
+        suite.on_output(wave, runner, types.SimpleNamespace(req_ids=["a"], sampled_token_ids=ids))
+    suite.close()
+    assert [(i.type, i.wave) for i in sent] == [("token_range", 64)]
+    assert suite.probe_values() == []

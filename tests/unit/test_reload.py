@@ -99,16 +99,16 @@ def test_a_rank_applies_a_stamp_once_and_reports_a_refused_one_with_a_shared_id(
         processor.run_step(lambda runner, so: None, object(), (output,), {})
 
     step()
-    assert processor.detectors is not None and processor.detectors.repeat is not None
+    assert processor.detectors is not None and processor.detectors.config.token_repeat.enabled
     new = parse_config({"detectors": {"token_repeat": {"enabled": False}}})
     step((2, new.to_json(), "", ()))
-    assert processor.config_generation == 2 and processor.detectors.repeat is None
+    assert processor.config_generation == 2 and not processor.detectors.config.token_repeat.enabled
     step((2, GuardConfig().to_json(), "", ()))  # the same stamp again: ignored
-    assert processor.detectors.repeat is None
+    assert not processor.detectors.config.token_repeat.enabled
     step((3, "", "runtime_guard.x: unknown key", ()))
     (refused,) = [i for i in processor.streamer.incidents if i.type == "config_reload_failed"]
     assert refused.id == "run9:config:3"  # every rank uses this id: stored once
-    assert processor.detectors.repeat is None and processor.config_generation == 3
+    assert not processor.detectors.config.token_repeat.enabled and processor.config_generation == 3
     assert ("config_generation", 2.0) in processor.streamer.probes
     assert processor.errors.total == 0
 
