@@ -27,12 +27,12 @@ import array
 import collections
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from guard.detectors.config import SpecAcceptanceConfig
-from guard.detectors.slots import SlotMap, WaveTokens, batch_waves, grown
+from guard.detectors.slots import SlotMap, WaveTokens, batch_waves, grown, rank_in_group
 
 
 class Window:
@@ -106,8 +106,9 @@ class AcceptanceTracker:
         self._wave_jumped = False
         self.requests = SlotMap()
         capacity = self.requests.capacity
-        # each request's running totals (packed: see `_pack`) after each of its last
-        # request_window + 1 entries, and after its newest; a window is a difference of two
+        # each request's running totals (packed, `_pack`) after each of its last
+        # request_window + 1 entries, and after its newest (`total`); a window is the
+        # difference of two
         self._width = config.request_window + 1
         self.prefix = np.zeros((capacity, self._width), dtype=np.int64)
         self.total = np.zeros(capacity, dtype=np.int64)
@@ -152,7 +153,7 @@ class AcceptanceTracker:
         before = (
             0 if entries <= size else int(self.prefix[slot, (entries - 1 - size) % self._width])
         )
-        return _unpack(int(self.total[slot]) - before)
+        return WindowSums(*_unpack(int(self.total[slot]) - before))
 
     @property
     def baseline_ready(self) -> bool:
@@ -216,7 +217,7 @@ class AcceptanceTracker:
                 by_request = np.argsort(slots, kind="stable")
                 ordered = slots[by_request]
                 first = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
-            packed = drafted + (accepted << _SHIFT)
+            packed = _pack(drafted, accepted)
             found += self._request_windows(
                 slots, packed, index, by_request, first, waves, baselines, ready
             )
@@ -268,17 +269,17 @@ class AcceptanceTracker:
         """Each request's window at each of its entries in the batch, judged in arrays.
 
         `by_request` orders the entries by slot, in wave order within a slot; `first` is where
-        each slot's group begins in that order. A request's
-        running totals after each entry are its total before the batch plus a cumulative sum
-        over its group; the window ending at an entry is that less the running totals
-        `request_window` entries before, from the batch itself or from the slot's ring.
+        each slot's group begins in that order. A request's running totals after each entry
+        are its total before the batch plus a cumulative sum over its group; the window ending
+        at an entry is that less the running totals `request_window` entries before, from the
+        batch itself or from the slot's ring.
         """
         config, size, width = self.config, self.config.request_window, self._width
         slots, index, packed = slots[by_request], index[by_request], packed[by_request]
         entries = len(slots)
         touched, per_group = slots[first], np.diff(first, append=entries)
         group = np.repeat(np.arange(len(first)), per_group)
-        rank = np.arange(entries) - first[group]  # place in its group
+        rank = rank_in_group(per_group)
         done = self.entries[touched]  # entries already behind each request
         running = np.cumsum(packed)
         before_group = self.total[touched] - (running[first] - packed[first])
@@ -290,7 +291,7 @@ class AcceptanceTracker:
         in_ring = np.flatnonzero((rank < size) & (entry_back >= 0))
         flat = self.prefix.reshape(-1)  # a view: the ring rows end to end
         back[in_ring] = flat[slots[in_ring] * width + entry_back[in_ring] % width]
-        win_drafted, win_accepted = _unpack_arrays(prefix - back)
+        win_drafted, win_accepted = _unpack(prefix - back)
         rate = np.divide(win_accepted, win_drafted, out=np.zeros(entries), where=win_drafted > 0)
         judged = win_drafted >= config.min_drafts
         outside = ~((rate >= config.min_rate) & (rate <= config.max_rate))
@@ -350,11 +351,12 @@ _SHIFT = 32
 _LOW = (1 << _SHIFT) - 1
 
 
-def _unpack(packed: int) -> WindowSums:
-    return WindowSums(packed & _LOW, packed >> _SHIFT)
+def _pack(drafted: np.ndarray, accepted: np.ndarray) -> np.ndarray:
+    return drafted + (accepted << _SHIFT)
 
 
-def _unpack_arrays(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _unpack(packed: Any) -> tuple[Any, Any]:
+    """(drafted, accepted) of a packed int or array."""
     return packed & _LOW, packed >> _SHIFT
 
 
