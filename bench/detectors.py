@@ -9,7 +9,7 @@ blocks of (variant - none) in the same block. Streams are random tokens, so the 
 detector does its full work without ever reporting.
 
 The logits detectors' kernels (`logits.row_max`, one `amax` per row, every wave; and
-`logits.health_stats` every 16 waves: on a device, launches the host does not wait for; here
+`logits.health_rows` every 16 waves: on a device, launches the host does not wait for; here
 on the CPU they run on the host) are timed alone in the same blocks, each less the same call
 on a 1 x 8 tensor (the calls' own Python and dispatch stay host work). The host figures, as
 the issue's host goal counts them, come from the same suites on the same waves with
@@ -81,7 +81,12 @@ def make_suite(enabled: set[str]) -> DetectorSuite:
 
 
 class Feed:
-    """Pre-built inputs for `waves` waves of `reqs` requests."""
+    """Pre-built inputs for `waves` waves of `reqs` requests.
+
+    Each wave's token lists are made from a tensor with `tolist()` as the wave is fed, in every
+    variant (none included, so the difference leaves it out), as a runner makes them just before
+    it hands them back: lists built ahead for thousands of waves would be read cold from memory.
+    """
 
     def __init__(
         self, reqs: int, vocab: int, waves: int, spec: bool, logits: list[torch.Tensor]
@@ -96,37 +101,37 @@ class Feed:
             speculative_config=types.SimpleNamespace(method="ngram"),
         )
         self.logits = logits
-        self.outputs = []
-        self.schedules = []
-        for _ in range(waves):
-            width = 4 if spec else 1
-            tokens = torch.randint(0, vocab, (reqs, width), generator=gen).tolist()
-            self.outputs.append(
-                ModelRunnerOutput(
-                    req_ids=self.req_ids,
-                    req_id_to_index={r: i for i, r in enumerate(self.req_ids)},
-                    sampled_token_ids=[t[: 1 + (i % width)] for i, t in enumerate(tokens)],
-                )
-            )
-            drafts = {r: [1, 2, 3] for r in self.req_ids} if spec else {}
-            self.schedules.append(
-                types.SimpleNamespace(finished_req_ids=set(), scheduled_spec_decode_tokens=drafts)
-            )
+        self.spec = spec
+        self.width = 4 if spec else 1
+        self.lengths = [1 + (i % self.width) for i in range(reqs)]  # tokens back per request
+        self.tokens = torch.randint(0, vocab, (waves, reqs, self.width), generator=gen)
+        self.output = ModelRunnerOutput(
+            req_ids=self.req_ids, req_id_to_index={r: i for i, r in enumerate(self.req_ids)}
+        )
+        drafts = {r: [1, 2, 3] for r in self.req_ids} if spec else {}
+        self.schedule = types.SimpleNamespace(
+            finished_req_ids=set(), scheduled_spec_decode_tokens=drafts
+        )
+
+    def output_of(self, index: int) -> Any:
+        """Wave `index`'s runner output, its token lists made now."""
+        rows = self.tokens[index].tolist()
+        if self.spec:
+            rows = [row[:length] for row, length in zip(rows, self.lengths, strict=True)]
+        self.output.sampled_token_ids = rows
+        return self.output
 
 
 def run_waves(suite: DetectorSuite | None, feed: Feed, first_wave: int, waves: int) -> int:
     """Time one block of waves through the suite; returns nanoseconds."""
     start = time.perf_counter_ns()
     if suite is not None:
-        runner = feed.runner
-        block = slice(first_wave - 1, first_wave - 1 + waves)  # fresh tokens in every block
-        for n, (output, schedule) in enumerate(
-            zip(feed.outputs[block], feed.schedules[block], strict=True)
-        ):
+        runner, schedule = feed.runner, feed.schedule
+        for n in range(waves):
             wave = first_wave + n
             suite.on_schedule(wave, schedule)
             suite.on_logits(wave, runner, feed.logits[n % 4], None)
-            suite.on_output(wave, runner, output)
+            suite.on_output(wave, runner, feed.output_of(wave - 1))  # fresh tokens every block
     return time.perf_counter_ns() - start
 
 
@@ -139,7 +144,7 @@ def run_reduction(feed: Feed, first_wave: int, count: int) -> tuple[int, int]:
     every wave (logits_finite) and the health stats of every `STATS_EVERY`-th (logits_stats),
     each less the same call on a 1 x 8 tensor, so that the calls' own Python and dispatch
     (host work on a device too) stay in the host figures."""
-    row_max, health_stats = logit_checks.row_max, logit_checks.health_stats
+    row_max, health_rows = logit_checks.row_max, logit_checks.health_rows
     waves = range(first_wave, first_wave + count)
     stats_waves = [n for n, wave in enumerate(waves) if wave % STATS_EVERY == 0]
 
@@ -151,8 +156,8 @@ def run_reduction(feed: Feed, first_wave: int, count: int) -> tuple[int, int]:
 
     rows = timed(row_max, (feed.logits[n % 4] for n in range(len(waves))))
     rows -= timed(row_max, (_TINY for _ in waves))
-    stats = timed(health_stats, (feed.logits[n % 4] for n in stats_waves))
-    stats -= timed(health_stats, (_TINY for _ in stats_waves))
+    stats = timed(health_rows, (feed.logits[n % 4] for n in stats_waves))
+    stats -= timed(health_rows, (_TINY for _ in stats_waves))
     return max(0, rows), max(0, stats)
 
 

@@ -31,7 +31,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from guard.detectors.config import TokenRepeatConfig
-from guard.detectors.slots import SlotMap, WaveTokens, batch_waves, grown, rank_in_group
+from guard.detectors.slots import (
+    SlotMap,
+    WaveTokens,
+    batch_waves,
+    grown,
+    packed_batch,
+    rank_in_group,
+)
 
 CHECK_EVERY = 8  # new tokens of a request before its stream is looked at for loops again
 BATCH_TOKENS = 256  # most tokens of one request in one batch (a longer `add` is cut up)
@@ -57,8 +64,12 @@ class RepeatDetector:
         self._size = size
         self._grams = window - size + 1  # n-grams counted per request
         self._batch_tokens = max(window, BATCH_TOKENS)
-        self._ring = window + self._batch_tokens  # the window before a batch, and the batch
-        self._gram_ring = self._grams + self._batch_tokens
+        # the window before a batch, and the batch; ring widths are powers of two, so a stream
+        # position's place is one bitwise and (`& mask`), not an integer division
+        self._ring = _power_of_two(window + self._batch_tokens)
+        self._mask = self._ring - 1
+        self._gram_ring = _power_of_two(self._grams + self._batch_tokens)
+        self._gram_mask = self._gram_ring - 1
         bits = max(10, (8 * self._grams - 1).bit_length())
         self._buckets = 1 << bits
         self._bucket_shift = np.uint64(64 - bits)
@@ -130,7 +141,7 @@ class RepeatDetector:
 
     def _history(self, slot: int, start: int, end: int) -> list[int]:
         """Tokens at stream positions [start, end) of a slot (all within the ring)."""
-        return self.hist[slot, np.arange(start, end) % self._ring].tolist()
+        return self.hist[slot, np.arange(start, end) & self._mask].tolist()
 
     # -- the per-wave update --------------------------------------------------------------
     def add(self, request_id: str, new_tokens: Sequence[int]) -> list[RepeatFinding]:
@@ -160,12 +171,13 @@ class RepeatDetector:
         queue, self._queue = self._queue, []
         if not queue:
             return
-        ring, same = self._ring, queue[0][1]
+        ring, mask, same = self._ring, self._mask, queue[0][1]
+        hist = self.hist.reshape(-1)  # flat: one index per id is cheaper than a pair
         if all(slots is same and tokens.uniform for _, slots, tokens in queue):
             # a plain decode batch: the same requests, one token each, every wave: one scatter
-            ids = np.array([tokens.ids for _, _, tokens in queue], dtype=np.int64)
+            ids = packed_batch([tokens for _, _, tokens in queue]).reshape(len(queue), -1)
             position = self.total[same] + np.arange(len(queue))[:, None]
-            self.hist[same, position % ring] = ids
+            hist[same * ring + (position & mask)] = ids
             end = position + 1
             self.total[same] = end[-1]
             self._pending += [(item[0], same, end[k]) for k, item in enumerate(queue)]
@@ -173,13 +185,13 @@ class RepeatDetector:
         for wave, slots, tokens in queue:
             start = self.total[slots]
             if tokens.lengths is None:
-                self.hist[slots, start % ring] = tokens.flat
+                hist[slots * ring + (start & mask)] = tokens.flat
                 end = start + 1
             else:
                 lengths = np.array(tokens.lengths, dtype=np.intp)
                 row = tokens.row_of_each()
                 position = start[row] + rank_in_group(lengths)
-                self.hist[slots[row], position % ring] = tokens.flat
+                hist[slots[row] * ring + (position & mask)] = tokens.flat
                 end = start + lengths
             self.total[slots] = end
             self._pending.append((wave, slots, end))
@@ -254,38 +266,42 @@ class RepeatDetector:
 
     def _newest(self, slots: np.ndarray, total: np.ndarray, back: np.ndarray) -> np.ndarray:
         """[slot, j]: each slot's token `back[j]` places before its newest (0: the newest)."""
-        ring = self._ring
-        position = (total[:, None] - 1 - back) % ring
-        return self.hist.reshape(-1)[(slots * ring)[:, None] + position]
+        position = (total[:, None] - 1 - back) & self._mask
+        return self.hist.reshape(-1)[(slots * self._ring)[:, None] + position]
 
     def _screen_ngrams(
         self, touched: np.ndarray, start: np.ndarray, end: np.ndarray, open_now: np.ndarray
     ) -> np.ndarray:
         """Add the batch's n-grams to the sketch; the requests outside an open episode that
         may have started one (a cell at the limit)."""
-        size, grams, buckets, ring = self._size, self._grams, self._buckets, self._ring
+        size, grams, buckets = self._size, self._grams, self._buckets
         first = np.maximum(start - size + 1, 0)  # index of the first new n-gram
         count = np.maximum(end - size + 1 - first, 0)
-        total = int(count.sum())
-        if not total:
+        longest = int(count.max())
+        if not longest:
             return _NO_SLOTS
         row = np.repeat(touched, count)
-        index = np.repeat(first, count) + rank_in_group(count)
-        key = self._gram_keys(row * ring, index)
+        key, index = self._new_gram_keys(touched, first, count, longest)
         bucket = ((key * _HASH_MULT) >> self._bucket_shift).astype(np.intp)
         # written first: an n-gram leaving may have entered in this same batch
         places = self.gram_bucket.reshape(-1)
         at = row * self._gram_ring
-        places[at + index % self._gram_ring] = bucket
+        places[at + (index & self._gram_mask)] = bucket
         cells = self.sketch.reshape(-1)
         cell = row * buckets + bucket
         np.add.at(cells, cell, _ONE)
         # a cell never reads below its n-gram's true count at any token of the batch
         hot = cells[cell] >= self.config.ngram_max_count
-        leaving = np.flatnonzero(index >= grams)
-        if len(leaving):
-            old = places[at[leaving] + (index[leaving] - grams) % self._gram_ring]
-            np.subtract.at(cells, row[leaving] * buckets + old, _ONE)
+        # the n-grams that the new ones push out of the window: in a long stream, all of them
+        leaving = index >= grams
+        left = _count(leaving)
+        if left == len(index):
+            old = places[at + ((index - grams) & self._gram_mask)]
+            np.subtract.at(cells, row * buckets + old, _ONE)
+        elif left:
+            out = np.flatnonzero(leaving)
+            old = places[at[out] + ((index[out] - grams) & self._gram_mask)]
+            np.subtract.at(cells, row[out] * buckets + old, _ONE)
         if not _count(hot):
             return _NO_SLOTS
         suspect = np.zeros(self.requests.capacity, dtype=bool)
@@ -293,14 +309,34 @@ class RepeatDetector:
         suspect[open_now] = False
         return np.flatnonzero(suspect)
 
+    def _new_gram_keys(
+        self, touched: np.ndarray, first: np.ndarray, count: np.ndarray, longest: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and stream indexes of each touched slot's `count` n-grams from index `first`,
+        slot after slot. One gather reads each slot's stretch of the stream into a row; the
+        keys are hashed over its columns (the same keys as `_gram_keys`)."""
+        size = self._size
+        offsets = np.arange(longest + size - 1)
+        at = (touched * self._ring)[:, None]
+        stretch = self.hist.reshape(-1)[at + ((first[:, None] + offsets) & self._mask)]
+        stretch = stretch.astype(np.uint64)
+        key = stretch[:, :longest]
+        for j in range(1, size):
+            key = key * _POWER + stretch[:, j : j + longest]
+        index = first[:, None] + offsets[:longest]
+        if int(count.min()) == longest:  # as many n-grams in every slot: a decode batch
+            return key.reshape(-1), index.reshape(-1)
+        keep = offsets[:longest] < count[:, None]  # a shorter slot's row ends early
+        return key[keep], index[keep]
+
     def _gram_keys(self, at: np.ndarray, index: np.ndarray) -> np.ndarray:
         """64-bit keys of the n-grams starting at stream position `index` of the rows whose
         ring starts at `at` in the flat history; hashed column by column (numpy sums over a
         short axis slowly)."""
-        hist, ring = self.hist.reshape(-1), self._ring
-        key = hist[at + index % ring].astype(np.uint64)
+        hist, mask = self.hist.reshape(-1), self._mask
+        key = hist[at + (index & mask)].astype(np.uint64)
         for j in range(1, self._size):
-            key = key * _POWER + hist[at + (index + j) % ring].astype(np.uint64)
+            key = key * _POWER + hist[at + ((index + j) & mask)].astype(np.uint64)
         return key
 
     def _repeat_in_window(self, slots: np.ndarray) -> np.ndarray:
@@ -381,6 +417,11 @@ _count = np.count_nonzero  # truth of a bool array: cheaper than .any() on small
 _NO_SLOTS = np.zeros(0, dtype=np.intp)
 
 
+def _power_of_two(n: int) -> int:
+    """The least power of two that is at least n."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def find_loop(
     window: Sequence[int], max_period: int, min_repeats: int, min_span: int
 ) -> tuple[int, int, list[int]] | None:
@@ -416,14 +457,18 @@ SMALL_WAVE = 64
 
 
 def rows_out_of_range(tokens: WaveTokens, vocab_size: int) -> list[int]:
-    """Rows holding a sampled id outside [0, vocab_size); the common case is two reductions."""
-    flat = tokens.flat
-    if not len(flat):
+    """Rows holding a sampled id outside [0, vocab_size); the common case is one reduction.
+
+    Read as unsigned, a negative id is larger than any vocabulary, so the largest id alone
+    tells whether every id is in range."""
+    ids = tokens.ids
+    if not ids:
         return []
-    if len(flat) < SMALL_WAVE:
-        if min(tokens.ids) >= 0 and max(tokens.ids) < vocab_size:
+    if len(ids) < SMALL_WAVE:
+        if min(ids) >= 0 and max(ids) < vocab_size:
             return []
-    elif int(flat.min()) >= 0 and int(flat.max()) < vocab_size:
+    elif int(tokens.flat.view(np.uint64).max()) < vocab_size:
         return []
+    flat = tokens.flat
     bad = (flat < 0) | (flat >= vocab_size)
     return np.unique(tokens.row_of_each()[bad]).tolist()
