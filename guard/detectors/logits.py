@@ -16,7 +16,12 @@ import torch
 
 
 class PendingCheck:
-    """A device→host copy in flight, with what is needed to read it later."""
+    """A device→host copy in flight, with what is needed to read it later.
+
+    `req_ids` is the batch's request ids as of the wave, taken when the check is read after
+    the batch may have changed; None when it is read in the same wave (on the host, or with
+    the sync gate), where the runner's own list is still the wave's.
+    """
 
     __slots__ = ("event", "host", "logits", "req_ids", "rows_per_req", "runner", "stats", "wave")
 
@@ -25,7 +30,7 @@ class PendingCheck:
         wave: int,
         host: torch.Tensor,
         event: Any,
-        req_ids: list[str],
+        req_ids: list[str] | None,
         rows_per_req: list[int] | None,
         logits: torch.Tensor | None,
         stats: torch.Tensor | None,
@@ -38,7 +43,7 @@ class PendingCheck:
         self.rows_per_req = rows_per_req
         self.logits = logits  # kept only when evidence may be dumped
         self.stats = stats
-        self.runner = runner  # kept only when evidence may be dumped (KV blocks)
+        self.runner = runner  # evidence (KV blocks), and the request ids when read at once
 
     def ready(self) -> bool:
         return self.event is None or bool(self.event.query())
@@ -54,54 +59,62 @@ def row_max(logits: torch.Tensor) -> torch.Tensor:
 
 
 STATS_ROWS = 8
+HEALTH_FIELDS = 3  # the rows of `health_rows`: row max, p·log p summed, max |logit|
 
 
-def health_stats(logits: torch.Tensor, rows: int = STATS_ROWS) -> torch.Tensor:
-    """[max |logit|, mean entropy in nats] over the healthy rows among the first `rows`.
+def health_rows(logits: torch.Tensor, rows: int = STATS_ROWS) -> torch.Tensor:
+    """Per-row readings of the first `rows` rows, as a [3, n] tensor, for `health_summary`:
+    each row's max, the sum of p·log p over its tokens (minus its entropy in nats), and its
+    largest finite |logit|.
 
     A sample of rows keeps the cost flat in the batch size; the statistics are for drift.
     -Inf is a masked token, not a fault: structured outputs (grammar bitmask), min_tokens,
-    logit bias and allowed-token lists set it, so the stats skip masked entries rather than
-    whole rows. A row with NaN or +Inf, or with nothing left unmasked, is left out (the
-    finite-logits gate reports those). With no healthy row the result is NaN: no reading.
+    logit bias and allowed-token lists set it, so the readings skip masked entries rather
+    than whole rows. A row with NaN or +Inf, or with nothing left unmasked, has a row max
+    that is not finite; `health_summary` leaves it out (the finite-logits gate reports those).
+
+    The rows are reduced to two numbers on the host, after the copy: a dozen elementwise ops
+    and row reductions here, each one launch on a device, and no boolean indexing or scalar
+    read (either would make the host wait for the device).
     """
     values = logits[:rows].float()
     if values.numel() == 0:  # shapes live on the host: no sync
-        return torch.tensor([float("nan"), float("nan")], device=logits.device)
+        return torch.empty((HEALTH_FIELDS, 0), device=logits.device)
     logp = torch.log_softmax(values, dim=-1)
-    # a NaN or +Inf anywhere in a row, or nothing left unmasked, makes its log-probabilities
-    # NaN; a healthy row's are finite or -Inf (its masked tokens)
-    healthy = torch.isfinite(logp.amax(dim=-1))
-    count = healthy.sum()
-    # No boolean indexing (`values[healthy]`): on CUDA or NPU that reads the mask back to the
-    # host, a device sync. Unhealthy rows are weighted out instead, and with no healthy row
-    # 0 / 0 gives the NaN "no reading" on the device. A masked token's p * log p is
-    # 0 * -Inf = NaN: it counts as 0.
+    # a masked token's p · log p is 0 · -Inf = NaN: it counts as 0
     plogp = (logp.exp() * logp).nan_to_num(nan=0.0).sum(dim=-1)
-    entropy = torch.where(healthy, plogp, 0.0).sum() / -count
     row_abs = values.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).abs().amax(dim=-1)
-    max_abs = torch.where(healthy, row_abs, 0.0).amax() * (count / count)
-    return torch.stack([max_abs, entropy])
+    return torch.stack([values.amax(dim=-1), plogp, row_abs])
+
+
+def health_summary(readings: list[list[float]]) -> tuple[float, float] | None:
+    """(max |logit|, mean entropy in nats) over the healthy rows of `health_rows`, or None
+    when no row was healthy (no reading: the sidecar refuses NaN)."""
+    row_max, plogp, row_abs = readings
+    healthy = [i for i, top in enumerate(row_max) if math.isfinite(top)]
+    if not healthy:
+        return None
+    max_abs = max(row_abs[i] for i in healthy)
+    entropy = -sum(plogp[i] for i in healthy) / len(healthy)
+    if not (math.isfinite(max_abs) and math.isfinite(entropy)):
+        return None
+    return max_abs, entropy
 
 
 def start_copy(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """Copy a small tensor to the host; on an accelerator without waiting (returns an event)."""
+    """Copy a small tensor to the host; on an accelerator without waiting (returns an event
+    that completes with the copy). A device with no event type is copied at once."""
     if tensor.device.type == "cpu":
         return tensor, None
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
-    host.copy_(tensor, non_blocking=True)
-    event = _device_event(tensor.device)
-    return host, event
-
-
-def _device_event(device: torch.device) -> Any:
-    module = getattr(torch, device.type, None)  # torch.cuda, torch.npu (torch_npu), ...
+    module = getattr(torch, tensor.device.type, None)  # torch.cuda, torch.npu (torch_npu), ...
     event_cls = getattr(module, "Event", None) if module is not None else None
     if event_cls is None:
-        return None
+        return tensor.to("cpu"), None  # nothing to wait on later: the read must not race
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
     event = event_cls()
     event.record()
-    return event
+    return host, event
 
 
 def bad_rows(row_maxes: torch.Tensor) -> list[int]:

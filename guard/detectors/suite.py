@@ -12,7 +12,6 @@ logits checks run on every rank, since a NaN may appear on one rank only.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from typing import Any
@@ -105,7 +104,7 @@ class DetectorSuite:
         row_max = logit_checks.row_max(logits) if self.check_finite else None
         stats = None
         if self.stats_every and wave % self.stats_every == 0:
-            stats = logit_checks.health_stats(logits)
+            stats = logit_checks.health_rows(logits)
         if row_max is None and stats is None:
             return
         host, event = logit_checks.start_copy(row_max) if row_max is not None else (None, None)
@@ -113,16 +112,30 @@ class DetectorSuite:
         if stats is not None:
             stats_host, stats_event = logit_checks.start_copy(stats)
             event = stats_event or event  # recorded last on the same stream: covers both copies
-        count = len(rows_per_req) if rows_per_req is not None else int(logits.shape[0])
         keep_logits = self.config.logits_finite.action == "dump"
-        pending = logit_checks.PendingCheck(
-            wave, host, event, request_ids(runner, count), rows_per_req,
-            logits if keep_logits else None, stats_host, runner if keep_logits else None,
-        )  # fmt: skip
-        if self.config.logits_finite.sync_gate or event is None:
-            self._resolve(pending)
-        else:
-            self._pending.append(pending)
+        kept = logits if keep_logits else None
+        if event is None or self.config.logits_finite.sync_gate:
+            # read in this wave: the runner's request ids are still this batch's, so they are
+            # looked up only for a finding
+            check = logit_checks.PendingCheck(
+                wave, host, event, None, rows_per_req, kept, stats_host, runner
+            )
+            check.wait()  # the sync gate: the host waits for the copy (no-op without an event)
+            self._resolve(check)
+            return
+        count = len(rows_per_req) if rows_per_req is not None else int(logits.shape[0])
+        self._pending.append(
+            logit_checks.PendingCheck(
+                wave,
+                host,
+                event,
+                request_ids(runner, count),
+                rows_per_req,
+                kept,
+                stats_host,
+                runner if keep_logits else None,
+            )  # fmt: skip
+        )
 
     # -- output -----------------------------------------------------------------------------
     def on_output(self, wave: int, runner: Any, output: Any) -> None:
@@ -214,10 +227,12 @@ class DetectorSuite:
             self._resolve(check)
 
     def _resolve(self, check: logit_checks.PendingCheck) -> None:
-        stats = check.stats.tolist() if check.stats is not None else ()
-        # NaN: no healthy row was sampled, so there is no reading (and the sidecar refuses NaN)
-        if stats and all(math.isfinite(v) for v in stats):
-            max_abs, entropy = (float(v) for v in stats)
+        # None: no healthy row was sampled, so there is no reading
+        summary = (
+            logit_checks.health_summary(check.stats.tolist()) if check.stats is not None else None
+        )
+        if summary is not None:
+            max_abs, entropy = summary
             self._probe("logits_max_abs", max_abs, {})
             self._probe("logits_entropy_nats", entropy, {})
             limit = self.config.logits_stats.max_abs_limit
@@ -232,9 +247,11 @@ class DetectorSuite:
         bad = logit_checks.bad_rows(check.host)
         if not bad:
             return
-        for req_id, rows in logit_checks.rows_to_requests(
-            bad, check.req_ids, check.rows_per_req
-        ).items():
+        req_ids = check.req_ids
+        if req_ids is None:  # read in its own wave: the runner's list is still the batch's
+            count = len(check.rows_per_req) if check.rows_per_req is not None else len(check.host)
+            req_ids = request_ids(check.runner, count)
+        for req_id, rows in logit_checks.rows_to_requests(bad, req_ids, check.rows_per_req).items():
             evidence: dict[str, Any] = {
                 "rows": rows[:16],
                 "row_max": [float(check.host[r]) for r in rows[:4]],

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import re
 import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -23,7 +23,7 @@ from guard.detectors.config import (
     TokenRepeatConfig,
 )
 from guard.detectors.evidence import EvidenceDumper
-from guard.detectors.slots import WaveTokens
+from guard.detectors.slots import WaveTokens, packed_batch
 from guard.detectors.spec import AcceptanceTracker
 from guard.detectors.suite import DetectorSuite
 from guard.detectors.tokens import (
@@ -59,7 +59,7 @@ def test_rows_map_to_requests_on_the_verify_path():
 def test_health_stats_match_a_direct_computation():
     logits = torch.randn(3, 20) * 4
     logits[1, 0] = float("nan")  # left out
-    max_abs, entropy = checks.health_stats(logits).tolist()
+    max_abs, entropy = checks.health_summary(checks.health_rows(logits).tolist())
     finite = logits[[0, 2]]
     p = torch.softmax(finite, -1)
     assert max_abs == pytest.approx(float(finite.abs().max()))
@@ -125,6 +125,32 @@ def test_rows_out_of_range_names_each_bad_row_once(rows):
     assert rows_out_of_range(WaveTokens(sampled), 10) == []
     sampled = [[1], [2, 10, 11], [], [-1], *[[3]] * (rows - 4)]
     assert rows_out_of_range(WaveTokens(sampled), 10) == [1, 3]
+
+
+@pytest.mark.parametrize("bad", [-1, 10, 2**40])
+def test_rows_out_of_range_finds_a_bad_id_in_a_large_decode_wave(bad):
+    """The array path reads the ids as unsigned: a negative id must still be out of range."""
+    sampled = [[1]] * (SMALL_WAVE + 5)
+    sampled[7] = [bad]
+    assert rows_out_of_range(WaveTokens(sampled), 10) == [7]
+
+
+def test_wave_tokens_read_decode_and_mixed_waves_alike():
+    decode = WaveTokens([[5], [7], [9]])
+    assert decode.uniform and decode.ids == [5, 7, 9] and decode.width == 1
+    assert decode.flat.tolist() == [5, 7, 9] and decode.row_of_each().tolist() == [0, 1, 2]
+    mixed = WaveTokens([[5], [], [1, 2, 3]])
+    assert not mixed.uniform and mixed.lengths == [1, 0, 3] and mixed.width == 3
+    assert mixed.ids == [5, 1, 2, 3] and mixed.row_of_each().tolist() == [0, 2, 2, 2]
+    empty = WaveTokens([])
+    assert empty.uniform and empty.width == 0 and empty.flat.size == 0
+    rows = [[4], [6]]
+    copied = WaveTokens(rows)
+    rows[0].append(9)  # the scheduler trims or extends its own lists later
+    assert copied.ids == [4, 6] and copied.uniform
+    arrays = WaveTokens([np.array([3]), np.array([8])])  # rows that are arrays, not lists
+    assert arrays.uniform and arrays.flat.tolist() == [3, 8]
+    assert packed_batch([decode, mixed]).tolist() == [5, 7, 9, 5, 1, 2, 3]
 
 
 # -- spec acceptance ------------------------------------------------------------------------
@@ -316,13 +342,13 @@ def test_health_stats_skip_masked_tokens_not_whole_rows():
     logits[0, 5:] = float("-inf")  # grammar: 5 tokens allowed
     logits[1, 0] = float("-inf")  # min_tokens: EOS masked
     logits[2, :] = float("-inf")  # nothing allowed: left out
-    max_abs, entropy = checks.health_stats(logits).tolist()
+    max_abs, entropy = checks.health_summary(checks.health_rows(logits).tolist())
     rows = [logits[0, :5], logits[1, 1:]]
     assert max_abs == pytest.approx(max(float(r.abs().max()) for r in rows))
     expected = [float(-(torch.softmax(r, -1) * torch.log_softmax(r, -1)).sum()) for r in rows]
     assert entropy == pytest.approx(sum(expected) / 2, rel=1e-5)
     all_masked = torch.full((2, 20), float("-inf"))
-    assert all(math.isnan(v) for v in checks.health_stats(all_masked).tolist())
+    assert checks.health_summary(checks.health_rows(all_masked).tolist()) is None
 
 
 class _HostReads(TorchDispatchMode):
@@ -356,10 +382,78 @@ def test_health_stats_read_nothing_back_to_the_host():
     logits[3, :] = float("-inf")
     logits[4, :10] = float("-inf")
     with _HostReads() as reads:
-        stats = checks.health_stats(logits)
+        readings = checks.health_rows(logits)
     assert reads.seen == []
     rows = [logits[0], logits[4, 10:], logits[5]]
-    assert stats[0].item() == pytest.approx(max(float(r.abs().max()) for r in rows))
+    max_abs, _ = checks.health_summary(readings.tolist())
+    assert max_abs == pytest.approx(max(float(r.abs().max()) for r in rows))
+
+
+class _CopyInFlight:
+    """Stands in for an accelerator's copy event (no CUDA or NPU here): not done until told."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.waited = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited = self.done = True
+
+
+def _copies_in_flight(monkeypatch):
+    """The suite's copies come back with an event, as on a device; returns the events made."""
+    events = []
+
+    def start_copy(tensor):
+        events.append(_CopyInFlight())
+        return tensor.clone(), events[-1]
+
+    monkeypatch.setattr(checks, "start_copy", start_copy)
+    return events
+
+
+def test_a_check_read_in_a_later_wave_names_the_request_of_its_own_wave(tmp_path, monkeypatch):
+    """Read after the batch changed (the copy was still in flight at the wave's output), a
+    finding names the request that held the row when the logits were checked."""
+    events = _copies_in_flight(monkeypatch)
+    suite, sent, _ = make_suite(tmp_path)
+    runner = Runner(["a", "b"])
+    logits = torch.randn(2, 50)
+    logits[1, 3] = float("nan")
+    suite.on_logits(4, runner, logits, None)
+    suite.on_output(4, runner, types.SimpleNamespace(req_ids=["a", "b"], sampled_token_ids=[]))
+    assert sent == [] and not events[0].waited  # not ready: left pending, nothing waited on
+    runner.input_batch.req_ids = ["c", "a"]  # the next wave's batch
+    events[0].done = True
+    suite.on_output(5, runner, types.SimpleNamespace(req_ids=["c", "a"], sampled_token_ids=[]))
+    (incident,) = sent
+    assert (incident.type, incident.request_id, incident.wave) == ("logits_finite", "b", 4)
+
+
+def test_the_sync_gate_waits_for_the_copy_and_reads_it_in_its_wave(tmp_path, monkeypatch):
+    events = _copies_in_flight(monkeypatch)
+    suite, sent, _ = make_suite(tmp_path, logits_finite=LogitsFiniteConfig(sync_gate=True))
+    runner = Runner(["a", "b"])
+    logits = torch.randn(2, 50)
+    logits[0, 9] = float("inf")
+    suite.on_logits(6, runner, logits, None)
+    assert events[0].waited  # the gate's promise: the host waited for the device
+    (incident,) = sent
+    assert (incident.request_id, incident.wave) == ("a", 6)
+
+
+def test_a_device_without_events_is_copied_at_once():
+    """No event type to wait on later (a stand-in device): the copy must not be left racing."""
+    copied = []
+    tensor = types.SimpleNamespace(
+        device=types.SimpleNamespace(type="nodevice"),
+        to=lambda where: copied.append(where) or torch.ones(2),
+    )
+    host, event = checks.start_copy(tensor)
+    assert copied == ["cpu"] and event is None and host.tolist() == [1.0, 1.0]
 
 
 def test_no_probe_is_sent_when_no_row_was_healthy(tmp_path):
