@@ -117,13 +117,21 @@ def start_copy(tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
     return host, event
 
 
+# below this many rows the row maxima are summed as Python floats: cheaper than a tensor op
+SMALL_BATCH = 64
+
+
 def bad_rows(row_maxes: torch.Tensor) -> list[int]:
-    """Row indexes whose max is NaN, +Inf or -Inf.
+    """Row indexes whose max is NaN, +Inf or -Inf (`row_maxes` is on the host).
 
     The common case costs one reduction and one scalar read: the sum of the row maxima is
     finite exactly when every row max is (NaN, +Inf and -Inf all survive a sum).
     """
-    if math.isfinite(float(row_maxes.sum())):
+    if len(row_maxes) < SMALL_BATCH:
+        total = sum(row_maxes.tolist())
+    else:
+        total = float(row_maxes.sum())
+    if math.isfinite(total):
         return []
     finite = torch.isfinite(row_maxes)
     return [int(i) for i in (~finite).nonzero().flatten().tolist()]

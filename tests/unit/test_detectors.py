@@ -37,14 +37,18 @@ from guard.reporter import IncidentReporter
 
 
 # -- logits checks --------------------------------------------------------------------------
-def test_row_max_finds_nan_pos_inf_and_all_neg_inf_rows_but_passes_masked_rows():
-    logits = torch.randn(6, 50)
+@pytest.mark.parametrize("rows", [6, checks.SMALL_BATCH + 6])  # summed in Python, as a tensor
+def test_row_max_finds_nan_pos_inf_and_all_neg_inf_rows_but_passes_masked_rows(rows):
+    logits = torch.randn(rows, 50)
     logits[1, 7] = float("nan")
     logits[2, 3] = float("inf")
     logits[3, :] = float("-inf")
     logits[4, :40] = float("-inf")  # a grammar mask: fine
     assert checks.bad_rows(checks.row_max(logits)) == [1, 2, 3]
-    assert checks.bad_rows(checks.row_max(torch.randn(4, 50))) == []
+    assert checks.bad_rows(checks.row_max(torch.randn(rows, 50))) == []
+    logits[5, 0] = float("-inf")  # +Inf and -Inf rows alone: their sum is NaN, still found
+    logits[5, 1:] = float("-inf")
+    assert checks.bad_rows(checks.row_max(logits[[2, 5]])) == [0, 1]
     evidence = checks.describe_row(logits[1])
     assert evidence == {"nan": 1, "pos_inf": 0, "neg_inf": 0, "width": 50}
 
