@@ -127,10 +127,8 @@ def bad_rows(row_maxes: torch.Tensor) -> list[int]:
     The common case costs one reduction and one scalar read: the sum of the row maxima is
     finite exactly when every row max is (NaN, +Inf and -Inf all survive a sum).
     """
-    if len(row_maxes) < SMALL_BATCH:
-        total = sum(row_maxes.tolist())
-    else:
-        total = float(row_maxes.sum())
+    small = len(row_maxes) < SMALL_BATCH
+    total = sum(row_maxes.tolist()) if small else float(row_maxes.sum())
     if math.isfinite(total):
         return []
     finite = torch.isfinite(row_maxes)

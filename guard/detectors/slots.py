@@ -114,6 +114,12 @@ def batch_waves(rows: int) -> int:
     return min(MAX_BATCH_WAVES, max(MIN_BATCH_WAVES, BATCH_IDS // max(rows, 1)))
 
 
+def power_of_two(n: int) -> int:
+    """The least power of two that is at least n: a ring of that width finds a position's
+    place with one bitwise and (`& (width - 1)`) instead of an integer division."""
+    return 1 << max(0, n - 1).bit_length()
+
+
 def grown(array: np.ndarray, rows: int, fill: int | float | bool = 0) -> np.ndarray:
     """`array` with `rows` rows: the old rows copied, the new ones set to `fill`."""
     out = np.full((rows, *array.shape[1:]), fill, dtype=array.dtype)

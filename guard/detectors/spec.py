@@ -32,7 +32,14 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from guard.detectors.config import SpecAcceptanceConfig
-from guard.detectors.slots import SlotMap, WaveTokens, batch_waves, grown, rank_in_group
+from guard.detectors.slots import (
+    SlotMap,
+    WaveTokens,
+    batch_waves,
+    grown,
+    power_of_two,
+    rank_in_group,
+)
 
 
 class Window:
@@ -109,7 +116,8 @@ class AcceptanceTracker:
         # each request's running totals (packed, `_pack`) after each of its last
         # request_window + 1 entries, and after its newest (`total`); a window is the
         # difference of two
-        self._width = config.request_window + 1
+        self._width = power_of_two(config.request_window + 1)  # at least the window and one
+        self._mask = self._width - 1
         self.prefix = np.zeros((capacity, self._width), dtype=np.int64)
         self.total = np.zeros(capacity, dtype=np.int64)
         self.entries = np.zeros(capacity, dtype=np.int64)  # waves with drafts, ever
@@ -150,9 +158,7 @@ class AcceptanceTracker:
         if slot is None:
             return None
         entries, size = int(self.entries[slot]), self.config.request_window
-        before = (
-            0 if entries <= size else int(self.prefix[slot, (entries - 1 - size) % self._width])
-        )
+        before = 0 if entries <= size else int(self.prefix[slot, (entries - 1 - size) & self._mask])
         return WindowSums(*_unpack(int(self.total[slot]) - before))
 
     @property
@@ -274,7 +280,8 @@ class AcceptanceTracker:
         at an entry is that less the running totals `request_window` entries before, from the
         batch itself or from the slot's ring.
         """
-        config, size, width = self.config, self.config.request_window, self._width
+        config, size = self.config, self.config.request_window
+        width, mask = self._width, self._mask
         slots, index, packed = slots[by_request], index[by_request], packed[by_request]
         entries = len(slots)
         touched, per_group = slots[first], np.diff(first, append=entries)
@@ -290,7 +297,7 @@ class AcceptanceTracker:
         entry_back = done[group] + rank - size
         in_ring = np.flatnonzero((rank < size) & (entry_back >= 0))
         flat = self.prefix.reshape(-1)  # a view: the ring rows end to end
-        back[in_ring] = flat[slots[in_ring] * width + entry_back[in_ring] % width]
+        back[in_ring] = flat[slots[in_ring] * width + (entry_back[in_ring] & mask)]
         win_drafted, win_accepted = _unpack(prefix - back)
         rate = np.divide(win_accepted, win_drafted, out=np.zeros(entries), where=win_drafted > 0)
         judged = win_drafted >= config.min_drafts
@@ -309,7 +316,7 @@ class AcceptanceTracker:
             self.jumped[touched] = jump_after
         # the newest `width` running totals of each request go into its ring
         write = np.flatnonzero(rank >= per_group[group] - width)
-        flat[slots[write] * width + (done[group[write]] + rank[write]) % width] = prefix[write]
+        flat[slots[write] * width + ((done[group[write]] + rank[write]) & mask)] = prefix[write]
         self.total[touched] = prefix[first + per_group - 1]
         self.entries[touched] = done + per_group
         found = []

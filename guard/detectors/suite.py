@@ -35,7 +35,7 @@ def request_ids(runner: Any, count: int) -> list[str]:
         ids = runner.input_batch.req_ids
     except AttributeError:
         return [f"row{i}" for i in range(count)]
-    return list(ids[:count])
+    return ids[:count] if type(ids) is list else list(ids[:count])  # a list's slice: a copy
 
 
 class DetectorSuite:

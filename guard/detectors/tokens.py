@@ -37,6 +37,7 @@ from guard.detectors.slots import (
     batch_waves,
     grown,
     packed_batch,
+    power_of_two,
     rank_in_group,
 )
 
@@ -66,9 +67,9 @@ class RepeatDetector:
         self._batch_tokens = max(window, BATCH_TOKENS)
         # the window before a batch, and the batch; ring widths are powers of two, so a stream
         # position's place is one bitwise and (`& mask`), not an integer division
-        self._ring = _power_of_two(window + self._batch_tokens)
+        self._ring = power_of_two(window + self._batch_tokens)
         self._mask = self._ring - 1
-        self._gram_ring = _power_of_two(self._grams + self._batch_tokens)
+        self._gram_ring = power_of_two(self._grams + self._batch_tokens)
         self._gram_mask = self._gram_ring - 1
         bits = max(10, (8 * self._grams - 1).bit_length())
         self._buckets = 1 << bits
@@ -415,11 +416,6 @@ class RepeatDetector:
 
 _count = np.count_nonzero  # truth of a bool array: cheaper than .any() on small arrays
 _NO_SLOTS = np.zeros(0, dtype=np.intp)
-
-
-def _power_of_two(n: int) -> int:
-    """The least power of two that is at least n."""
-    return 1 << max(0, n - 1).bit_length()
 
 
 def find_loop(
