@@ -64,8 +64,8 @@ HEALTH_FIELDS = 3  # the rows of `health_rows`: row max, p·log p summed, max |l
 
 def health_rows(logits: torch.Tensor, rows: int = STATS_ROWS) -> torch.Tensor:
     """Per-row readings of the first `rows` rows, as a [3, n] tensor, for `health_summary`:
-    each row's max, the sum of p·log p over its tokens (minus its entropy in nats), and its
-    largest finite |logit|.
+    each row's max, the sum of p·log p over its tokens (its entropy in nats, negated), and
+    its largest finite |logit|.
 
     A sample of rows keeps the cost flat in the batch size; the statistics are for drift.
     -Inf is a masked token, not a fault: structured outputs (grammar bitmask), min_tokens,

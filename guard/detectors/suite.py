@@ -134,7 +134,7 @@ class DetectorSuite:
                 kept,
                 stats_host,
                 runner if keep_logits else None,
-            )  # fmt: skip
+            )
         )
 
     # -- output -----------------------------------------------------------------------------
