@@ -282,7 +282,12 @@ class RepeatDetector:
         if not longest:
             return _NO_SLOTS
         row = np.repeat(touched, count)
-        key, index = self._new_gram_keys(touched, first, count, longest)
+        key, index = self._stretch_keys(touched, first, longest)
+        if int(count.min()) == longest:  # as many n-grams in every slot: a decode batch
+            key, index = key.reshape(-1), index.reshape(-1)
+        else:
+            keep = np.arange(longest) < count[:, None]  # a shorter slot's row ends early
+            key, index = key[keep], index[keep]
         bucket = ((key * _HASH_MULT) >> self._bucket_shift).astype(np.intp)
         # written first: an n-gram leaving may have entered in this same batch
         places = self.gram_bucket.reshape(-1)
@@ -310,35 +315,21 @@ class RepeatDetector:
         suspect[open_now] = False
         return np.flatnonzero(suspect)
 
-    def _new_gram_keys(
-        self, touched: np.ndarray, first: np.ndarray, count: np.ndarray, longest: int
+    def _stretch_keys(
+        self, slots: np.ndarray, first: np.ndarray, length: int
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and stream indexes of each touched slot's `count` n-grams from index `first`,
-        slot after slot. One gather reads each slot's stretch of the stream into a row; the
-        keys are hashed over its columns (the same keys as `_gram_keys`)."""
+        """[slot, j]: the 64-bit key of each slot's n-gram at stream index `first + j`, and
+        that index. One gather reads each slot's stretch of the stream into a row; the keys
+        are hashed over its columns (numpy sums over a short axis slowly)."""
         size = self._size
-        offsets = np.arange(longest + size - 1)
-        at = (touched * self._ring)[:, None]
+        offsets = np.arange(length + size - 1)
+        at = (slots * self._ring)[:, None]
         stretch = self.hist.reshape(-1)[at + ((first[:, None] + offsets) & self._mask)]
         stretch = stretch.astype(np.uint64)
-        key = stretch[:, :longest]
+        key = stretch[:, :length]
         for j in range(1, size):
-            key = key * _POWER + stretch[:, j : j + longest]
-        index = first[:, None] + offsets[:longest]
-        if int(count.min()) == longest:  # as many n-grams in every slot: a decode batch
-            return key.reshape(-1), index.reshape(-1)
-        keep = offsets[:longest] < count[:, None]  # a shorter slot's row ends early
-        return key[keep], index[keep]
-
-    def _gram_keys(self, at: np.ndarray, index: np.ndarray) -> np.ndarray:
-        """64-bit keys of the n-grams starting at stream position `index` of the rows whose
-        ring starts at `at` in the flat history; hashed column by column (numpy sums over a
-        short axis slowly)."""
-        hist, mask = self.hist.reshape(-1), self._mask
-        key = hist[at + (index & mask)].astype(np.uint64)
-        for j in range(1, self._size):
-            key = key * _POWER + hist[at + ((index + j) & mask)].astype(np.uint64)
-        return key
+            key = key * _POWER + stretch[:, j : j + length]
+        return key, first[:, None] + offsets[:length]
 
     def _repeat_in_window(self, slots: np.ndarray) -> np.ndarray:
         """Whether each slot's window holds an n-gram `ngram_max_count` times now (exact: the
@@ -347,8 +338,7 @@ class RepeatDetector:
         if limit > grams:
             return np.zeros(len(slots), dtype=bool)
         first = self.total[slots] - size + 1 - grams  # index of the window's first n-gram
-        index = first[:, None] + np.arange(grams)
-        key = self._gram_keys((slots * self._ring)[:, None], index)
+        key, index = self._stretch_keys(slots, first, grams)
         # places before the stream's first n-gram hold keys that cannot repeat
         key = np.where(index >= 0, key, ~np.uint64(0) - np.arange(grams, dtype=np.uint64))
         key.sort(axis=1)
