@@ -113,29 +113,25 @@ class DetectorSuite:
             stats_host, stats_event = logit_checks.start_copy(stats)
             event = stats_event or event  # recorded last on the same stream: covers both copies
         keep_logits = self.config.logits_finite.action == "dump"
-        kept = logits if keep_logits else None
-        if event is None or self.config.logits_finite.sync_gate:
-            # read in this wave: the runner's request ids are still this batch's, so they are
-            # looked up only for a finding
-            check = logit_checks.PendingCheck(
-                wave, host, event, None, rows_per_req, kept, stats_host, runner
-            )
+        # read in this wave (on the host, or the sync gate), the runner's request ids are
+        # still this batch's: they are looked up only for a finding
+        read_now = event is None or self.config.logits_finite.sync_gate
+        req_ids = None if read_now else request_ids(runner, _requests(rows_per_req, logits))
+        check = logit_checks.PendingCheck(
+            wave,
+            host,
+            event,
+            req_ids,
+            rows_per_req,
+            logits if keep_logits else None,
+            stats_host,
+            runner if read_now or keep_logits else None,
+        )
+        if read_now:
             check.wait()  # the sync gate: the host waits for the copy (no-op without an event)
             self._resolve(check)
-            return
-        count = len(rows_per_req) if rows_per_req is not None else int(logits.shape[0])
-        self._pending.append(
-            logit_checks.PendingCheck(
-                wave,
-                host,
-                event,
-                request_ids(runner, count),
-                rows_per_req,
-                kept,
-                stats_host,
-                runner if keep_logits else None,
-            )
-        )
+        else:
+            self._pending.append(check)
 
     # -- output -----------------------------------------------------------------------------
     def on_output(self, wave: int, runner: Any, output: Any) -> None:
@@ -249,8 +245,7 @@ class DetectorSuite:
             return
         req_ids = check.req_ids
         if req_ids is None:  # read in its own wave: the runner's list is still the batch's
-            count = len(check.rows_per_req) if check.rows_per_req is not None else len(check.host)
-            req_ids = request_ids(check.runner, count)
+            req_ids = request_ids(check.runner, _requests(check.rows_per_req, check.host))
         for req_id, rows in logit_checks.rows_to_requests(bad, req_ids, check.rows_per_req).items():
             evidence: dict[str, Any] = {
                 "rows": rows[:16],
@@ -347,6 +342,11 @@ class DetectorSuite:
     def close(self) -> None:
         self.resolve_ready(force=True)
         self._flush_batches()
+
+
+def _requests(rows_per_req: list[int] | None, rows: Any) -> int:
+    """Requests in a batch of logits rows (`rows`: the logits or their row maxima)."""
+    return len(rows_per_req) if rows_per_req is not None else int(rows.shape[0])
 
 
 def _vocab_size(runner: Any, logits: Any) -> int | None:
