@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from guard.detectors.suite import IDLE_FLUSH_S
 from tests.support.http import get_json
 from tests.support.metrics import samples, value
 from tests.support.ports import free_port
@@ -197,9 +198,13 @@ class GuardedServer:
 
         1. vLLM: nothing running or waiting in the scheduler (aborts included, which
            `vllm:request_success_total` does not count).
-        2. guard: each rank sent a heartbeat after (1), and the sidecar holds the wave that
-           heartbeat named (a rank's stream is ordered: every earlier wave arrived or was
-           counted as dropped; `assert_clean` checks that none was).
+        2. guard: each rank sent a heartbeat more than `IDLE_FLUSH_S` after (1), and the
+           sidecar holds the wave that heartbeat named (a rank's stream is ordered: every
+           earlier wave arrived or was counted as dropped; `assert_clean` checks that none
+           was). The detectors judge their token batches a batch at a time; by that heartbeat
+           the streamer has judged what the idle engine left queued (`flush_idle`), so its
+           acceptance readings count every wave. A heartbeat sooner after (1) may carry totals
+           that are a partial batch short.
         """
         deadline = time.monotonic() + timeout
         while True:
@@ -210,7 +215,7 @@ class GuardedServer:
             ):
                 break
             _check(deadline, "vLLM still has requests running or waiting")
-        idle_at = time.time()
+        flushed_after = time.time() + IDLE_FLUSH_S
         while True:
             guard = self.sidecar.metrics_text()
             ranks = {r["tp"]: r for r in self.live().get("ranks", [])}
@@ -219,7 +224,7 @@ class GuardedServer:
                 labels = {"engine": ENGINE, "dp": "0", "tp": str(tp), "pp": "0"}
                 last = value(guard, "ascend_guard_last_wave", **labels)
                 heartbeat = value(guard, "ascend_guard_last_heartbeat_timestamp_seconds", **labels)
-                flushed = flushed and heartbeat > idle_at and last >= ranks[tp]["last_wave"]
+                flushed = flushed and heartbeat > flushed_after and last >= ranks[tp]["last_wave"]
             if flushed:
                 return Counters(self.server.metrics_text(), guard, self.tp)
             _check(deadline, f"guard records not flushed: {ranks}")
