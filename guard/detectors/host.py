@@ -44,6 +44,7 @@ class DetectorHost:
             ),
             report_tokens=rank.tp_rank == 0,
             probe=self._probe,
+            load_in_background=True,
         )
         if suite.needs_logits or suite.needs_output:
             self.suite = suite

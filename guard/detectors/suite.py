@@ -47,7 +47,10 @@ class DetectorSuite:
         *,
         report_tokens: bool = True,
         probe=None,
+        load_in_background: bool = False,
     ) -> None:
+        """`load_in_background`: token_repeat's compiled kernel loads on a thread of its own
+        (in a worker, so that no wave waits for it); else the constructor loads it."""
         self.config = config
         self.reporter = reporter
         self.dumper = dumper
@@ -56,7 +59,7 @@ class DetectorSuite:
         # keeps no token_repeat or acceptance state; its evidence bundles carry no tokens (the
         # driver's do), and it exports no acceptance readings (the driver does).
         self.repeat = (
-            RepeatDetector(config.token_repeat)
+            RepeatDetector(config.token_repeat, load_in_background=load_in_background)
             if config.token_repeat.enabled and report_tokens
             else None
         )
@@ -155,7 +158,8 @@ class DetectorSuite:
             with self._tokens_lock:
                 found = self.repeat.add_wave(wave, req_ids, tokens)
             self._last_tokens = time.monotonic()
-            self._report_repeats(runner, found)
+            if found:  # rare: no call on the common wave
+                self._report_repeats(runner, found)
         if self.spec is not None and self._drafts and self._drafts_wave == wave:
             if not self.spec_method:
                 config = getattr(runner, "speculative_config", None)
@@ -329,11 +333,11 @@ class DetectorSuite:
             or (self.spec is not None and self.spec.pending)
         )
 
-    def _flush_batches(self) -> None:
+    def _flush_batches(self, wait: bool = False) -> None:
         repeats, judged = [], []
         with self._tokens_lock:
             if self.repeat is not None:
-                repeats = self.repeat.flush()
+                repeats = self.repeat.flush(wait)
             if self.spec is not None:
                 judged = self.spec.flush()
         self._report_repeats(None, repeats)
@@ -341,7 +345,7 @@ class DetectorSuite:
 
     def close(self) -> None:
         self.resolve_ready(force=True)
-        self._flush_batches()
+        self._flush_batches(wait=True)
 
 
 def _requests(rows_per_req: list[int] | None, rows: Any) -> int:
