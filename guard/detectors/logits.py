@@ -135,6 +135,13 @@ def bad_rows(row_maxes: torch.Tensor) -> list[int]:
     return [int(i) for i in (~finite).nonzero().flatten().tolist()]
 
 
+def all_finite(row_maxes: list[torch.Tensor]) -> bool:
+    """Whether every row max of several waves (host tensors) is finite: one sum over them all.
+    A sum that overflows reads as not finite too; the caller then checks each wave."""
+    joined = torch.cat(row_maxes) if len(row_maxes) > 1 else row_maxes[0]
+    return math.isfinite(float(joined.sum()))
+
+
 def describe_row(row: torch.Tensor) -> dict[str, Any]:
     """Evidence for one bad row: how many NaN, +Inf, -Inf; costs a pass, only on incidents."""
     row = row.float()

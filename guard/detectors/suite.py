@@ -27,6 +27,12 @@ from guard.reporter import IncidentReporter
 # a token batch left queued this long with no new wave is screened by the streamer thread, so a
 # finding does not wait for the next request
 IDLE_FLUSH_S = 1.0
+# logits checks on the host (a CPU engine) are read this many waves at a time: one sum over
+# all their row maxima, finite in the common case (`DetectorSuite._read_host_checks`)
+HOST_READ_WAVES = 16
+# a wave's host row maxima kept to be read later: (wave, row maxima, request ids as of the
+# wave, rows per request on the verify path)
+DeferredRows = tuple[int, Any, list[str], list[int] | None]
 
 
 def request_ids(runner: Any, count: int) -> list[str]:
@@ -77,6 +83,11 @@ class DetectorSuite:
         self._drafts: dict[str, list[int]] = {}
         self._drafts_wave = 0
         self._pending: list[logit_checks.PendingCheck] = []
+        # host row maxima not read yet (the engine thread's, read by either thread)
+        self._unread: list[DeferredRows] = []
+        # known from the first wave: its row maxima came back on the host, and nothing asks
+        # for more than a report; from then on a wave without stats only defers its check
+        self._defer_host = False
         # the engine thread's token batches and the streamer thread's idle flush
         self._tokens_lock = threading.Lock()
         self._last_tokens = time.monotonic()
@@ -102,23 +113,34 @@ class DetectorSuite:
     def on_logits(
         self, wave: int, runner: Any, logits: Any, rows_per_req: list[int] | None
     ) -> None:
+        stats_wave = bool(self.stats_every) and wave % self.stats_every == 0
+        if self._defer_host and not stats_wave:  # the common wave on a CPU engine
+            self._defer_host_check(wave, runner, logit_checks.row_max(logits), rows_per_req)
+            return
         if self.vocab_size is None:
             self.vocab_size = _vocab_size(runner, logits)
         row_max = logit_checks.row_max(logits) if self.check_finite else None
-        stats = None
-        if self.stats_every and wave % self.stats_every == 0:
-            stats = logit_checks.health_rows(logits)
+        stats = logit_checks.health_rows(logits) if stats_wave else None
         if row_max is None and stats is None:
             return
+        config = self.config.logits_finite
         host, event = logit_checks.start_copy(row_max) if row_max is not None else (None, None)
+        # on the host (no copy made), reported only (no evidence from this wave's logits), not
+        # gated: read with a batch of waves, later
+        on_host = event is None and host is row_max
+        if on_host and config.action == "report" and not config.sync_gate:
+            self._defer_host = True
+            if stats is None:
+                self._defer_host_check(wave, runner, host, rows_per_req)
+                return
         stats_host = None
         if stats is not None:
             stats_host, stats_event = logit_checks.start_copy(stats)
             event = stats_event or event  # recorded last on the same stream: covers both copies
-        keep_logits = self.config.logits_finite.action == "dump"
+        keep_logits = config.action == "dump"
         # read in this wave (on the host, or the sync gate), the runner's request ids are
         # still this batch's: they are looked up only for a finding
-        read_now = event is None or self.config.logits_finite.sync_gate
+        read_now = event is None or config.sync_gate
         req_ids = None if read_now else request_ids(runner, _requests(rows_per_req, logits))
         check = logit_checks.PendingCheck(
             wave,
@@ -131,10 +153,39 @@ class DetectorSuite:
             runner if read_now or keep_logits else None,
         )
         if read_now:
+            if self._unread:
+                self._read_host_checks()  # the waves before this one first
             check.wait()  # the sync gate: the host waits for the copy (no-op without an event)
             self._resolve(check)
         else:
             self._pending.append(check)
+
+    def _defer_host_check(
+        self, wave: int, runner: Any, row_max: Any, rows_per_req: list[int] | None
+    ) -> None:
+        """Keep a host wave's row maxima, with its request ids as of now, to be read with the
+        next `HOST_READ_WAVES - 1` waves' (or by the streamer thread when the engine idles)."""
+        count = len(rows_per_req) if rows_per_req is not None else len(row_max)
+        deferred = (wave, row_max, request_ids(runner, count), rows_per_req)
+        with self._tokens_lock:
+            self._unread.append(deferred)
+            full = len(self._unread) >= HOST_READ_WAVES
+        if full:
+            self._read_host_checks()
+
+    def _read_host_checks(self) -> None:
+        """Read the deferred host waves' row maxima: one sum over all of them, and each wave's
+        own check only when that sum is not finite."""
+        with self._tokens_lock:
+            unread, self._unread = self._unread, []
+        if not unread:
+            return
+        if logit_checks.all_finite([row_max for _, row_max, _, _ in unread]):
+            return
+        for wave, row_max, req_ids, rows_per_req in unread:
+            self._resolve(
+                logit_checks.PendingCheck(wave, row_max, None, req_ids, rows_per_req, None, None)
+            )
 
     # -- output -----------------------------------------------------------------------------
     def on_output(self, wave: int, runner: Any, output: Any) -> None:
@@ -329,11 +380,13 @@ class DetectorSuite:
 
     def _batches_pending(self) -> bool:
         return bool(
-            (self.repeat is not None and self.repeat.pending)
+            self._unread
+            or (self.repeat is not None and self.repeat.pending)
             or (self.spec is not None and self.spec.pending)
         )
 
     def _flush_batches(self, wait: bool = False) -> None:
+        self._read_host_checks()
         repeats, judged = [], []
         with self._tokens_lock:
             if self.repeat is not None:

@@ -19,13 +19,14 @@ from guard.detectors.config import (
     DetectorsConfig,
     DumpConfig,
     LogitsFiniteConfig,
+    LogitsStatsConfig,
     SpecAcceptanceConfig,
     TokenRepeatConfig,
 )
 from guard.detectors.evidence import EvidenceDumper
 from guard.detectors.slots import WaveTokens, packed_batch
 from guard.detectors.spec import AcceptanceTracker
-from guard.detectors.suite import DetectorSuite
+from guard.detectors.suite import HOST_READ_WAVES, DetectorSuite
 from guard.detectors.tokens import (
     SMALL_WAVE,
     RepeatDetector,
@@ -446,6 +447,44 @@ def test_the_sync_gate_waits_for_the_copy_and_reads_it_in_its_wave(tmp_path, mon
     assert events[0].waited  # the gate's promise: the host waited for the device
     (incident,) = sent
     assert (incident.request_id, incident.wave) == ("a", 6)
+
+
+def test_host_logits_checks_are_read_a_batch_of_waves_at_a_time(tmp_path):
+    """On the host, reported only: a wave's row maxima wait for the next waves', and one sum
+    reads them all. A NaN found that way names its own wave and the request that held the row
+    then, though the batch changed since."""
+    suite, sent, _ = make_suite(tmp_path, logits_stats=LogitsStatsConfig(enabled=False))
+    runner = Runner(["a", "b"])
+    logits = torch.randn(2, 50)
+    logits[1, 3] = float("nan")
+    suite.on_logits(3, runner, logits, None)
+    runner.input_batch.req_ids = ["c", "a"]
+    for wave in range(4, 3 + HOST_READ_WAVES - 1):
+        suite.on_logits(wave, runner, torch.randn(2, 50), None)
+    assert sent == []
+    suite.on_logits(3 + HOST_READ_WAVES - 1, runner, torch.randn(2, 50), None)
+    (incident,) = sent
+    assert (incident.type, incident.request_id, incident.wave) == ("logits_finite", "b", 3)
+    assert json.loads(incident.evidence_json)["rows"] == [1]
+
+
+def test_host_logits_checks_left_when_the_engine_idles_are_read_by_the_idle_flush(tmp_path):
+    suite, sent, _ = make_suite(tmp_path)
+    runner = Runner(["a"])
+    suite.on_logits(5, runner, torch.full((1, 50), float("inf")), None)
+    suite.on_logits(6, runner, torch.randn(1, 50), None)
+    suite.flush_idle(idle_s=0.0)  # the streamer thread, with the engine idle
+    assert [(i.type, i.wave) for i in sent] == [("logits_finite", 5)]
+    suite.flush_idle(idle_s=0.0)
+    assert len(sent) == 1  # read once
+
+
+def test_a_stats_wave_reads_the_waves_deferred_before_it_first(tmp_path):
+    suite, sent, _ = make_suite(tmp_path)
+    runner = Runner(["a"])
+    suite.on_logits(15, runner, torch.full((1, 50), float("nan")), None)
+    suite.on_logits(16, runner, torch.full((1, 50), float("nan")), None)  # stats: read now
+    assert [i.wave for i in sent if i.type == "logits_finite"] == [15, 16]
 
 
 def test_a_device_without_events_is_copied_at_once():
