@@ -127,7 +127,7 @@ class DetectorSuite:
         host, event = logit_checks.start_copy(row_max) if row_max is not None else (None, None)
         # on the host (no copy made), reported only (no evidence from this wave's logits), not
         # gated: read with a batch of waves, later
-        on_host = event is None and host is row_max
+        on_host = row_max is not None and event is None and host is row_max
         if on_host and config.action == "report" and not config.sync_gate:
             self._defer_host = True
             if stats is None:

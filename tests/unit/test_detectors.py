@@ -487,6 +487,16 @@ def test_a_stats_wave_reads_the_waves_deferred_before_it_first(tmp_path):
     assert [i.wave for i in sent if i.type == "logits_finite"] == [15, 16]
 
 
+def test_with_logits_finite_off_a_stats_wave_starts_no_row_check(tmp_path):
+    """logits_stats alone: its waves read no row maxima, and a NaN is not a finding."""
+    suite, sent, _ = make_suite(tmp_path, logits_finite=LogitsFiniteConfig(enabled=False))
+    runner = Runner(["a"])
+    for wave in range(16, 16 + HOST_READ_WAVES + 1):
+        suite.on_logits(wave, runner, torch.full((1, 50), float("nan")), None)
+    suite.close()
+    assert sent == [] and suite._unread == []
+
+
 def test_a_device_without_events_is_copied_at_once():
     """No event type to wait on later (a stand-in device): the copy must not be left racing."""
     copied = []
