@@ -88,6 +88,7 @@ class DetectorSuite:
         # known from the first wave: its row maxima came back on the host, and nothing asks
         # for more than a report; from then on a wave without stats only defers its check
         self._defer_host = False
+        self._kept_ids: list[str] = []  # the request ids the deferred waves share
         # the engine thread's token batches and the streamer thread's idle flush
         self._tokens_lock = threading.Lock()
         self._last_tokens = time.monotonic()
@@ -166,12 +167,22 @@ class DetectorSuite:
         """Keep a host wave's row maxima, with its request ids as of now, to be read with the
         next `HOST_READ_WAVES - 1` waves' (or by the streamer thread when the engine idles)."""
         count = len(rows_per_req) if rows_per_req is not None else len(row_max)
-        deferred = (wave, row_max, request_ids(runner, count), rows_per_req)
+        deferred = (wave, row_max, self._ids_as_of_now(runner, count), rows_per_req)
         with self._tokens_lock:
             self._unread.append(deferred)
             full = len(self._unread) >= HOST_READ_WAVES
         if full:
             self._read_host_checks()
+
+    def _ids_as_of_now(self, runner: Any, count: int) -> list[str]:
+        """The batch's request ids, kept for a check read later: the previous wave's copy
+        while the batch is the same (a pass of identity compares, no copy of 256 ids)."""
+        ids = getattr(getattr(runner, "input_batch", None), "req_ids", None)
+        kept = self._kept_ids
+        if type(ids) is list and len(ids) == count and ids == kept:
+            return kept
+        self._kept_ids = request_ids(runner, count)
+        return self._kept_ids
 
     def _read_host_checks(self) -> None:
         """Read the deferred host waves' row maxima: one sum over all of them, and each wave's
