@@ -8,9 +8,9 @@ GIL held while it runs (`nogil`), so it costs the same whether the batch is on t
 or on the streamer's.
 
 The n-gram counts are exact: each request has an open-addressing table (linear probing,
-backward-shift deletion) of the n-grams in its window, each entry holding the n-gram's hash,
-its count and where it last started in the stream; two n-grams with the same hash are told
-apart by comparing their tokens in the history ring. The window never holds more n-grams than
+backward-shift deletion) of the n-grams in its window, each entry holding the n-gram's 32-bit
+hash, its count and where in the history ring it last started; two n-grams with the same hash
+are told apart by comparing their tokens there. The window never holds more n-grams than
 half the table, so probes are short.
 
 The rules are those of `tests/unit/test_repeat_batches.py`'s plain model:

@@ -166,7 +166,7 @@ class DetectorSuite:
     ) -> None:
         """Keep a host wave's row maxima, with its request ids as of now, to be read with the
         next `HOST_READ_WAVES - 1` waves' (or by the streamer thread when the engine idles)."""
-        count = len(rows_per_req) if rows_per_req is not None else len(row_max)
+        count = _requests(rows_per_req, row_max)
         deferred = (wave, row_max, self._ids_as_of_now(runner, count), rows_per_req)
         with self._tokens_lock:
             self._unread.append(deferred)
