@@ -67,9 +67,16 @@ class DetectorHost:
             suite.on_logits(wave, runner, logits, rows)
 
     def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool) -> None:
-        """Streamer thread: the detectors' readings ride on heartbeat batches."""
+        """Streamer thread: a host engine's stats waves are read with every batch; the idle
+        flush and the detectors' readings ride on heartbeat batches."""
         suite = self.suite
-        if with_heartbeat and suite is not None:
+        if suite is None:
+            return
+        try:
+            suite.read_host_stats()  # a host engine's stats waves, read off its thread
+        except Exception:  # noqa: BLE001 - the rest of the batch still goes out
+            self._on_error("detectors_host_stats")
+        if with_heartbeat:
             try:
                 suite.flush_idle()  # a finding left queued when the engine went idle
             except Exception:  # noqa: BLE001 - the readings below still go out

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -85,6 +86,21 @@ def health_rows(logits: torch.Tensor, rows: int = STATS_ROWS) -> torch.Tensor:
     plogp = (logp.exp() * logp).nan_to_num(nan=0.0).sum(dim=-1)
     row_abs = values.nan_to_num(nan=0.0, posinf=0.0, neginf=0.0).abs().amax(dim=-1)
     return torch.stack([values.amax(dim=-1), plogp, row_abs])
+
+
+def host_rows(logits: torch.Tensor, rows: int = STATS_ROWS) -> np.ndarray:
+    """A float32, C-ordered copy of the first `rows` rows of host logits, for
+    `logits_kernel.health_readings` (a copy: the sampler may change the logits in place)."""
+    head = logits[:rows]
+    if head.dtype != torch.float32:
+        return head.float().contiguous().numpy()  # .float() made the copy
+    return np.array(head.numpy(), dtype=np.float32, order="C")
+
+
+def host_health_summary(rows: np.ndarray) -> tuple[float, float] | None:
+    """`health_summary` of a `host_rows` copy, with torch's ops (while the compiled kernel,
+    `logits_kernel.health_readings`, is not in)."""
+    return health_summary(health_rows(torch.from_numpy(rows)).tolist())
 
 
 def health_summary(readings: list[list[float]]) -> tuple[float, float] | None:

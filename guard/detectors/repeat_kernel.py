@@ -25,7 +25,7 @@ numba is vLLM's own dependency on every platform the guard runs on (its n-gram s
 decoding needs it). `screen` is compiled for its one set of argument types (`SCREEN_TYPES`)
 when this module is imported, not at its first call, and cached on disk by numba
 (`cache=True`), so a worker after the first reads it instead of compiling it again.
-`tokens.load_kernel` imports this module; nothing else should (see there for when).
+`compiled.load` imports this module; nothing else should (see there for when).
 """
 
 from __future__ import annotations

@@ -12,10 +12,14 @@ logits checks run on every rank, since a NaN may appear on one rank only.
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import math
 import threading
 import time
 from typing import Any
 
+from guard.detectors import compiled
 from guard.detectors import logits as logit_checks
 from guard.detectors.config import DetectorsConfig
 from guard.detectors.evidence import EvidenceDumper, request_kv_blocks
@@ -27,9 +31,12 @@ from guard.reporter import IncidentReporter
 # a token batch left queued this long with no new wave is screened by the streamer thread, so a
 # finding does not wait for the next request
 IDLE_FLUSH_S = 1.0
-# logits checks on the host (a CPU engine) are read this many waves at a time: one sum over
-# all their row maxima, finite in the common case (`DetectorSuite._read_host_checks`)
+# host logits checks made with torch (the compiled pass not loaded yet, or logits it does not
+# take) are read this many waves at a time: one sum over all their row maxima, finite in the
+# common case (`DetectorSuite._read_host_checks`)
 HOST_READ_WAVES = 16
+# host stats waves queued for the streamer thread; past this many the engine thread reads them
+HOST_STATS_QUEUED = 8
 # a wave's host row maxima kept to be read later: (wave, row maxima, request ids as of the
 # wave, rows per request on the verify path)
 DeferredRows = tuple[int, Any, list[str], list[int] | None]
@@ -75,6 +82,12 @@ class DetectorSuite:
             else None
         )
         self.check_finite = config.logits_finite.enabled
+        if self.check_finite and self.repeat is None:  # else the repeat detector loads them
+            if load_in_background:
+                compiled.load_in_background()
+            else:
+                with contextlib.suppress(Exception):  # torch checks the rows meanwhile
+                    compiled.load()
         self.stats_every = config.logits_stats.every_n_waves if config.logits_stats.enabled else 0
         self.needs_logits = self.check_finite or bool(self.stats_every)
         self.needs_output = bool(self.repeat or self.spec or config.token_range.enabled)
@@ -85,9 +98,14 @@ class DetectorSuite:
         self._pending: list[logit_checks.PendingCheck] = []
         # host row maxima not read yet (the engine thread's, read by either thread)
         self._unread: list[DeferredRows] = []
-        # known from the first wave: its row maxima came back on the host, and nothing asks
-        # for more than a report; from then on a wave without stats only defers its check
-        self._defer_host = False
+        # known from the first wave: its logits are on the host, and nothing asks for more
+        # than a report; from then on a wave is checked the host way (`_check_host_rows`)
+        self._on_host = False
+        # the compiled host row check: None until the kernels are in, False when the logits
+        # are not what it takes
+        self._row_check: Any = None
+        # host stats waves' rows waiting for the streamer thread: (wave, a copy of the rows)
+        self._host_stats: collections.deque[tuple[int, Any]] = collections.deque()
         self._kept_ids: list[str] = []  # the request ids the deferred waves share
         # the engine thread's token batches and the streamer thread's idle flush
         self._tokens_lock = threading.Lock()
@@ -115,8 +133,11 @@ class DetectorSuite:
         self, wave: int, runner: Any, logits: Any, rows_per_req: list[int] | None
     ) -> None:
         stats_wave = bool(self.stats_every) and wave % self.stats_every == 0
-        if self._defer_host and not stats_wave:  # the common wave on a CPU engine
-            self._defer_host_check(wave, runner, logit_checks.row_max(logits), rows_per_req)
+        if self._on_host:  # every wave after the first on a CPU engine
+            if self.check_finite:
+                self._check_host_rows(wave, runner, logits, rows_per_req)
+            if stats_wave:
+                self._queue_host_stats(wave, logits)
             return
         if self.vocab_size is None:
             self.vocab_size = _vocab_size(runner, logits)
@@ -126,18 +147,20 @@ class DetectorSuite:
             return
         config = self.config.logits_finite
         host, event = logit_checks.start_copy(row_max) if row_max is not None else (None, None)
-        # on the host (no copy made), reported only (no evidence from this wave's logits), not
-        # gated: read with a batch of waves, later
-        on_host = row_max is not None and event is None and host is row_max
-        if on_host and config.action == "report" and not config.sync_gate:
-            self._defer_host = True
+        stats_host, stats_event = (
+            logit_checks.start_copy(stats) if stats is not None else (None, None)
+        )
+        # on the host (no copy made) and reported only (no evidence from this wave's logits,
+        # no gate): this wave is read now, and the next ones the host way
+        on_host = event is None and stats_event is None and host is row_max and stats_host is stats
+        if on_host and (
+            not self.check_finite or (config.action == "report" and not config.sync_gate)
+        ):
+            self._on_host = True
             if stats is None:
-                self._defer_host_check(wave, runner, host, rows_per_req)
+                self._check_host_rows(wave, runner, logits, rows_per_req)
                 return
-        stats_host = None
-        if stats is not None:
-            stats_host, stats_event = logit_checks.start_copy(stats)
-            event = stats_event or event  # recorded last on the same stream: covers both copies
+        event = stats_event or event  # recorded last on the same stream: covers both copies
         keep_logits = config.action == "dump"
         # read in this wave (on the host, or the sync gate), the runner's request ids are
         # still this batch's: they are looked up only for a finding
@@ -154,12 +177,70 @@ class DetectorSuite:
             runner if read_now or keep_logits else None,
         )
         if read_now:
-            if self._unread:
-                self._read_host_checks()  # the waves before this one first
             check.wait()  # the sync gate: the host waits for the copy (no-op without an event)
             self._resolve(check)
         else:
             self._pending.append(check)
+
+    def _check_host_rows(
+        self, wave: int, runner: Any, logits: Any, rows_per_req: list[int] | None
+    ) -> None:
+        """A host wave's row check: the compiled pass, read at once (one integer back). Until
+        the kernels are in, or for logits it does not take (bfloat16, a strided view), the
+        torch row max, read with the next waves' (`_defer_host_check`)."""
+        row_check = self._row_check
+        if row_check is None:  # not known yet: the kernels may have come in since
+            row_check = self._row_check = self._host_row_check()
+        if row_check:
+            try:
+                bad = row_check(logits.numpy())
+            except (TypeError, RuntimeError):  # not float32 rows in one block: torch for good
+                self._row_check = False
+            else:
+                if bad >= 0:  # rare: the row maxima, read in this wave
+                    self._resolve(
+                        logit_checks.PendingCheck(
+                            wave, logit_checks.row_max(logits), None, None, rows_per_req,
+                            None, None, runner,
+                        )
+                    )  # fmt: skip
+                return
+        self._defer_host_check(wave, runner, logit_checks.row_max(logits), rows_per_req)
+
+    def _host_row_check(self) -> Any:
+        """The compiled row check once the kernels are in (the waves kept for torch's read
+        are read first, so findings keep their order), else None."""
+        kernels = compiled.loaded()
+        if kernels is None:
+            return None
+        if self._unread:
+            self._read_host_checks()
+        return kernels.logits.first_bad_row
+
+    def _queue_host_stats(self, wave: int, logits: Any) -> None:
+        """A stats wave on a host engine: a copy of its sampled rows goes to the streamer
+        thread (`read_host_stats`)."""
+        self._host_stats.append((wave, logit_checks.host_rows(logits)))
+        if len(self._host_stats) > HOST_STATS_QUEUED:  # the streamer is not keeping up
+            self.read_host_stats()
+
+    def read_host_stats(self) -> None:
+        """Streamer thread (with each batch), or the engine thread when too many wait: the
+        queued stats waves' readings, each probed and judged as of its own wave. One compiled
+        call per wave; torch's ops (while the kernels load) only when they are not in."""
+        queued = self._host_stats
+        while queued:
+            try:
+                wave, rows = queued.popleft()
+            except IndexError:  # the other thread took the last one
+                return
+            kernels = compiled.loaded()
+            if kernels is None:
+                self._report_stats(wave, logit_checks.host_health_summary(rows))
+                continue
+            max_abs, entropy, healthy = kernels.logits.health_readings(rows)
+            finite = healthy and math.isfinite(max_abs) and math.isfinite(entropy)
+            self._report_stats(wave, (max_abs, entropy) if finite else None)
 
     def _defer_host_check(
         self, wave: int, runner: Any, row_max: Any, rows_per_req: list[int] | None
@@ -289,21 +370,8 @@ class DetectorSuite:
             self._resolve(check)
 
     def _resolve(self, check: logit_checks.PendingCheck) -> None:
-        # None: no healthy row was sampled, so there is no reading
-        summary = (
-            logit_checks.health_summary(check.stats.tolist()) if check.stats is not None else None
-        )
-        if summary is not None:
-            max_abs, entropy = summary
-            self._probe("logits_max_abs", max_abs, {})
-            self._probe("logits_entropy_nats", entropy, {})
-            limit = self.config.logits_stats.max_abs_limit
-            if limit and max_abs >= limit:
-                self._hit(
-                    "logits_stats", "warning", check.wave, "",
-                    f"max |logit| {max_abs:.4g} reached the limit {limit:g}",
-                    {"max_abs": max_abs, "entropy_nats": entropy, "limit": limit}, "report", None,
-                )  # fmt: skip
+        if check.stats is not None:
+            self._report_stats(check.wave, logit_checks.health_summary(check.stats.tolist()))
         if check.host is None:
             return
         bad = logit_checks.bad_rows(check.host)
@@ -325,6 +393,21 @@ class DetectorSuite:
                 evidence, self.config.logits_finite.action, check.runner,
                 logits_row=check.logits[rows[0]] if check.logits is not None else None,
                 row=rows[0],
+            )  # fmt: skip
+
+    def _report_stats(self, wave: int, summary: tuple[float, float] | None) -> None:
+        """A stats wave's readings (None: no healthy row was sampled, so there is none)."""
+        if summary is None:
+            return
+        max_abs, entropy = summary
+        self._probe("logits_max_abs", max_abs, {})
+        self._probe("logits_entropy_nats", entropy, {})
+        limit = self.config.logits_stats.max_abs_limit
+        if limit and max_abs >= limit:
+            self._hit(
+                "logits_stats", "warning", wave, "",
+                f"max |logit| {max_abs:.4g} reached the limit {limit:g}",
+                {"max_abs": max_abs, "entropy_nats": entropy, "limit": limit}, "report", None,
             )  # fmt: skip
 
     # -- reporting --------------------------------------------------------------------------
@@ -409,6 +492,7 @@ class DetectorSuite:
 
     def close(self) -> None:
         self.resolve_ready(force=True)
+        self.read_host_stats()
         self._flush_batches(wait=True)
 
 

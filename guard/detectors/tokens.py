@@ -20,13 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import threading
 from collections.abc import Sequence
-from types import ModuleType
 
 import numpy as np
-import structlog
 
+from guard.detectors import compiled
 from guard.detectors.config import TokenRepeatConfig
 from guard.detectors.slots import (
     SlotMap,
@@ -67,56 +65,6 @@ PARAMS = (
     "check_every",
 )
 
-log = structlog.get_logger("ascend_guard.detectors")
-
-
-# -- the compiled screen, loaded once per process -------------------------------------------
-# numba compiles it on a machine's first load (2 s here) and reads it from its on-disk
-# cache after that (0.3 s with numba's own import). The module is imported only when a
-# RepeatDetector is made: in a worker that is at the first wave, after vLLM's worker set-up
-# (vLLM's CPU platform rebinds its Triton kernels by walking every module loaded then, and
-# numba's llvmlite bindings break that walk).
-_kernel: ModuleType | None = None
-_kernel_error: BaseException | None = None
-_kernel_loading = False  # a background load is under way
-_kernel_lock = threading.Lock()
-
-
-def load_kernel() -> ModuleType:
-    """The screen kernel's module, compiled or read from numba's cache on the first call."""
-    global _kernel, _kernel_error
-    with _kernel_lock:
-        if _kernel is None:
-            if _kernel_error is not None:
-                raise RuntimeError(f"token_repeat's kernel did not load: {_kernel_error!r}")
-            try:
-                from guard.detectors import repeat_kernel
-            except Exception as exc:
-                _kernel_error = exc
-                raise
-            _kernel = repeat_kernel
-    return _kernel
-
-
-def load_kernel_in_background() -> None:
-    """Start loading the kernel on a thread of its own, so no wave waits for a compile."""
-    global _kernel_loading
-    with _kernel_lock:
-        if _kernel is not None or _kernel_error is not None or _kernel_loading:
-            return
-        _kernel_loading = True
-    threading.Thread(target=_load_quietly, name="guard-repeat-kernel", daemon=True).start()
-
-
-def _load_quietly() -> None:
-    global _kernel_loading
-    try:
-        load_kernel()
-    except Exception as exc:  # noqa: BLE001 - recorded; the next screen raises it
-        log.error("token_repeat_kernel_failed", error=repr(exc))
-    finally:
-        _kernel_loading = False
-
 
 class RepeatDetector:
     """Loop and n-gram episodes of every request, batched over waves."""
@@ -126,9 +74,9 @@ class RepeatDetector:
         kernel loads on a thread, instead of the constructor loading it."""
         self.config = config
         if load_in_background:
-            load_kernel_in_background()
+            compiled.load_in_background()
         else:
-            load_kernel()
+            compiled.load()
         self.requests = SlotMap()
         self.requests.register(self._grow, self._clear)
         window, size = config.window, config.ngram_size
@@ -230,12 +178,12 @@ class RepeatDetector:
     def flush(self, wait: bool = False) -> list[WaveFinding]:
         """Screen every queued wave; returns the episodes that started, in wave order. While
         the kernel is still loading in the background the waves stay queued, unless `wait`."""
-        kernel = _kernel
-        if kernel is None:
-            if self.off or (_kernel_loading and not wait):
+        kernels = compiled.loaded()
+        if kernels is None:
+            if self.off or (compiled.loading() and not wait):
                 return []
             try:
-                kernel = load_kernel()  # waits for a load under way
+                kernels = compiled.load()  # waits for a load under way
             except Exception:
                 self.off = True  # raised once (and counted by the caller); nothing queues now
                 self._queue, self._queued_tokens = [], 0
@@ -256,7 +204,7 @@ class RepeatDetector:
         else:
             each = (tokens.lengths or [1] * tokens.rows for _, _, tokens in queue)
             lengths = np.fromiter(itertools.chain.from_iterable(each), np.int64, len(slots))
-        found, blocks = kernel.screen(
+        found, blocks = kernels.repeat.screen(
             self.hist,
             self.total,
             self.since_check,

@@ -14,6 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from guard.config import IncidentsConfig, parse_config
+from guard.detectors import compiled
 from guard.detectors import logits as checks
 from guard.detectors.config import (
     DetectorsConfig,
@@ -24,9 +25,10 @@ from guard.detectors.config import (
     TokenRepeatConfig,
 )
 from guard.detectors.evidence import EvidenceDumper
+from guard.detectors.host import DetectorHost
 from guard.detectors.slots import WaveTokens, packed_batch
 from guard.detectors.spec import AcceptanceTracker
-from guard.detectors.suite import HOST_READ_WAVES, DetectorSuite
+from guard.detectors.suite import HOST_READ_WAVES, HOST_STATS_QUEUED, DetectorSuite
 from guard.detectors.tokens import (
     SMALL_WAVE,
     RepeatDetector,
@@ -35,6 +37,7 @@ from guard.detectors.tokens import (
     rows_out_of_range,
 )
 from guard.reporter import IncidentReporter
+from telemetry.proto import guard_pb2
 
 
 # -- logits checks --------------------------------------------------------------------------
@@ -449,11 +452,18 @@ def test_the_sync_gate_waits_for_the_copy_and_reads_it_in_its_wave(tmp_path, mon
     assert (incident.request_id, incident.wave) == ("a", 6)
 
 
-def test_host_logits_checks_are_read_a_batch_of_waves_at_a_time(tmp_path):
-    """On the host, reported only: a wave's row maxima wait for the next waves', and one sum
-    reads them all. A NaN found that way names its own wave and the request that held the row
-    then, though the batch changed since."""
+def kernels_loading(monkeypatch) -> None:
+    """As in a worker's first waves, while the compiled kernels load in the background."""
+    monkeypatch.setattr(compiled, "_kernels", None)
+    monkeypatch.setattr(compiled, "_loading", True)
+
+
+def test_host_logits_checks_are_read_a_batch_of_waves_at_a_time(tmp_path, monkeypatch):
+    """On the host, reported only, with torch (the compiled check still loading): a wave's
+    row maxima wait for the next waves', and one sum reads them all. A NaN found that way
+    names its own wave and the request that held the row then, though the batch changed."""
     suite, sent, _ = make_suite(tmp_path, logits_stats=LogitsStatsConfig(enabled=False))
+    kernels_loading(monkeypatch)
     runner = Runner(["a", "b"])
     logits = torch.randn(2, 50)
     logits[1, 3] = float("nan")
@@ -495,6 +505,172 @@ def test_with_logits_finite_off_a_stats_wave_starts_no_row_check(tmp_path):
         suite.on_logits(wave, runner, torch.full((1, 50), float("nan")), None)
     suite.close()
     assert sent == [] and suite._unread == []
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_compiled_row_check_finds_the_first_row_the_row_max_rule_finds(seed):
+    """Rows of every kind (healthy, NaN, +Inf, -Inf everywhere, masked in part, a mask with a
+    +Inf, values near the float32 limit) at widths below, at and past a vector's lanes: the
+    kernel's answer is the first row whose torch row max is not finite, from every start."""
+    gen = torch.Generator().manual_seed(seed)
+    width = [1, 7, 8, 50, 513, 4099][seed % 6]
+    logits = torch.randn(16, width, generator=gen)
+    for row in range(16):
+        kind = int(torch.randint(0, 8, (1,), generator=gen))
+        col = int(torch.randint(0, width, (1,), generator=gen))
+        if kind == 1:
+            logits[row, col] = NAN
+        elif kind == 2:
+            logits[row, col] = INF
+        elif kind == 3:
+            logits[row, :] = -INF
+        elif kind == 4:
+            logits[row, : col + 1] = -INF  # a mask; everything when col is the last
+        elif kind == 5:
+            logits[row, :col] = -INF
+            logits[row, col] = INF
+        elif kind == 6:
+            logits[row, col] = 3.0e38 if col % 2 else -3.0e38
+    first_bad_row = compiled.load().logits.first_bad_row
+    bad = checks.bad_rows(checks.row_max(logits))
+    for start in range(16):
+        wanted = next((row - start for row in bad if row >= start), -1)
+        assert first_bad_row(logits[start:].contiguous().numpy()) == wanted, (seed, start)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_compiled_health_readings_match_torchs(seed):
+    """The streamer thread's one-pass readings against `health_rows` + `health_summary`
+    (torch's log_softmax): healthy, NaN, +Inf, partly and wholly masked rows, bf16 logits."""
+    gen = torch.Generator().manual_seed(seed)
+    width = [5, 50, 513, 32000][seed % 4]
+    logits = torch.randn(10, width, generator=gen) * (1 + seed)
+    for row in range(10):
+        kind = int(torch.randint(0, 5, (1,), generator=gen))
+        col = int(torch.randint(0, width, (1,), generator=gen))
+        if kind == 1:
+            logits[row, col] = NAN
+        elif kind == 2:
+            logits[row, col] = INF
+        elif kind == 3:
+            logits[row, : col + 1] = -INF
+    if seed % 2:
+        logits = logits.bfloat16()
+    rows = checks.host_rows(logits)
+    assert rows.dtype == np.float32 and rows.flags.c_contiguous and rows.shape[0] == 8
+    wanted = checks.health_summary(checks.health_rows(logits).tolist())
+    max_abs, entropy, healthy = compiled.load().logits.health_readings(rows)
+    if wanted is None:
+        assert healthy == 0
+    else:
+        assert (max_abs, entropy) == pytest.approx(wanted, rel=1e-4)
+        assert checks.host_health_summary(rows) == pytest.approx(wanted, rel=1e-6)
+
+
+def test_host_logits_are_checked_in_their_own_wave_by_the_compiled_check(tmp_path):
+    """Once the kernels are in, a host wave's rows are read in that wave: a NaN names its
+    wave and its request (on the verify path, the request that owns the row) at once."""
+    suite, sent, _ = make_suite(tmp_path, logits_stats=LogitsStatsConfig(enabled=False))
+    runner = Runner(["a", "b"])
+    suite.on_logits(1, runner, torch.randn(2, 50), None)  # the first wave: the host way on
+    masked = torch.randn(2, 50)
+    masked[0, :40] = -INF
+    suite.on_logits(2, runner, masked, None)
+    assert sent == []
+    verify = torch.randn(3, 50)  # request a owns rows 0-1, b row 2
+    verify[2, 9] = NAN
+    suite.on_logits(3, runner, verify, [2, 1])
+    (incident,) = sent
+    assert (incident.type, incident.request_id, incident.wave) == ("logits_finite", "b", 3)
+    assert json.loads(incident.evidence_json)["rows"] == [2]
+
+
+@pytest.mark.parametrize("layout", ["bfloat16", "strided"])
+def test_logits_the_compiled_check_does_not_take_are_checked_with_torch(tmp_path, layout):
+    suite, sent, _ = make_suite(tmp_path, logits_stats=LogitsStatsConfig(enabled=False))
+    runner = Runner(["a", "b"])
+    suite.on_logits(1, runner, torch.randn(2, 50), None)
+    logits = torch.randn(2, 50)
+    logits[0, 5] = NAN
+    logits = logits.bfloat16() if layout == "bfloat16" else torch.cat([logits, logits], 1)[:, :50]
+    suite.on_logits(2, runner, logits, None)
+    assert sent == []  # kept for torch's read with the next waves
+    suite.close()
+    (incident,) = sent
+    assert (incident.type, incident.request_id, incident.wave) == ("logits_finite", "a", 2)
+
+
+def test_waves_checked_with_torch_while_the_kernels_load_are_read_when_they_come_in(
+    tmp_path, monkeypatch
+):
+    suite, sent, _ = make_suite(tmp_path, logits_stats=LogitsStatsConfig(enabled=False))
+    kernels = compiled.load()
+    kernels_loading(monkeypatch)
+    runner = Runner(["a"])
+    suite.on_logits(1, runner, torch.full((1, 50), NAN), None)
+    suite.on_logits(2, runner, torch.randn(1, 50), None)
+    assert sent == []  # kept for torch's read
+    monkeypatch.setattr(compiled, "_kernels", kernels)
+    monkeypatch.setattr(compiled, "_loading", False)
+    suite.on_logits(3, runner, torch.full((1, 50), INF), None)
+    assert [(i.type, i.wave) for i in sent] == [("logits_finite", 1), ("logits_finite", 3)]
+
+
+def test_host_stats_waves_are_read_off_the_engine_thread_from_their_own_rows(tmp_path):
+    """A host engine's stats wave keeps a copy of its rows; the streamer thread reads it
+    (with the next batch), and a reading past the limit names the stats wave."""
+    stats = LogitsStatsConfig(max_abs_limit=5.0)
+    suite, sent, probes = make_suite(tmp_path, logits_stats=stats)
+    runner = Runner(["a"])
+    suite.on_logits(1, runner, torch.randn(1, 50), None)  # the first wave: the host way on
+    logits = torch.randn(1, 50) * 3
+    logits[0, 7] = 9.0
+    max_abs, entropy = checks.health_summary(checks.health_rows(logits).tolist())
+    suite.on_logits(16, runner, logits, None)
+    logits.fill_(NAN)  # the sampler may change the logits in place after the hook
+    assert probes == [] and sent == []  # nothing read on the engine thread
+    host = DetectorHost(suite.reporter, lambda *a: None, lambda where: None)
+    host.suite = suite
+    host.fill_batch(guard_pb2.Batch(), with_heartbeat=False)  # the streamer thread's batch
+    assert probes == [
+        ("logits_max_abs", pytest.approx(max_abs), {}),
+        ("logits_entropy_nats", pytest.approx(entropy), {}),
+    ]
+    (incident,) = sent
+    assert (incident.type, incident.wave) == ("logits_stats", 16)
+    assert json.loads(incident.evidence_json)["max_abs"] == pytest.approx(9.0)
+
+
+def test_host_stats_waves_are_read_with_torch_while_the_kernels_load(tmp_path, monkeypatch):
+    suite, _, probes = make_suite(tmp_path)
+    runner = Runner(["a"])
+    suite.on_logits(1, runner, torch.randn(1, 50), None)
+    kernels_loading(monkeypatch)
+    logits = torch.randn(1, 50)
+    suite.on_logits(16, runner, logits, None)
+    suite.read_host_stats()
+    max_abs, entropy = checks.health_summary(checks.health_rows(logits).tolist())
+    assert [p[:2] for p in probes] == [
+        ("logits_max_abs", max_abs),
+        ("logits_entropy_nats", entropy),
+    ]
+
+
+def test_host_stats_waves_the_streamer_leaves_are_read_by_the_engine_thread(tmp_path):
+    """A streamer that does not keep up (or is not connected) leaves no unbounded queue: past
+    `HOST_STATS_QUEUED` waves the engine thread reads them, and the close reads the rest."""
+    suite, _, probes = make_suite(tmp_path, logits_stats=LogitsStatsConfig(every_n_waves=1))
+    runner = Runner(["a"])
+    for wave in range(1, HOST_STATS_QUEUED + 3):
+        suite.on_logits(wave, runner, torch.randn(1, 50), None)
+    # the first wave read in place; the next HOST_STATS_QUEUED + 1 read once the queue overran
+    assert len(probes) == 2 * (HOST_STATS_QUEUED + 2)
+    suite.on_logits(HOST_STATS_QUEUED + 3, runner, torch.randn(1, 50), None)
+    suite.close()
+    assert len(probes) == 2 * (HOST_STATS_QUEUED + 3)
 
 
 def test_a_device_without_events_is_copied_at_once():

@@ -18,7 +18,7 @@ import types
 import pytest
 
 from guard.config import IncidentsConfig
-from guard.detectors import tokens as token_detectors
+from guard.detectors import compiled
 from guard.detectors.config import DetectorsConfig, DumpConfig, TokenRepeatConfig
 from guard.detectors.host import DetectorHost
 from guard.detectors.slots import WaveTokens, batch_waves
@@ -225,7 +225,7 @@ def test_the_detector_host_screens_an_idle_batch_with_the_heartbeat(tmp_path):
         IncidentsConfig(), run_id="r", current_wave=lambda: 0, sink=sent.append
     )
     host = DetectorHost(reporter, lambda *a: None, lambda where: None)
-    token_detectors.load_kernel()  # a worker loads it in the background: done before these waves
+    compiled.load()  # a worker loads it in the background: done before these waves
     config = DetectorsConfig(dump=DumpConfig(directory=str(tmp_path)))
     host.build(config, guard_pb2.RankInfo(run_id="r"))
     runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=["a"]))
@@ -250,14 +250,14 @@ def test_waves_stay_queued_while_the_kernel_loads_in_the_background(monkeypatch)
     a machine's first run): the waves wait in the queue, and the screen after the load finds
     what they hold, at their own waves."""
     detector = RepeatDetector(TokenRepeatConfig(window=64, min_span=16))
-    loaded = token_detectors.load_kernel()
-    monkeypatch.setattr(token_detectors, "_kernel", None)
-    monkeypatch.setattr(token_detectors, "_kernel_loading", True)
+    loaded = compiled.load()
+    monkeypatch.setattr(compiled, "_kernels", None)
+    monkeypatch.setattr(compiled, "_loading", True)
     _looping_waves(detector, range(2 * batch_waves(2)))  # past a batch: nothing screened
     assert detector.flush() == [] and detector.pending
     assert int(detector.total.sum()) == 0
-    monkeypatch.setattr(token_detectors, "_kernel", loaded)  # the load finished
-    monkeypatch.setattr(token_detectors, "_kernel_loading", False)
+    monkeypatch.setattr(compiled, "_kernels", loaded)  # the load finished
+    monkeypatch.setattr(compiled, "_loading", False)
     found = detector.flush()  # one batch of them all: a loop is looked for at its end
     last = 2 * batch_waves(2) - 1
     assert [(f[0], f[1], f[2][:2]) for f in found] == [(last, "a", ("loop", 1))]
@@ -268,24 +268,24 @@ def test_an_evidence_read_or_a_close_waits_for_a_kernel_still_loading(monkeypatc
     """The waves queued while the kernel loads are screened by `flush(wait=True)` (the suite's
     close) and by an evidence read, which load the kernel themselves."""
     detector = RepeatDetector(TokenRepeatConfig(window=64, min_span=16))
-    monkeypatch.setattr(token_detectors, "_kernel", None)
-    monkeypatch.setattr(token_detectors, "_kernel_loading", True)
+    monkeypatch.setattr(compiled, "_kernels", None)
+    monkeypatch.setattr(compiled, "_loading", True)
     _looping_waves(detector, range(4))
     assert detector.flush() == [] and int(detector.total.sum()) == 0
     assert detector.recent_tokens("a")[-4:] == [7] * 4  # loaded and screened first
-    assert token_detectors._kernel is not None
+    assert compiled._kernels is not None
     assert detector.flush()[0][:2] == (3, "a")  # the finding it held
     _looping_waves(detector, range(4, 8))
-    monkeypatch.setattr(token_detectors, "_kernel", None)
+    monkeypatch.setattr(compiled, "_kernels", None)
     assert detector.flush(wait=True) == [] and int(detector.total.sum()) == 8 * 5
 
 
 def test_a_kernel_that_failed_to_load_is_named_by_the_screen(monkeypatch):
     detector = RepeatDetector(TokenRepeatConfig())
-    monkeypatch.setattr(token_detectors, "_kernel", None)
-    monkeypatch.setattr(token_detectors, "_kernel_error", ImportError("No module named 'numba'"))
+    monkeypatch.setattr(compiled, "_kernels", None)
+    monkeypatch.setattr(compiled, "_error", ImportError("No module named 'numba'"))
     detector.add_wave(0, ["a"], WaveTokens([[1]]))
-    with pytest.raises(RuntimeError, match="token_repeat's kernel did not load.*numba"):
+    with pytest.raises(RuntimeError, match="the detectors' kernels did not load.*numba"):
         detector.flush()
     # raised once, to be counted; the detector is off and keeps nothing queued
     assert detector.off and not detector.pending
