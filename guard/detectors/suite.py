@@ -222,19 +222,23 @@ class DetectorSuite:
         thread (`read_host_stats`)."""
         self._host_stats.append((wave, logit_checks.host_rows(logits)))
         if len(self._host_stats) > HOST_STATS_QUEUED:  # the streamer is not keeping up
-            self.read_host_stats()
+            self.read_host_stats(with_torch=True)
 
-    def read_host_stats(self) -> None:
-        """Streamer thread (with each batch), or the engine thread when too many wait: the
-        queued stats waves' readings, each probed and judged as of its own wave. One compiled
-        call per wave; torch's ops (while the kernels load) only when they are not in."""
+    def read_host_stats(self, with_torch: bool = False) -> None:
+        """The queued host stats waves' readings, each probed and judged as of its own wave:
+        one compiled call per wave. The streamer thread (with each batch) reads them only with
+        the kernel; torch's ops (`with_torch`: the kernels are not in) run on the engine thread
+        alone, when too many wait or at the close, since on another thread torch starts an
+        OpenMP team of its own beside the engine's."""
         queued = self._host_stats
+        kernels = compiled.loaded()
+        if kernels is None and not with_torch:
+            return
         while queued:
             try:
                 wave, rows = queued.popleft()
             except IndexError:  # the other thread took the last one
                 return
-            kernels = compiled.loaded()
             if kernels is None:
                 self._report_stats(wave, logit_checks.host_health_summary(rows))
                 continue
@@ -492,7 +496,7 @@ class DetectorSuite:
 
     def close(self) -> None:
         self.resolve_ready(force=True)
-        self.read_host_stats()
+        self.read_host_stats(with_torch=True)
         self._flush_batches(wait=True)
 
 

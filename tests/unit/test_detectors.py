@@ -644,14 +644,20 @@ def test_host_stats_waves_are_read_off_the_engine_thread_from_their_own_rows(tmp
     assert json.loads(incident.evidence_json)["max_abs"] == pytest.approx(9.0)
 
 
-def test_host_stats_waves_are_read_with_torch_while_the_kernels_load(tmp_path, monkeypatch):
+def test_host_stats_wait_for_the_kernels_and_only_the_engine_thread_reads_them_with_torch(
+    tmp_path, monkeypatch
+):
+    """While the kernels load, the streamer thread leaves the stats waves queued (torch on a
+    second thread starts an OpenMP team beside the engine's); the close reads them with torch."""
     suite, _, probes = make_suite(tmp_path)
     runner = Runner(["a"])
     suite.on_logits(1, runner, torch.randn(1, 50), None)
     kernels_loading(monkeypatch)
     logits = torch.randn(1, 50)
     suite.on_logits(16, runner, logits, None)
-    suite.read_host_stats()
+    suite.read_host_stats()  # the streamer thread's batch
+    assert probes == []
+    suite.close()
     max_abs, entropy = checks.health_summary(checks.health_rows(logits).tolist())
     assert [p[:2] for p in probes] == [
         ("logits_max_abs", max_abs),
