@@ -47,10 +47,9 @@ def health_readings(rows: np.ndarray) -> tuple[float, float, int]:
     """`logits.health_rows` and `logits.health_summary`'s readings of a host copy of the
     sampled rows, in one call: (max |logit|, the mean entropy in nats, healthy rows), over
     the rows whose max is finite, with -Inf entries masked out (not faults). It runs on the
-    streamer thread, where torch's ops would start an OpenMP team of their own beside the
-    engine's: on the CPU engine that team's idle workers spin on the engine's cores, and every
-    later wave ran 1.5-2 times slower (measured with `bench/toggle.py`). This holds no GIL and
-    starts no thread. NaN for the entropy when no row is healthy."""
+    streamer thread, where torch's ops made every later wave of a CPU engine 1.5-2 times
+    slower (`bench/toggle.py`; most likely an OpenMP team of that thread's own, whose idle
+    workers spin beside the engine's). This holds no GIL and starts no thread. NaN for the entropy when no row is healthy."""
     count, width = rows.shape
     max_abs = 0.0
     entropy = 0.0

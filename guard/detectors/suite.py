@@ -228,8 +228,8 @@ class DetectorSuite:
         """The queued host stats waves' readings, each probed and judged as of its own wave:
         one compiled call per wave. The streamer thread (with each batch) reads them only with
         the kernel; torch's ops (`with_torch`: the kernels are not in) run on the engine thread
-        alone, when too many wait or at the close, since on another thread torch starts an
-        OpenMP team of its own beside the engine's."""
+        alone, when too many wait or at the close, since on another thread they slowed every
+        later wave of a CPU engine (`logits_kernel.health_readings`)."""
         queued = self._host_stats
         kernels = compiled.loaded()
         if kernels is None and not with_torch:

@@ -647,8 +647,8 @@ def test_host_stats_waves_are_read_off_the_engine_thread_from_their_own_rows(tmp
 def test_host_stats_wait_for_the_kernels_and_only_the_engine_thread_reads_them_with_torch(
     tmp_path, monkeypatch
 ):
-    """While the kernels load, the streamer thread leaves the stats waves queued (torch on a
-    second thread starts an OpenMP team beside the engine's); the close reads them with torch."""
+    """While the kernels load, the streamer thread leaves the stats waves queued (torch there
+    slowed every later wave of a CPU engine); the close reads them with torch."""
     suite, _, probes = make_suite(tmp_path)
     runner = Runner(["a"])
     suite.on_logits(1, runner, torch.randn(1, 50), None)
