@@ -67,8 +67,9 @@ class DetectorHost:
             suite.on_logits(wave, runner, logits, rows)
 
     def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool) -> None:
-        """Streamer thread: a host engine's stats waves are read with every batch; the idle
-        flush and the detectors' readings ride on heartbeat batches."""
+        """Streamer thread: a host engine's stats waves and the full token batches are read
+        with every batch; the idle flush and the detectors' readings ride on heartbeat
+        batches."""
         suite = self.suite
         if suite is None:
             return
@@ -76,6 +77,10 @@ class DetectorHost:
             suite.read_host_stats()  # a host engine's stats waves, read off its thread
         except Exception:  # noqa: BLE001 - the rest of the batch still goes out
             self._on_error("detectors_host_stats")
+        try:
+            suite.screen_ready()  # the engine's full token batches, screened off its thread
+        except Exception:  # noqa: BLE001 - the rest of the batch still goes out
+            self._on_error("detectors_screen")
         if with_heartbeat:
             try:
                 suite.flush_idle()  # a finding left queued when the engine went idle

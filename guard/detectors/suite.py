@@ -81,6 +81,9 @@ class DetectorSuite:
             if config.spec_acceptance.enabled and report_tokens
             else None
         )
+        # a worker's full token batches are screened by the streamer thread (`screen_ready`),
+        # unless a finding's evidence needs the runner as of its batch (`action: dump`)
+        self.screen_on_streamer = load_in_background and config.token_repeat.action != "dump"
         self.check_finite = config.logits_finite.enabled
         if self.check_finite and self.repeat is None:  # else the repeat detector loads them
             if load_in_background:
@@ -303,7 +306,9 @@ class DetectorSuite:
                 self._out_of_range(wave, runner, req_ids[row], sampled[row], self.vocab_size)
         if self.repeat is not None:
             with self._tokens_lock:
-                found = self.repeat.add_wave(wave, req_ids, tokens)
+                found = self.repeat.add_wave(
+                    wave, req_ids, tokens, screen_full=not self.screen_on_streamer
+                )
             self._last_tokens = time.monotonic()
             if found:  # rare: no call on the common wave
                 self._report_repeats(runner, found)
@@ -469,6 +474,17 @@ class DetectorSuite:
             ("spec_accepted_tokens", float(spec.accepted_total), method),
             ("spec_acceptance_rate", spec.waves.rate, method),
         ]
+
+    def screen_ready(self) -> None:
+        """Streamer thread, with each batch: screen the queued token waves once they make a
+        full batch. The kernel holds no GIL; the engine thread waits for the lock only when
+        its wave ends during the screen."""
+        repeat = self.repeat
+        if repeat is None or not repeat.batch_ready:
+            return
+        with self._tokens_lock:
+            found = repeat.flush()
+        self._report_repeats(None, found)
 
     def flush_idle(self, idle_s: float = IDLE_FLUSH_S) -> None:
         """Streamer thread: judge the token batches that have waited `idle_s` with no new wave."""

@@ -36,6 +36,8 @@ from guard.detectors.slots import (
 )
 
 CHECK_EVERY = 8  # new tokens of a request before its stream is looked at for loops again
+# batches left queued for another thread's screen before the engine thread screens them itself
+OVERDUE_BATCHES = 4
 BATCH_TOKENS = 256  # most tokens of one request in one batch (a longer `add` is cut up)
 
 # (kind "loop" or "ngram", period or n, span or count, the repeated block)
@@ -159,10 +161,16 @@ class RepeatDetector:
             found += self.flush()
         return [finding for _, _, finding in found]
 
-    def add_wave(self, wave: int, req_ids: Sequence[str], tokens: WaveTokens) -> list[WaveFinding]:
+    def add_wave(
+        self, wave: int, req_ids: Sequence[str], tokens: WaveTokens, *, screen_full: bool = True
+    ) -> list[WaveFinding]:
         """Queue one wave's tokens (row i's are request `req_ids[i]`'s); screens the batch when
         it is full and returns that batch's findings, else nothing. No numpy runs here unless
-        the batch's requests changed (their slots)."""
+        the batch's requests changed (their slots).
+
+        `screen_full=False`: a full batch is left for another thread (`batch_ready`, then
+        `flush`); this one screens only past `OVERDUE_BATCHES` batches, or when a request's
+        tokens in the batch would pass their bound."""
         if self.off:
             return []
         found: list[WaveFinding] = []
@@ -170,9 +178,16 @@ class RepeatDetector:
             found = self.flush()  # a request's tokens in one batch stay bounded
         self._queue.append((wave, self.requests.slots(req_ids), tokens))
         self._queued_tokens += tokens.width
-        if len(self._queue) >= batch_waves(tokens.rows):
+        full = batch_waves(tokens.rows)
+        if len(self._queue) >= (full if screen_full else OVERDUE_BATCHES * full):
             found += self.flush()
         return found
+
+    @property
+    def batch_ready(self) -> bool:
+        """A full batch is queued (by the waves' own measure, `batch_waves`)."""
+        queue = self._queue
+        return bool(queue) and len(queue) >= batch_waves(queue[-1][2].rows)
 
     # -- the batch screen -----------------------------------------------------------------
     def flush(self, wait: bool = False) -> list[WaveFinding]:

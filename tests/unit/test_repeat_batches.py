@@ -23,7 +23,7 @@ from guard.detectors.config import DetectorsConfig, DumpConfig, TokenRepeatConfi
 from guard.detectors.host import DetectorHost
 from guard.detectors.slots import WaveTokens, batch_waves
 from guard.detectors.suite import IDLE_FLUSH_S
-from guard.detectors.tokens import CHECK_EVERY, RepeatDetector, find_loop
+from guard.detectors.tokens import CHECK_EVERY, OVERDUE_BATCHES, RepeatDetector, find_loop
 from guard.reporter import IncidentReporter
 from telemetry.proto import guard_pb2
 
@@ -238,6 +238,66 @@ def test_the_detector_host_screens_an_idle_batch_with_the_heartbeat(tmp_path):
     assert sent == []
     host.fill_batch(guard_pb2.Batch(), with_heartbeat=True)
     assert [(i.type, i.wave) for i in sent] == [("token_repeat", 5)]
+
+
+def _worker_host(tmp_path, sent: list, **token_repeat) -> DetectorHost:
+    """The detectors as a worker builds them (kernels loaded in the background: here, in
+    already), reporting into `sent`."""
+    reporter = IncidentReporter(
+        IncidentsConfig(), run_id="r", current_wave=lambda: 0, sink=sent.append
+    )
+    host = DetectorHost(reporter, lambda *a: None, lambda where: None)
+    compiled.load()
+    config = DetectorsConfig(
+        dump=DumpConfig(directory=str(tmp_path), min_free_bytes=0),
+        token_repeat=TokenRepeatConfig(**token_repeat),
+    )
+    host.build(config, guard_pb2.RankInfo(run_id="r"))
+    return host
+
+
+def _loop_waves(host: DetectorHost, waves: range) -> None:
+    runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=["a"]))
+    for wave in waves:
+        host.on_output(
+            wave, runner, types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[11] * 8])
+        )
+
+
+def test_a_workers_full_token_batches_are_screened_by_the_streamer_thread(tmp_path):
+    """In a worker the engine thread only queues: the streamer thread's next batch (any
+    batch, not only a heartbeat) screens a full one, and the finding names its own wave."""
+    sent: list = []
+    host = _worker_host(tmp_path, sent)
+    full = batch_waves(1)
+    _loop_waves(host, range(1, full + 1))
+    assert sent == [] and host.suite.repeat.batch_ready  # left for the streamer
+    host.fill_batch(guard_pb2.Batch(), with_heartbeat=False)
+    # a loop is looked for at the batch's end: it names the batch's last wave
+    assert [(i.type, i.wave) for i in sent] == [("token_repeat", full)]
+    assert not host.suite.repeat.pending
+
+
+def test_a_streamer_that_does_not_come_leaves_the_screen_to_the_engine_thread(tmp_path):
+    sent: list = []
+    # a window that holds the overdue batches' 8 tokens a wave (else their bound screens first)
+    host = _worker_host(tmp_path, sent, window=1024)
+    full = batch_waves(1)
+    _loop_waves(host, range(1, OVERDUE_BATCHES * full))
+    assert sent == []
+    _loop_waves(host, range(OVERDUE_BATCHES * full, OVERDUE_BATCHES * full + 1))
+    assert [(i.type, i.wave) for i in sent] == [("token_repeat", OVERDUE_BATCHES * full)]
+    assert not host.suite.repeat.pending
+
+
+def test_with_action_dump_the_engine_thread_screens_its_own_batches(tmp_path):
+    """A dump's evidence reads the runner as of the batch, so the screen stays in place."""
+    sent: list = []
+    host = _worker_host(tmp_path, sent, action="dump")
+    _loop_waves(host, range(1, batch_waves(1) + 1))
+    (incident,) = sent
+    assert (incident.type, incident.wave) == ("token_repeat", batch_waves(1))
+    assert any(a.startswith("dump") for a in incident.actions)
 
 
 def _looping_waves(detector: RepeatDetector, waves: range) -> None:
