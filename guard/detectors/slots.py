@@ -173,6 +173,14 @@ class WaveTokens:
         """`ids` as an int64 array (over `packed`)."""
         return np.frombuffer(self.packed, dtype=np.int64)
 
+    def row(self, index: int) -> list[int]:
+        """Row `index`'s ids."""
+        lengths = self.lengths
+        if lengths is None:
+            return self.ids[index : index + 1]
+        start = sum(lengths[:index])
+        return self.ids[start : start + lengths[index]]
+
     def row_of_each(self) -> np.ndarray:
         """The row of each id in `ids`."""
         if self.lengths is None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import math
 import threading
 import time
@@ -23,7 +24,7 @@ from guard.detectors import compiled
 from guard.detectors import logits as logit_checks
 from guard.detectors.config import DetectorsConfig
 from guard.detectors.evidence import EvidenceDumper, request_kv_blocks
-from guard.detectors.slots import WaveTokens
+from guard.detectors.slots import WaveTokens, batch_waves
 from guard.detectors.spec import AcceptanceTracker, Judged
 from guard.detectors.tokens import RepeatDetector, out_of_range, rows_out_of_range
 from guard.reporter import IncidentReporter
@@ -40,6 +41,10 @@ HOST_STATS_QUEUED = 8
 # a wave's host row maxima kept to be read later: (wave, row maxima, request ids as of the
 # wave, rows per request on the verify path)
 DeferredRows = tuple[int, Any, list[str], list[int] | None]
+# an entry of the token log: a wave's (wave, request ids, tokens), or the requests that
+# finished before a wave, (wave, their ids)
+LoggedWave = tuple[int, list[str], WaveTokens]
+LoggedFinish = tuple[int, tuple[str, ...]]
 
 
 def request_ids(runner: Any, count: int) -> list[str]:
@@ -84,6 +89,19 @@ class DetectorSuite:
         # a worker's full token batches are screened by the streamer thread (`screen_ready`),
         # unless a finding's evidence needs the runner as of its batch (`action: dump`)
         self.screen_on_streamer = load_in_background and config.token_repeat.action != "dump"
+        # The token detectors' waves and finished requests, in order, until `_hand_over` gives
+        # them to token_range and token_repeat. In a worker that is once a batch of token_repeat
+        # (`batch_waves`), so that the engine thread's share of a wave is one append: its first
+        # Python after the model's work runs several times slower than the same code in a
+        # loop, so one call a batch costs far less than one a wave. Elsewhere, or when a
+        # finding's evidence reads the runner as of its wave (`action: dump`), every wave.
+        self.logs_tokens = bool(self.repeat) or config.token_range.enabled
+        dumps = "dump" in (config.token_repeat.action, config.token_range.action)
+        self._batches_tokens = load_in_background and not dumps
+        self._hand_over_at = batch_waves(1) if self._batches_tokens else 1
+        # waves in the log (a streamer's idle hand-over racing a wave only moves the next one)
+        self._logged_waves = 0
+        self._token_log: collections.deque[LoggedWave | LoggedFinish] = collections.deque()
         self.check_finite = config.logits_finite.enabled
         if self.check_finite and self.repeat is None:  # else the repeat detector loads them
             if load_in_background:
@@ -118,10 +136,9 @@ class DetectorSuite:
     def on_schedule(self, wave: int, scheduler_output: Any) -> None:
         finished = getattr(scheduler_output, "finished_req_ids", None)
         if finished:
+            if self.repeat is not None:  # after their last tokens, in the log's order
+                self._token_log.append((wave, tuple(finished)))
             for req_id in finished:
-                if self.repeat is not None:
-                    with self._tokens_lock:
-                        self.repeat.forget(req_id)
                 if self.spec is not None:
                     with self._tokens_lock:
                         self.spec.forget(req_id)
@@ -288,7 +305,8 @@ class DetectorSuite:
 
     # -- output -----------------------------------------------------------------------------
     def on_output(self, wave: int, runner: Any, output: Any) -> None:
-        self.resolve_ready()
+        if self._pending:
+            self.resolve_ready()
         if not self.needs_output:
             return
         req_ids = getattr(output, "req_ids", None)
@@ -301,17 +319,13 @@ class DetectorSuite:
         if self.vocab_size is None:
             self.vocab_size = _vocab_size(runner, None)
         tokens = WaveTokens(sampled)  # read once at C speed: no Python pass per request
-        if self.config.token_range.enabled and self.vocab_size:
-            for row in rows_out_of_range(tokens, self.vocab_size):  # rows with a bad id: rare
-                self._out_of_range(wave, runner, req_ids[row], sampled[row], self.vocab_size)
-        if self.repeat is not None:
-            with self._tokens_lock:
-                found = self.repeat.add_wave(
-                    wave, req_ids, tokens, screen_full=not self.screen_on_streamer
-                )
-            self._last_tokens = time.monotonic()
-            if found:  # rare: no call on the common wave
-                self._report_repeats(runner, found)
+        if self.logs_tokens:
+            # the runner's request ids are a list of the wave's own (V1 hands a copy of its
+            # batch's, MRV2 builds a batch per step): kept, not copied
+            self._token_log.append((wave, req_ids, tokens))
+            self._logged_waves += 1
+            if self._logged_waves >= self._hand_over_at:
+                self._hand_over(runner)
         if self.spec is not None and self._drafts and self._drafts_wave == wave:
             if not self.spec_method:
                 config = getattr(runner, "speculative_config", None)
@@ -320,6 +334,40 @@ class DetectorSuite:
                 judged = self.spec.add_wave(wave, req_ids, self._drafts, tokens)
             self._last_tokens = time.monotonic()
             self._report_spec(runner, judged)
+
+    def _hand_over(self, runner: Any) -> None:
+        """Give the logged waves to token_range and token_repeat, in order, and report what
+        they find (each finding names its own wave). The engine thread calls this, and the
+        streamer thread when the engine idles; `runner` is read only by a dump's evidence,
+        whose waves are handed over as they come."""
+        log = self._token_log
+        repeat = self.repeat
+        repeats = []
+        with self._tokens_lock:  # one consumer at a time; the engine thread only appends
+            entries = [log.popleft() for _ in range(len(log))]
+            self._logged_waves = 0
+            waves: list[LoggedWave] = []
+            for entry in entries:
+                if len(entry) == 3:
+                    waves.append(entry)
+                    continue
+                if waves:  # requests that finished: after their last tokens
+                    repeats += repeat.add_waves(waves, screen_full=not self.screen_on_streamer)
+                    waves = []
+                for req_id in entry[1]:
+                    repeat.forget(req_id)
+            if waves and repeat is not None:
+                repeats += repeat.add_waves(waves, screen_full=not self.screen_on_streamer)
+            self._last_tokens = time.monotonic()
+        if self._batches_tokens and waves:  # the next hand-over fills a batch of this size
+            self._hand_over_at = batch_waves(waves[-1][2].rows)
+        vocab = self.vocab_size if self.config.token_range.enabled else 0
+        if vocab:
+            for wave, req_ids, tokens in _out_of_range_waves(entries, vocab):
+                for row in rows_out_of_range(tokens, vocab):
+                    self._out_of_range(wave, runner, req_ids[row], tokens.row(row), vocab)
+        if repeats:
+            self._report_repeats(runner, repeats)
 
     def _out_of_range(self, wave: int, runner: Any, req_id: str, tokens, vocab: int) -> None:
         bad = out_of_range(tokens, vocab)
@@ -495,12 +543,14 @@ class DetectorSuite:
     def _batches_pending(self) -> bool:
         return bool(
             self._unread
+            or self._token_log
             or (self.repeat is not None and self.repeat.pending)
             or (self.spec is not None and self.spec.pending)
         )
 
     def _flush_batches(self, wait: bool = False) -> None:
         self._read_host_checks()
+        self._hand_over(None)
         repeats, judged = [], []
         with self._tokens_lock:
             if self.repeat is not None:
@@ -514,6 +564,16 @@ class DetectorSuite:
         self.resolve_ready(force=True)
         self.read_host_stats(with_torch=True)
         self._flush_batches(wait=True)
+
+
+def _out_of_range_waves(entries: list, vocab: int) -> list[LoggedWave]:
+    """The logged waves holding an id outside [0, vocab): one min and one max over all of
+    them in the common case (none)."""
+    waves = [entry for entry in entries if len(entry) == 3]
+    ids = list(itertools.chain.from_iterable([tokens.ids for _, _, tokens in waves]))
+    if not ids or (min(ids) >= 0 and max(ids) < vocab):
+        return []
+    return [entry for entry in waves if rows_out_of_range(entry[2], vocab)]
 
 
 def _requests(rows_per_req: list[int] | None, rows: Any) -> int:

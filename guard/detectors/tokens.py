@@ -164,9 +164,15 @@ class RepeatDetector:
     def add_wave(
         self, wave: int, req_ids: Sequence[str], tokens: WaveTokens, *, screen_full: bool = True
     ) -> list[WaveFinding]:
-        """Queue one wave's tokens (row i's are request `req_ids[i]`'s); screens the batch when
-        it is full and returns that batch's findings, else nothing. No numpy runs here unless
-        the batch's requests changed (their slots).
+        """Queue one wave's tokens (row i's are request `req_ids[i]`'s): `add_waves` of one."""
+        return self.add_waves([(wave, req_ids, tokens)], screen_full=screen_full)
+
+    def add_waves(
+        self, waves: Sequence[tuple[int, Sequence[str], WaveTokens]], *, screen_full: bool = True
+    ) -> list[WaveFinding]:
+        """Queue waves' tokens, in order; screens the batch each time it is full and returns
+        those batches' findings, else nothing. No numpy runs here unless a batch's requests
+        changed (their slots).
 
         `screen_full=False`: a full batch is left for another thread (`batch_ready`, then
         `flush`); this one screens only past `OVERDUE_BATCHES` batches, or when a request's
@@ -174,13 +180,19 @@ class RepeatDetector:
         if self.off:
             return []
         found: list[WaveFinding] = []
-        if self._queued_tokens + tokens.width > self._batch_tokens:
-            found = self.flush()  # a request's tokens in one batch stay bounded
-        self._queue.append((wave, self.requests.slots(req_ids), tokens))
-        self._queued_tokens += tokens.width
-        full = batch_waves(tokens.rows)
-        if len(self._queue) >= (full if screen_full else OVERDUE_BATCHES * full):
-            found += self.flush()
+        slots = self.requests.slots
+        limit = self._batch_tokens
+        rows, full = -1, 0
+        for wave, req_ids, tokens in waves:
+            if self._queued_tokens + tokens.width > limit:
+                found += self.flush()  # a request's tokens in one batch stay bounded
+            self._queue.append((wave, slots(req_ids), tokens))
+            self._queued_tokens += tokens.width
+            if tokens.rows != rows:
+                rows = tokens.rows
+                full = batch_waves(rows) * (1 if screen_full else OVERDUE_BATCHES)
+            if len(self._queue) >= full:
+                found += self.flush()
         return found
 
     @property

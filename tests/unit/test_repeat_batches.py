@@ -12,6 +12,7 @@ between fillers, spec-decode waves of 1-4 tokens, empty rows, and requests that 
 from __future__ import annotations
 
 import collections
+import json
 import random
 import types
 
@@ -19,7 +20,12 @@ import pytest
 
 from guard.config import IncidentsConfig
 from guard.detectors import compiled
-from guard.detectors.config import DetectorsConfig, DumpConfig, TokenRepeatConfig
+from guard.detectors.config import (
+    DetectorsConfig,
+    DumpConfig,
+    TokenRangeConfig,
+    TokenRepeatConfig,
+)
 from guard.detectors.host import DetectorHost
 from guard.detectors.slots import WaveTokens, batch_waves
 from guard.detectors.suite import IDLE_FLUSH_S
@@ -240,7 +246,9 @@ def test_the_detector_host_screens_an_idle_batch_with_the_heartbeat(tmp_path):
     assert [(i.type, i.wave) for i in sent] == [("token_repeat", 5)]
 
 
-def _worker_host(tmp_path, sent: list, **token_repeat) -> DetectorHost:
+def _worker_host(
+    tmp_path, sent: list, token_range: TokenRangeConfig | None = None, **token_repeat
+) -> DetectorHost:
     """The detectors as a worker builds them (kernels loaded in the background: here, in
     already), reporting into `sent`."""
     reporter = IncidentReporter(
@@ -251,6 +259,7 @@ def _worker_host(tmp_path, sent: list, **token_repeat) -> DetectorHost:
     config = DetectorsConfig(
         dump=DumpConfig(directory=str(tmp_path), min_free_bytes=0),
         token_repeat=TokenRepeatConfig(**token_repeat),
+        token_range=token_range or TokenRangeConfig(),
     )
     host.build(config, guard_pb2.RankInfo(run_id="r"))
     return host
@@ -298,6 +307,68 @@ def test_with_action_dump_the_engine_thread_screens_its_own_batches(tmp_path):
     (incident,) = sent
     assert (incident.type, incident.wave) == ("token_repeat", batch_waves(1))
     assert any(a.startswith("dump") for a in incident.actions)
+
+
+class _Runner:
+    """Stands in for a V1 runner: the attributes the suite reads (a vocabulary of 100)."""
+
+    def __init__(self, req_ids: list[str]) -> None:
+        self.input_batch = types.SimpleNamespace(req_ids=req_ids)
+        self.model_config = types.SimpleNamespace(get_vocab_size=lambda: 100)
+
+
+def _wave(host: DetectorHost, wave: int, sampled: dict[str, list[int]], finished=()) -> None:
+    """One wave through the processor's two detector hooks: the schedule (with the requests
+    that finished before it), then the output."""
+    req_ids = list(sampled)
+    host.on_schedule(wave, types.SimpleNamespace(finished_req_ids=set(finished)))
+    output = types.SimpleNamespace(req_ids=req_ids, sampled_token_ids=list(sampled.values()))
+    host.on_output(wave, _Runner(req_ids), output)
+
+
+def test_a_worker_hands_its_tokens_to_the_detectors_once_a_batch(tmp_path):
+    """The engine thread only logs a wave's tokens; a batch's worth of waves later it hands
+    them over together, and an id out of the vocabulary is reported then, at its own wave,
+    with its request and ids."""
+    sent: list = []
+    host = _worker_host(tmp_path, sent)
+    full = batch_waves(2)
+    for wave in range(1, full):
+        _wave(host, wave, {"a": [5], "b": [150 if wave == 3 else 6]})
+    assert sent == [] and not host.suite.repeat.pending  # logged, not handed over yet
+    _wave(host, full, {"a": [5], "b": [6]})
+    (incident,) = sent
+    assert (incident.type, incident.wave, incident.request_id) == ("token_range", 3, "b")
+    assert json.loads(incident.evidence_json) == {"ids": [150], "vocab_size": 100}
+    assert host.suite.repeat.batch_ready  # the full batch waits for the streamer thread
+
+
+def test_a_request_that_finished_between_logged_waves_is_screened_under_its_own_id(tmp_path):
+    """A request's end is logged after its last tokens: the hand-over gives the detector its
+    tokens first and only then frees its slot, so its loop is still found under its id, the
+    request that comes after gets a slot of its own, and the finished one keeps none."""
+    sent: list = []
+    host = _worker_host(tmp_path, sent, window=64, min_span=16)
+    for wave in range(1, 6):
+        _wave(host, wave, {"a": [42] * 4, "b": [wave]})
+    for wave in range(6, batch_waves(2) + 1):
+        _wave(host, wave, {"b": [wave], "c": [7, wave]}, finished=("a",) if wave == 6 else ())
+    host.fill_batch(guard_pb2.Batch(), with_heartbeat=False)  # the streamer's screen
+    assert [(i.type, i.wave, i.request_id) for i in sent] == [("token_repeat", 5, "a")]
+    requests = host.suite.repeat.requests
+    assert "a" not in requests and sorted(requests.slot_of) == ["b", "c"]
+
+
+def test_with_token_range_action_dump_each_wave_is_handed_over_as_it_comes(tmp_path):
+    """A dump's evidence reads the runner as of its wave, so nothing waits in the log."""
+    sent: list = []
+    host = _worker_host(tmp_path, sent, token_range=TokenRangeConfig(action="dump"))
+    _wave(host, 1, {"a": [5]})
+    _wave(host, 2, {"a": [-1]})
+    (incident,) = sent
+    assert (incident.type, incident.wave) == ("token_range", 2)
+    assert any(a.startswith("dump") for a in incident.actions)
+    assert not host.suite._token_log
 
 
 def _looping_waves(detector: RepeatDetector, waves: range) -> None:
