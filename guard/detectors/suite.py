@@ -154,7 +154,13 @@ class DetectorSuite:
     ) -> None:
         stats_wave = bool(self.stats_every) and wave % self.stats_every == 0
         if self._on_host:  # every wave after the first on a CPU engine
-            if self.check_finite:
+            # the common case in line: the compiled pass finds every row clean
+            row_check = self._row_check
+            try:
+                clean = bool(row_check) and row_check(logits.numpy()) < 0
+            except (TypeError, RuntimeError):  # not float32 rows in one block
+                self._row_check = clean = False  # torch's row max from now on
+            if not clean and self.check_finite:
                 self._check_host_rows(wave, runner, logits, rows_per_req)
             if stats_wave:
                 self._queue_host_stats(wave, logits)
@@ -205,8 +211,9 @@ class DetectorSuite:
     def _check_host_rows(
         self, wave: int, runner: Any, logits: Any, rows_per_req: list[int] | None
     ) -> None:
-        """A host wave's row check: the compiled pass, read at once (one integer back). Until
-        the kernels are in, or for logits it does not take (bfloat16, a strided view), the
+        """A host wave's row check past the in-line pass of `on_logits`: the compiled pass
+        again when that found a bad row (its row maxima are read in this wave); until the
+        kernels are in, or for logits the pass does not take (bfloat16, a strided view), the
         torch row max, read with the next waves' (`_defer_host_check`)."""
         row_check = self._row_check
         if row_check is None:  # not known yet: the kernels may have come in since
