@@ -307,8 +307,11 @@ class GuardProcessor:
         """Called by the sampler decorators with the logits about to be sampled."""
         if self.logits_checked or logits is None:
             return
+        suite = self.detector_host.suite  # straight to it: one frame less in the sampler
+        if suite is None:
+            return
         try:
-            self.detector_host.on_logits(self.wave, self._runner, logits, rows_per_req)
+            suite.on_logits(self.wave, self._runner, logits, rows_per_req)
         except Exception:  # noqa: BLE001
             self.errors.record("detectors_logits")
 

@@ -2,8 +2,9 @@
 
 Built once the first wave names the rank (the evidence directory and the reporting rank need
 it), rebuilt when a live config change arrives, closed with the processor. It forwards the
-wave's schedule and output to the `DetectorSuite`, takes the logits from the sampler
-decorators, and adds the detectors' readings to each heartbeat batch.
+wave's schedule and output to the `DetectorSuite` (the sampler decorators' logits go to
+the suite straight from the processor), and adds the detectors' readings to each heartbeat
+batch.
 """
 
 from __future__ import annotations
@@ -60,11 +61,6 @@ class DetectorHost:
         suite = self.suite
         if suite is not None:
             suite.on_output(wave, runner, output)
-
-    def on_logits(self, wave: int, runner: Any, logits: Any, rows: list[int] | None) -> None:
-        suite = self.suite
-        if suite is not None:
-            suite.on_logits(wave, runner, logits, rows)
 
     def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool) -> None:
         """Streamer thread: a host engine's stats waves and the full token batches are read
