@@ -348,33 +348,49 @@ class DetectorSuite:
         streamer thread when the engine idles; `runner` is read only by a dump's evidence,
         whose waves are handed over as they come."""
         log = self._token_log
-        repeat = self.repeat
-        repeats = []
+        repeats: list = []
+        failed: Exception | None = None
         with self._tokens_lock:  # one consumer at a time; the engine thread only appends
             entries = [log.popleft() for _ in range(len(log))]
             self._logged_waves = 0
-            waves: list[LoggedWave] = []
-            for entry in entries:
-                if len(entry) == 3:
-                    waves.append(entry)
-                    continue
-                if waves:  # requests that finished: after their last tokens
-                    repeats += repeat.add_waves(waves, screen_full=not self.screen_on_streamer)
-                    waves = []
-                for req_id in entry[1]:
-                    repeat.forget(req_id)
-            if waves and repeat is not None:
-                repeats += repeat.add_waves(waves, screen_full=not self.screen_on_streamer)
             self._last_tokens = time.monotonic()
+            if self.repeat is not None:
+                try:
+                    repeats = self._queue_repeats(entries)
+                except Exception as exc:  # noqa: BLE001 - raised below, after the range check
+                    failed = exc
+        waves = [entry for entry in entries if len(entry) == 3]
         if self._batches_tokens and waves:  # the next hand-over fills a batch of this size
             self._hand_over_at = batch_waves(waves[-1][2].rows)
         vocab = self.vocab_size if self.config.token_range.enabled else 0
         if vocab:
-            for wave, req_ids, tokens in _out_of_range_waves(entries, vocab):
+            for wave, req_ids, tokens in _out_of_range_waves(waves, vocab):
                 for row in rows_out_of_range(tokens, vocab):
                     self._out_of_range(wave, runner, req_ids[row], tokens.row(row), vocab)
         if repeats:
             self._report_repeats(runner, repeats)
+        if failed is not None:  # token_repeat's kernel did not load: counted by the caller
+            raise failed
+
+    def _queue_repeats(self, entries: list[LoggedWave | LoggedFinish]) -> list:
+        """token_repeat's share of a hand-over (under the lock): the waves queued in order,
+        and a finished request forgotten only after its last tokens are in."""
+        repeat = self.repeat
+        screen_full = not self.screen_on_streamer
+        found = []
+        waves: list[LoggedWave] = []
+        for entry in entries:
+            if len(entry) == 3:
+                waves.append(entry)
+                continue
+            if waves:
+                found += repeat.add_waves(waves, screen_full=screen_full)
+                waves = []
+            for req_id in entry[1]:
+                repeat.forget(req_id)
+        if waves:
+            found += repeat.add_waves(waves, screen_full=screen_full)
+        return found
 
     def _out_of_range(self, wave: int, runner: Any, req_id: str, tokens, vocab: int) -> None:
         bad = out_of_range(tokens, vocab)
@@ -573,14 +589,13 @@ class DetectorSuite:
         self._flush_batches(wait=True)
 
 
-def _out_of_range_waves(entries: list, vocab: int) -> list[LoggedWave]:
-    """The logged waves holding an id outside [0, vocab): one min and one max over all of
-    them in the common case (none)."""
-    waves = [entry for entry in entries if len(entry) == 3]
+def _out_of_range_waves(waves: list[LoggedWave], vocab: int) -> list[LoggedWave]:
+    """The waves holding an id outside [0, vocab): one min and one max over all of them in
+    the common case (none)."""
     ids = list(itertools.chain.from_iterable([tokens.ids for _, _, tokens in waves]))
     if not ids or (min(ids) >= 0 and max(ids) < vocab):
         return []
-    return [entry for entry in waves if rows_out_of_range(entry[2], vocab)]
+    return [wave for wave in waves if rows_out_of_range(wave[2], vocab)]
 
 
 def _requests(rows_per_req: list[int] | None, rows: Any) -> int:

@@ -359,6 +359,22 @@ def test_a_request_that_finished_between_logged_waves_is_screened_under_its_own_
     assert "a" not in requests and sorted(requests.slot_of) == ["b", "c"]
 
 
+def test_a_hand_over_whose_repeat_screen_fails_still_checks_the_range(tmp_path, monkeypatch):
+    """token_repeat's kernel failing to load (no numba) raises out of the hand-over, for the
+    caller to count, but only after token_range has checked every wave handed over."""
+    sent: list = []
+    host = _worker_host(tmp_path, sent)
+    monkeypatch.setattr(compiled, "_kernels", None)
+    monkeypatch.setattr(compiled, "_error", ImportError("no numba"))
+    full = batch_waves(1)
+    for wave in range(1, full):  # 16 tokens a wave: the 17th passes a batch's bound, a screen
+        _wave(host, wave, {"a": [5] * 15 + [150 if wave == 20 else 5]})
+    with pytest.raises(RuntimeError, match="did not load"):
+        _wave(host, full, {"a": [5] * 16})
+    assert [(i.type, i.wave) for i in sent] == [("token_range", 20)]
+    assert host.suite.repeat.off
+
+
 def test_with_token_range_action_dump_each_wave_is_handed_over_as_it_comes(tmp_path):
     """A dump's evidence reads the runner as of its wave, so nothing waits in the log."""
     sent: list = []
