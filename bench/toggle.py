@@ -2,10 +2,11 @@
 
 `overhead.py` compares two servers, which on a 2-core machine differ by more than the effect
 being measured (its rounds spread by tens of percent). Here a single in-process vLLM engine
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, TP=1, pinned to core 0) runs every round; between rounds
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, TP=1, `VLLM_CPU_OMP_THREADS_BIND=0`; its main thread's
+affinity stays both cores) runs every round; between rounds
 the runner class's `execute_model` / `sample_tokens` are set either to the bare functions
 (exactly what runs without the guard) or to the guarded ones, which stream every wave to a
-real sidecar (a separate process on core 1). Rounds go off, on, on, off, ... so drift cancels.
+real sidecar (a separate process pinned to core 1). Rounds go off, on, on, off, ... so drift cancels.
 
 With `--detectors all` (the default) "on" also runs every sampling detector at its default
 settings (the sampler and rejection-sampler hooks are swapped together with the runner's);
@@ -82,6 +83,52 @@ def _time_detectors() -> dict:
     return acc
 
 
+def _time_guard() -> dict:
+    """Time the whole guard on the engine thread in place (bench only): the processor's
+    `run_step` and `run_sample` less the runner's own call inside them, and the sampler
+    hook's `on_logits`. The detectors' timers (`_time_detectors`) run inside and count too."""
+    from guard.processor import GuardProcessor
+
+    acc = {"ns": 0, "measuring": False}
+
+    def own_time(original):
+        def timed(self, fn, runner, args, kwargs):
+            inner = 0
+
+            def timed_fn(*a, **kw):
+                nonlocal inner
+                begin = time.perf_counter_ns()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    inner += time.perf_counter_ns() - begin
+
+            start = time.perf_counter_ns()
+            try:
+                return original(self, timed_fn, runner, args, kwargs)
+            finally:
+                if acc["measuring"]:
+                    acc["ns"] += time.perf_counter_ns() - start - inner
+
+        return timed
+
+    def whole_time(original):
+        def timed(self, *a, **kw):
+            start = time.perf_counter_ns()
+            try:
+                return original(self, *a, **kw)
+            finally:
+                if acc["measuring"]:
+                    acc["ns"] += time.perf_counter_ns() - start
+
+        return timed
+
+    GuardProcessor.run_step = own_time(GuardProcessor.run_step)
+    GuardProcessor.run_sample = own_time(GuardProcessor.run_sample)
+    GuardProcessor.on_logits = whole_time(GuardProcessor.on_logits)
+    return acc
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -142,6 +189,7 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
 
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     inside = _time_detectors()
+    guard_time = _time_guard()
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} #{i}" for i in range(args.requests)]
 
     def one_round(mode: str) -> tuple[float, float, int, list[list[int]]]:
@@ -168,7 +216,7 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
     cpus: dict[str, list[float]] = {"off": [], "on": []}
     identical = True
     inside["measured_ns"] = 0
-    inside["measuring"] = True
+    inside["measuring"] = guard_time["measuring"] = True
     for index, mode in enumerate(abba(args.rounds)):
         took, cpu, tokens, ids = one_round(mode)
         times[mode].append(took)
@@ -201,9 +249,7 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
         (mode, f"{rate[mode]:,.0f}", f"{med[mode] * 1e3:.1f}", f"{min(times[mode]) * 1e3:.1f}", f"{max(times[mode]) * 1e3:.1f}")
         for mode in ("off", "on")
     ]  # fmt: skip
-    print(
-        "\nSAME ENGINE, guard decorators swapped between rounds (TP=1, in-process, engine on core 0)"
-    )
+    print("\nSAME ENGINE, guard decorators swapped between rounds (TP=1, in-process)")
     print(
         render_table(
             ("guard", "median tok/s", "median ms", "min ms", "max ms"), rows, right=(1, 2, 3, 4)
@@ -231,6 +277,12 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
             for name in ("on_schedule", "on_logits", "on_output")
         )
         print(f"  per entry point and wave: {parts}")
+    print(
+        f"time inside the whole guard on the engine thread (timed in place, any detectors' "
+        f"timers included): {guard_time['ns'] / 1e3 / (args.rounds * steps_per_round):.1f} us "
+        f"per wave = {guard_time['ns'] / 1e9 / sum(times['on']) * 100:.2f}% of the guarded "
+        "rounds' wall time"
+    )
 
     qc = statistics.quantiles(paired_cpu, n=4) if len(paired_cpu) >= 2 else [paired_cpu[0]] * 3
     cpu_added = (statistics.median(cpus["on"]) - statistics.median(cpus["off"])) / steps_per_round
