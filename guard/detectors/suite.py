@@ -323,8 +323,10 @@ class DetectorSuite:
         if len(sampled) != len(req_ids):
             count = min(len(sampled), len(req_ids))
             req_ids, sampled = req_ids[:count], sampled[:count]
-        if self.vocab_size is None:
+        if self.vocab_size is None:  # the first output: what the runner says of itself
             self.vocab_size = _vocab_size(runner, None)
+            if getattr(runner, "speculative_config", "") is None:
+                self.spec = None  # no drafts will come: spec_acceptance has nothing to judge
         tokens = WaveTokens(sampled)  # read once at C speed: no Python pass per request
         if self.logs_tokens:
             # the runner's request ids are a list of the wave's own (V1 hands a copy of its

@@ -722,3 +722,18 @@ def test_a_rank_that_does_not_report_tokens_keeps_no_token_state_but_checks_the_
     suite.close()
     assert [(i.type, i.wave) for i in sent] == [("token_range", 64)]
     assert suite.probe_values() == []
+
+
+def test_an_engine_without_speculative_decoding_drops_the_acceptance_tracker(tmp_path):
+    """A runner whose `speculative_config` is None gets no drafts: after its first output the
+    suite keeps no acceptance state and reads no drafts per wave; one with drafts keeps it."""
+    suite, _, _ = make_suite(tmp_path)
+    plain = Runner(["a"])
+    plain.speculative_config = None
+    output = types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[7]])
+    suite.on_schedule(1, types.SimpleNamespace(finished_req_ids=None))
+    suite.on_output(1, plain, output)
+    assert suite.spec is None and suite.probe_values() == []
+    drafting, _, _ = make_suite(tmp_path)
+    drafting.on_output(1, Runner(["a"]), output)
+    assert drafting.spec is not None
