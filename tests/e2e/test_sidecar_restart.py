@@ -5,8 +5,12 @@ over real gRPC on a unix socket, its SQLite store. The same load (greedy request
 the token_repeat detector raises incidents) runs three times on one server: sidecar up, sidecar
 killed and restarted in the middle, sidecar up again. What must hold:
 
-- serving goes on: every request of the killed run completes, and its tokens/s stays near the
-  runs around it (a generous bound; the measured ratio is printed and kept in the notes);
+- serving goes on: every request of the killed run completes, no token of it waits more than a
+  second after the one before (vLLM's own inter-token latency histogram: a guard that blocked
+  the engine through the 2 s outage would make every running request's next token wait that
+  long), and its tokens/s is printed beside the runs around it. Only a gross slowdown fails on
+  tokens/s: the restarted sidecar starts up on the same 2 cores as the ranks, and on a noisy
+  host one run of this drill measured 0.54 of its neighbours' rate with no stall at all;
 - no incident is lost: the incidents of a worker are numbered 1, 2, 3, ... by the worker
   (`<run>:<pid>:<n>`), and the store holds every number up to the last, each once, including
   those raised while the sidecar was down (spooled by the worker, guard/spool.py);
@@ -64,6 +68,17 @@ def guard_config(sock: Path) -> dict:
         "heartbeat_interval_s": 0.5,
         "reconnect_max_backoff_s": 0.5,
     }
+
+
+# vLLM's inter-token latency bucket that no token of a serving engine should pass, even with
+# the restarted sidecar starting up beside it (a stall through the outage would)
+STALL_S = "1.0"
+
+
+def slow_tokens(text: str) -> float:
+    """Tokens that vLLM saw arrive more than `STALL_S` after the one before."""
+    name = "vllm:inter_token_latency_seconds"
+    return value(text, f"{name}_count") - value(text, f"{name}_bucket", le=STALL_S)
 
 
 def run_load(server: VllmServer, rounds: int = ROUNDS) -> tuple[float, list[dict]]:
@@ -155,9 +170,11 @@ def test_sigkill_of_the_sidecar_under_load_loses_no_incident_and_accounting_clos
     first: SidecarProcess = rig["sidecar"]
     store: Path = rig["store"]
     run_load(server, rounds=1)  # warm-up: the first requests pay one-off costs
-    vllm_before = value(server.metrics_text(), "vllm:generation_tokens_total")
+    before_text = server.metrics_text()
+    vllm_before = value(before_text, "vllm:generation_tokens_total")
 
     before_rate, before = run_load(server)
+    mid_text = server.metrics_text()
 
     # the middle run: SIGKILL the sidecar once it is under way, restart it after OUTAGE_S
     result: dict = {}
@@ -187,6 +204,7 @@ def test_sigkill_of_the_sidecar_under_load_loses_no_incident_and_accounting_clos
     load.join(600)
     assert not load.is_alive()
     killed_rate, killed = result["rate"], result["responses"]
+    killed_text = server.metrics_text()
 
     after_rate, after = run_load(server)
     responses = before + killed + after
@@ -237,9 +255,16 @@ def test_sigkill_of_the_sidecar_under_load_loses_no_incident_and_accounting_clos
     print(
         f"\nsidecar restart: {killed_rate:.1f} tok/s with the kill vs {before_rate:.1f} before, "
         f"{after_rate:.1f} after (ratio {ratio:.3f}); outage {OUTAGE_S:.1f} s, "
-        f"restarted sidecar ready {(back_ns - killed_ns) / 1e9:.2f} s after the kill"
+        f"restarted sidecar ready {(back_ns - killed_ns) / 1e9:.2f} s after the kill; tokens "
+        f"after a gap over {STALL_S} s: {slow_tokens(killed_text) - slow_tokens(mid_text):.0f}, "
+        f"of {value(killed_text, 'vllm:inter_token_latency_seconds_count'):.0f} in all"
     )
-    assert ratio > 0.6, (killed_rate, before_rate, after_rate)
+    stalled = slow_tokens(killed_text) - slow_tokens(mid_text)
+    assert stalled == 0, (
+        f"{stalled:.0f} tokens of the killed run waited more than {STALL_S} s after the one "
+        f"before ({slow_tokens(mid_text) - slow_tokens(before_text):.0f} in the run before it)"
+    )
+    assert ratio > 0.3, (killed_rate, before_rate, after_rate)
 
     # -- accounting per rank ------------------------------------------------------------------
     sidecar_drops = pipeline_drops(old_text) + pipeline_drops(text)
