@@ -154,13 +154,7 @@ class DetectorSuite:
     ) -> None:
         stats_wave = bool(self.stats_every) and wave % self.stats_every == 0
         if self._on_host:  # every wave after the first on a CPU engine
-            # the common case in line: the compiled pass finds every row clean
-            row_check = self._row_check
-            try:
-                clean = bool(row_check) and row_check(logits.numpy()) < 0
-            except (TypeError, RuntimeError):  # not float32 rows in one block
-                self._row_check = clean = False  # torch's row max from now on
-            if not clean and self.check_finite:
+            if self.check_finite:
                 self._check_host_rows(wave, runner, logits, rows_per_req)
             if stats_wave:
                 self._queue_host_stats(wave, logits)
@@ -211,9 +205,8 @@ class DetectorSuite:
     def _check_host_rows(
         self, wave: int, runner: Any, logits: Any, rows_per_req: list[int] | None
     ) -> None:
-        """A host wave's row check past the in-line pass of `on_logits`: the compiled pass
-        again when that found a bad row (its row maxima are read in this wave); until the
-        kernels are in, or for logits the pass does not take (bfloat16, a strided view), the
+        """A host wave's row check: the compiled pass, read at once (one integer back). Until
+        the kernels are in, or for logits it does not take (bfloat16, a strided view), the
         torch row max, read with the next waves' (`_defer_host_check`)."""
         row_check = self._row_check
         if row_check is None:  # not known yet: the kernels may have come in since
@@ -365,8 +358,8 @@ class DetectorSuite:
         if self._batches_tokens and waves:  # the next hand-over fills a batch of this size
             self._hand_over_at = batch_waves(waves[-1][2].rows)
         vocab = self.vocab_size if self.config.token_range.enabled else 0
-        if vocab:
-            for wave, req_ids, tokens in _out_of_range_waves(waves, vocab):
+        if vocab and not _all_in_range(waves, vocab):
+            for wave, req_ids, tokens in waves:
                 for row in rows_out_of_range(tokens, vocab):
                     self._out_of_range(wave, runner, req_ids[row], tokens.row(row), vocab)
         if repeats:
@@ -591,13 +584,10 @@ class DetectorSuite:
         self._flush_batches(wait=True)
 
 
-def _out_of_range_waves(waves: list[LoggedWave], vocab: int) -> list[LoggedWave]:
-    """The waves holding an id outside [0, vocab): one min and one max over all of them in
-    the common case (none)."""
+def _all_in_range(waves: list[LoggedWave], vocab: int) -> bool:
+    """Every id of `waves` is in [0, vocab): one min and one max over all of them."""
     ids = list(itertools.chain.from_iterable([tokens.ids for _, _, tokens in waves]))
-    if not ids or (min(ids) >= 0 and max(ids) < vocab):
-        return []
-    return [wave for wave in waves if rows_out_of_range(wave[2], vocab)]
+    return not ids or (min(ids) >= 0 and max(ids) < vocab)
 
 
 def _requests(rows_per_req: list[int] | None, rows: Any) -> int:
