@@ -510,6 +510,29 @@ def test_with_logits_finite_off_a_stats_wave_starts_no_row_check(tmp_path):
 NAN, INF = float("nan"), float("inf")
 
 
+def spoil_rows(logits: torch.Tensor, gen: torch.Generator, faults: tuple[str, ...]) -> None:
+    """Give each row one of `faults` (drawn with `gen`, a column too), in place: "healthy",
+    "nan", "inf", "all_masked", "masked" (-Inf up to the column; all of it at the last),
+    "masked_then_inf", "near_limit" (±3e38)."""
+    width = logits.shape[1]
+    for row in range(logits.shape[0]):
+        fault = faults[int(torch.randint(0, len(faults), (1,), generator=gen))]
+        col = int(torch.randint(0, width, (1,), generator=gen))
+        if fault == "nan":
+            logits[row, col] = NAN
+        elif fault == "inf":
+            logits[row, col] = INF
+        elif fault == "all_masked":
+            logits[row, :] = -INF
+        elif fault == "masked":
+            logits[row, : col + 1] = -INF
+        elif fault == "masked_then_inf":
+            logits[row, :col] = -INF
+            logits[row, col] = INF
+        elif fault == "near_limit":
+            logits[row, col] = 3.0e38 if col % 2 else -3.0e38
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_the_compiled_row_check_finds_the_first_row_the_row_max_rule_finds(seed):
     """Rows of every kind (healthy, NaN, +Inf, -Inf everywhere, masked in part, a mask with a
@@ -518,22 +541,8 @@ def test_the_compiled_row_check_finds_the_first_row_the_row_max_rule_finds(seed)
     gen = torch.Generator().manual_seed(seed)
     width = [1, 7, 8, 50, 513, 4099][seed % 6]
     logits = torch.randn(16, width, generator=gen)
-    for row in range(16):
-        kind = int(torch.randint(0, 8, (1,), generator=gen))
-        col = int(torch.randint(0, width, (1,), generator=gen))
-        if kind == 1:
-            logits[row, col] = NAN
-        elif kind == 2:
-            logits[row, col] = INF
-        elif kind == 3:
-            logits[row, :] = -INF
-        elif kind == 4:
-            logits[row, : col + 1] = -INF  # a mask; everything when col is the last
-        elif kind == 5:
-            logits[row, :col] = -INF
-            logits[row, col] = INF
-        elif kind == 6:
-            logits[row, col] = 3.0e38 if col % 2 else -3.0e38
+    faults = ("healthy", "nan", "inf", "all_masked", "masked", "masked_then_inf", "near_limit")
+    spoil_rows(logits, gen, (*faults, "healthy"))
     first_bad_row = compiled.load().logits.first_bad_row
     bad = checks.bad_rows(checks.row_max(logits))
     for start in range(16):
@@ -548,15 +557,7 @@ def test_the_compiled_health_readings_match_torchs(seed):
     gen = torch.Generator().manual_seed(seed)
     width = [5, 50, 513, 32000][seed % 4]
     logits = torch.randn(10, width, generator=gen) * (1 + seed)
-    for row in range(10):
-        kind = int(torch.randint(0, 5, (1,), generator=gen))
-        col = int(torch.randint(0, width, (1,), generator=gen))
-        if kind == 1:
-            logits[row, col] = NAN
-        elif kind == 2:
-            logits[row, col] = INF
-        elif kind == 3:
-            logits[row, : col + 1] = -INF
+    spoil_rows(logits, gen, ("healthy", "nan", "inf", "masked", "healthy"))
     if seed % 2:
         logits = logits.bfloat16()
     rows = checks.host_rows(logits)
