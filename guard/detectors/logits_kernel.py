@@ -49,7 +49,8 @@ def health_readings(rows: np.ndarray) -> tuple[float, float, int]:
     the rows whose max is finite, with -Inf entries masked out (not faults). It runs on the
     streamer thread, where torch's ops made every later wave of a CPU engine 1.5-2 times
     slower (`bench/toggle.py`; most likely an OpenMP team of that thread's own, whose idle
-    workers spin beside the engine's). This holds no GIL and starts no thread. NaN for the entropy when no row is healthy."""
+    workers spin beside the engine's). This holds no GIL and starts no thread. NaN for the
+    entropy when no row is healthy."""
     count, width = rows.shape
     max_abs = 0.0
     entropy = 0.0
