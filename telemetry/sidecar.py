@@ -8,12 +8,16 @@ telemetry/export.py for the sampling policy.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import faulthandler
 import grp
 import os
 import signal
 import socket
 import threading
+import time
+from collections.abc import Iterator
 from concurrent import futures
 from pathlib import Path
 
@@ -390,23 +394,34 @@ class Sidecar:
         )  # fmt: skip
 
     def stop(self, grace_s: float = 2.0) -> None:
+        """Stop every part in order; the log line says how long each step took."""
         if self._stopped.is_set():
             return
         self._stopped.set()
+        log.info("sidecar_stopping")
+        steps = _StopSteps()
         if self._server is not None:
-            self._server.stop(grace_s).wait(grace_s + 1)
-        self.cross_rank.stop()
-        self.roster.stop()
+            with steps("grpc"):
+                self._server.stop(grace_s).wait(grace_s + 1)
+        with steps("cross_rank"):
+            self.cross_rank.stop()
+        with steps("roster"):
+            self.roster.stop()
         if self.settings.publish:
             paths.remove_discovery(os.getpid())
         if self.liveness is not None:
-            self.liveness.stop()
+            with steps("liveness"):
+                self.liveness.stop()
         if self.query_api is not None:
-            self.query_api.stop()
-        self.writer.stop()  # writes what is queued, then closes the sinks (store, exporter)
-        self.incidents.close()
+            with steps("query_api"):
+                self.query_api.stop()
+        with steps("writer"):
+            self.writer.stop()  # writes what is queued, then closes the sinks (store, exporter)
+        with steps("incidents"):
+            self.incidents.close()
         if self._http is not None:
-            self._http.shutdown()
+            with steps("metrics_http"):
+                self._http.shutdown()
         unix_path = unix_socket_path(self.settings.listen)
         if unix_path and os.path.exists(unix_path):
             os.unlink(unix_path)
@@ -415,6 +430,7 @@ class Sidecar:
             waves_received=self.ingest.received_records,
             waves_stored=self.store.stored_waves,
             dropped=dict(self.drops.totals),
+            stop_ms=steps.ms,
         )
 
     def _start_liveness(self) -> None:
@@ -497,10 +513,33 @@ class Sidecar:
         log.info("discovery_written", path=where)
 
     def serve_forever(self) -> None:
-        """Run until SIGINT or SIGTERM, then stop cleanly."""
+        """Run until SIGINT or SIGTERM, then stop cleanly. SIGUSR1 writes every thread's stack
+        to stderr, for a sidecar that seems stuck (docs/operations.md)."""
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         done = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: done.set())
         self.start()
         done.wait()
         self.stop()
+
+
+class _StopSteps:
+    """Times the steps of a shutdown, so that a slow stop names its slow step (a warning as
+    each slow step ends, all of them on `sidecar_stopped`)."""
+
+    SLOW_S = 1.0
+
+    def __init__(self) -> None:
+        self.ms: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, step: str) -> Iterator[None]:
+        began = time.monotonic()
+        try:
+            yield
+        finally:
+            took = time.monotonic() - began
+            self.ms[step] = round(took * 1e3, 1)
+            if took > self.SLOW_S:
+                log.warning("sidecar_stop_step_slow", step=step, ms=self.ms[step])

@@ -59,7 +59,8 @@ class DocumentedSidecar:
     def __init__(self, tmp_path: Path, *args: str) -> None:
         self.env = _env(tmp_path)
         self.metrics_port, self.health_port, self.query_port = free_port(), free_port(), free_port()
-        self.log = open(tmp_path / "sidecar.log", "w")  # noqa: SIM115 - closed in stop()
+        self.log_path = tmp_path / "sidecar.log"
+        self.log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "telemetry.cli", "sidecar", "--metrics-host", "127.0.0.1",
              "--metrics-port", str(self.metrics_port), "--health-host", "127.0.0.1",
@@ -91,9 +92,20 @@ class DocumentedSidecar:
             time.sleep(0.1)
 
     def stop(self) -> None:
+        """SIGTERM; a sidecar still running after 15 s fails the test with its threads' stacks
+        (SIGUSR1) and its log, which names each stop step that ran slow."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(15)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.send_signal(signal.SIGUSR1)
+                time.sleep(1)
+                self.proc.kill()
+                self.proc.wait()
+                self.log.close()
+                log = self.log_path.read_text()
+                pytest.fail(f"sidecar still running 15 s after SIGTERM; its log:\n{log[-8000:]}")
         self.log.close()
 
 
