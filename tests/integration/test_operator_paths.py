@@ -93,7 +93,8 @@ class DocumentedSidecar:
 
     def stop(self) -> None:
         """SIGTERM; a sidecar still running after 15 s fails the test with its threads' stacks
-        (SIGUSR1) and its log, which names each stop step that ran slow."""
+        (SIGUSR1), its log (which names each stop step that ran slow) and the host's busiest
+        processes (a starved sidecar times out every step)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -105,7 +106,17 @@ class DocumentedSidecar:
                 self.proc.wait()
                 self.log.close()
                 log = self.log_path.read_text()
-                pytest.fail(f"sidecar still running 15 s after SIGTERM; its log:\n{log[-8000:]}")
+                busiest = subprocess.run(
+                    ["ps", "-eo", "pid,pcpu,etime,args", "--sort=-pcpu"],
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                ).stdout.splitlines()[:8]
+                pytest.fail(
+                    f"sidecar still running 15 s after SIGTERM; its log:\n{log[-8000:]}\n"
+                    "the host's processes by CPU share (over their lifetimes):\n"
+                    + "\n".join(busiest)
+                )
         self.log.close()
 
 
