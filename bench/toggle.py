@@ -2,17 +2,26 @@
 
 `overhead.py` compares two servers, which on a 2-core machine differ by more than the effect
 being measured (its rounds spread by tens of percent). Here a single in-process vLLM engine
-(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, TP=1, `VLLM_CPU_OMP_THREADS_BIND=0`; its main thread's
-affinity stays both cores) runs every round; between rounds
-the runner class's `execute_model` / `sample_tokens` are set either to the bare functions
-(exactly what runs without the guard) or to the guarded ones, which stream every wave to a
-real sidecar (a separate process pinned to core 1). Rounds go off, on, on, off, ... so drift cancels.
+(`VLLM_ENABLE_V1_MULTIPROCESSING=0`, TP=1; torch runs its default threads, two here, and the
+main thread's affinity stays both cores) runs every round; between rounds the runner class's
+`execute_model` / `sample_tokens` are set either to the bare functions (exactly what runs
+without the guard) or to the guarded ones, which stream every wave to a real sidecar (a
+separate process, every thread of it pinned to core 1). Rounds go off, on, on, off, ... so
+drift cancels.
 
 With `--detectors all` (the default) "on" also runs every sampling detector at its default
 settings (the sampler and rejection-sampler hooks are swapped together with the runner's);
-`--detectors none` measures streaming alone.
+`--detectors none` measures streaming alone, and a detector's name runs that one alone.
 
-    python bench/toggle.py [--rounds 12] [--requests 16] [--max-tokens 128] [--detectors all|none]
+Besides throughput, it reports where the guard's cost lands: its time on the engine thread,
+timed in place; the sidecar's CPU; the engine process's CPU by thread, on against off (the
+engine thread's added CPU beyond the guard's in-place time is the runner's own code running
+slower in guarded rounds); and garbage collection. `--engine-core` gives the engine thread
+core 0 alone, with one torch thread, and moves everything else to core 1: the layout of a
+host whose model does not share cores with the guard's threads and sidecar.
+
+    python bench/toggle.py [--rounds 12] [--requests 16] [--max-tokens 128]
+                           [--detectors all|none|NAME] [--engine-core]
 """
 
 from __future__ import annotations
@@ -24,8 +33,10 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -36,10 +47,7 @@ from tests.support.sidecar import SidecarProcess  # noqa: E402
 from tools.make_tiny_model import build_tiny_model  # noqa: E402
 
 GOAL_LOSS_PCT = {"none": 1.0, "all": 2.0}  # streaming alone; with every sampling detector
-DETECTORS_OFF = {
-    name: {"enabled": False}
-    for name in ("logits_finite", "token_repeat", "spec_acceptance", "logits_stats", "token_range")
-}
+DETECTOR_NAMES = ("logits_finite", "token_repeat", "spec_acceptance", "logits_stats", "token_range")
 GOAL_ADDED_US = 30.0
 PROMPTS = (
     "The quick brown fox jumps over the lazy dog.",
@@ -137,9 +145,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=16, help="requests per round (one batch)")
     parser.add_argument("--max-tokens", type=int, default=128, help="output tokens per request")
     parser.add_argument(
-        "--detectors", choices=("all", "none"), default="all", help="sampling detectors in 'on'"
+        "--detectors",
+        choices=("all", "none", *DETECTOR_NAMES),
+        default="all",
+        help="sampling detectors in 'on': every default one, none, or only the one named",
+    )
+    parser.add_argument(
+        "--engine-core",
+        action="store_true",
+        help="give the engine thread core 0 to itself, with one torch thread; every other thread "
+        "and the sidecar share core 1 (a host where the model does not share the guard's cores)",
     )
     args = parser.parse_args(argv)
+    if args.engine_core:
+        os.environ["OMP_NUM_THREADS"] = "1"  # read when torch loads, below
 
     os.environ.update(
         VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_TARGET_DEVICE="cpu", VLLM_CPU_OMP_THREADS_BIND="0",
@@ -148,8 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build_tiny_model(REPO / ".cache" / "tiny-llama")
     work = Path(tempfile.mkdtemp(prefix="guard-toggle-"))
     sidecar = SidecarProcess.start(work, address=f"unix://{work / 'guard.sock'}")
-    with contextlib.suppress(AttributeError, OSError):
-        os.sched_setaffinity(sidecar.proc.pid, {1})
+    _pin_process(sidecar.proc.pid, {1})
     try:
         return _run(args, model, sidecar)
     finally:
@@ -157,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
+    import psutil  # a dependency of vLLM's
+    import torch
     from vllm import LLM, SamplingParams
     from vllm.v1.sample.rejection_sampler import RejectionSampler
     from vllm.v1.sample.sampler import Sampler
@@ -165,8 +185,8 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
     from guard.decorators import is_guarded, unwrap
 
     guard = {"sidecar": sidecar.address, "engine": "toggle"}
-    if args.detectors == "none":
-        guard["detectors"] = DETECTORS_OFF
+    if args.detectors != "all":
+        guard["detectors"] = {name: {"enabled": name == args.detectors} for name in DETECTOR_NAMES}
     llm = LLM(
         model=str(model), dtype="float32", enforce_eager=True, gpu_memory_utilization=0.1, max_model_len=1024,
         seed=0, additional_config={"runtime_guard": guard},
@@ -192,16 +212,35 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
     guard_time = _time_guard()
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} #{i}" for i in range(args.requests)]
 
-    def one_round(mode: str) -> tuple[float, float, int, list[list[int]]]:
-        """Wall seconds, process CPU seconds (engine and streamer threads), tokens, token ids."""
+    sidecar_proc = psutil.Process(sidecar.proc.pid)
+
+    def sidecar_cpu() -> float:
+        times = sidecar_proc.cpu_times()
+        return times.user + times.system
+
+    engine_proc = psutil.Process()
+    thread_cpu: dict[str, dict[int, list[float]]] = {"off": {}, "on": {}}  # per round
+
+    def thread_times() -> dict[int, float]:
+        return {t.id: t.user_time + t.system_time for t in engine_proc.threads()}
+
+    gc_time = _time_collections()
+
+    def one_round(mode: str) -> tuple[float, float, float, int, list[list[int]]]:
+        """Wall seconds, process CPU seconds (engine and streamer threads), the sidecar's CPU
+        seconds, tokens, token ids."""
         set_mode(mode)
-        cpu = time.process_time()
+        gc_time["mode"] = mode
+        cpu, side, threads = time.process_time(), sidecar_cpu(), thread_times()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         took = time.perf_counter() - start
-        cpu = time.process_time() - cpu
+        cpu, side = time.process_time() - cpu, sidecar_cpu() - side
+        per_thread = thread_cpu[mode]
+        for tid, spent in thread_times().items():
+            per_thread.setdefault(tid, []).append(spent - threads.get(tid, 0.0))
         ids = [list(o.outputs[0].token_ids) for o in outputs]
-        return took, cpu, sum(map(len, ids)), ids
+        return took, cpu, side, sum(map(len, ids)), ids
 
     print(
         f"warming up; then {args.rounds} rounds per mode of {args.requests} x {args.max_tokens} tokens"
@@ -209,18 +248,25 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
     tokens_on = 0
     reference: list[list[int]] | None = None
     for mode in ("off", "on", "off", "on"):
-        _, _, tokens, ids = one_round(mode)
+        _, _, _, tokens, ids = one_round(mode)
         tokens_on += tokens if mode == "on" else 0
         reference = reference or ids
+    if args.engine_core:
+        _pin_engine_thread()
     times: dict[str, list[float]] = {"off": [], "on": []}
     cpus: dict[str, list[float]] = {"off": [], "on": []}
+    sidecar_cpus: dict[str, list[float]] = {"off": [], "on": []}
     identical = True
     inside["measured_ns"] = 0
+    thread_cpu["off"].clear()
+    thread_cpu["on"].clear()
+    gc_time.update(on_ns=0, off_ns=0, on_gen2=0, off_gen2=0)
     inside["measuring"] = guard_time["measuring"] = True
     for index, mode in enumerate(abba(args.rounds)):
-        took, cpu, tokens, ids = one_round(mode)
+        took, cpu, side, tokens, ids = one_round(mode)
         times[mode].append(took)
         cpus[mode].append(cpu)
+        sidecar_cpus[mode].append(side)
         identical &= ids == reference
         if mode == "on":
             tokens_on += tokens
@@ -290,6 +336,21 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
         f"process CPU per round on/off: paired median {statistics.median(paired_cpu):.4f} "
         f"(IQR {qc[0]:.4f}..{qc[2]:.4f}); CPU added per wave {cpu_added * 1e6:+.1f} us"
     )
+    # CPU clocks tick every 10 ms: per-round figures are coarse, so sum over the rounds
+    side = {mode: sum(values) / args.rounds for mode, values in sidecar_cpus.items()}
+    print(
+        f"sidecar CPU per round on/off (mean): {side['on'] * 1e3:.1f} / {side['off'] * 1e3:.1f} ms; "
+        f"per wave {(side['on'] - side['off']) / steps_per_round * 1e6:+.1f} us "
+        f"(the sidecar on core 1; {torch.get_num_threads()} torch thread(s), "
+        f"{'the engine thread alone on core 0' if args.engine_core else 'on both cores'})"
+    )
+    _print_thread_cpu(thread_cpu, steps_per_round)
+    waves_measured = args.rounds * steps_per_round
+    print(
+        f"garbage collection per wave on/off: {gc_time['on_ns'] / 1e3 / waves_measured:.1f}"
+        f" / {gc_time['off_ns'] / 1e3 / waves_measured:.1f} us; full collections "
+        f"{gc_time['on_gen2']} / {gc_time['off_gen2']}"
+    )
     print(
         f"cross-check: sidecar sampled tokens {guard_tokens:.0f} vs tokens generated in guarded rounds "
         f"{tokens_on} ({'match' if guard_tokens == tokens_on else 'MISMATCH'}); dropped {dropped:.0f}; "
@@ -299,7 +360,7 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
     sigma = (q[2] - q[0]) / 1.349
     half_width = 2 * 1.2533 * sigma / math.sqrt(len(paired)) * 100
     low, high = paired_loss - half_width, paired_loss + half_width
-    goal = GOAL_LOSS_PCT[args.detectors]
+    goal = GOAL_LOSS_PCT.get(args.detectors, GOAL_LOSS_PCT["all"])
     if high < goal:
         verdict = "PASS"
     elif low > goal:
@@ -311,6 +372,79 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
         f"goal < {goal}% (detectors: {args.detectors}): {verdict}"
     )
     return 0 if guard_tokens == tokens_on and identical else 1
+
+
+def _pin_process(pid: int, cores: set[int]) -> None:
+    """Every thread of process `pid` to `cores`. `sched_setaffinity(pid)` alone moves only the
+    thread whose id is `pid`; the threads it started before keep every core."""
+    with contextlib.suppress(AttributeError, OSError):  # not Linux: leave the process be
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(OSError):  # a thread that has just ended
+                os.sched_setaffinity(int(task.name), cores)
+
+
+def _pin_engine_thread() -> None:
+    """The calling (engine) thread to core 0, every other thread of this process to core 1.
+    Linux applies `sched_setaffinity` to one thread, named by its id; threads started later
+    inherit their starter's affinity, so this runs once the guard's threads are up."""
+    engine = threading.get_native_id()
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(int(task.name), {0} if int(task.name) == engine else {1})
+    others = len(list(Path("/proc/self/task").iterdir())) - 1
+    print(f"engine thread {engine} pinned to core 0; {others} other threads to core 1")
+
+
+def _time_collections() -> dict:
+    """Time the garbage collector by round mode (bench only): objects the guard allocates each
+    wave make collections come sooner, and a full one walks vLLM's whole heap."""
+    import gc
+
+    acc: dict = {"mode": "off", "start": 0, "on_ns": 0, "off_ns": 0, "on_gen2": 0, "off_gen2": 0}
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            acc["start"] = time.perf_counter_ns()
+            return
+        mode = acc["mode"]
+        acc[mode + "_ns"] += time.perf_counter_ns() - acc["start"]
+        acc[mode + "_gen2"] += info.get("generation") == 2
+
+    gc.callbacks.append(timed)
+    return acc
+
+
+def _thread_label(thread: Any) -> str:
+    """A thread's name, with its target's module when the name alone does not say whose it is."""
+    target = getattr(thread, "_target", None)  # private, but the one place the target is kept
+    owner = getattr(target, "__module__", None) or getattr(
+        getattr(target, "__self__", None), "__module__", None
+    )
+    return f"{thread.name} [{owner}]" if owner else thread.name
+
+
+def _print_thread_cpu(thread_cpu: dict[str, dict[int, list[float]]], waves: float) -> None:
+    """The engine process's CPU per wave by thread, on against off (medians of the rounds, as
+    for the wall time): where the CPU the guard adds outside its own code goes (its gRPC and
+    streamer threads, torch's threads, the engine thread's own work running slower)."""
+    names = {t.native_id: _thread_label(t) for t in threading.enumerate()}
+    rows = []
+    for tid in sorted(set(thread_cpu["on"]) | set(thread_cpu["off"])):
+        on = statistics.median(thread_cpu["on"].get(tid) or [0.0])
+        off = statistics.median(thread_cpu["off"].get(tid) or [0.0])
+        if max(sum(thread_cpu[mode].get(tid, ())) for mode in ("on", "off")) < 0.05:
+            continue  # a few of the CPU clock's 10 ms ticks in all: an idle thread
+        rows.append(
+            (
+                str(tid),
+                names.get(tid, "(not a Python thread)"),
+                f"{on / waves * 1e6:.1f}",
+                f"{off / waves * 1e6:.1f}",
+                f"{(on - off) / waves * 1e6:+.1f}",
+            )
+        )
+    print("engine process CPU per wave by thread (us; median round)")
+    print(render_table(("tid", "thread", "on", "off", "added"), rows, right=(2, 3, 4)))
 
 
 if __name__ == "__main__":
