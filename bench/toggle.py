@@ -15,8 +15,8 @@ settings (the sampler and rejection-sampler hooks are swapped together with the 
 
 Besides throughput, it reports where the guard's cost lands: its time on the engine thread,
 timed in place; the sidecar's CPU; the engine process's CPU by thread, on against off (the
-engine thread's added CPU beyond the guard's in-place time is the runner's own code running
-slower in guarded rounds); and garbage collection. `--engine-core` gives the engine thread
+engine thread's added CPU beyond the guard's in-place time would be the runner's own code
+running slower in guarded rounds, where the host's noise lets it show); and garbage collection. `--engine-core` gives the engine thread
 core 0 alone, with one torch thread, and moves everything else to core 1: the layout of a
 host whose model does not share cores with the guard's threads and sidecar.
 
@@ -337,10 +337,11 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
         f"(IQR {qc[0]:.4f}..{qc[2]:.4f}); CPU added per wave {cpu_added * 1e6:+.1f} us"
     )
     # CPU clocks tick every 10 ms: per-round figures are coarse, so sum over the rounds
-    side = {mode: sum(values) / args.rounds for mode, values in sidecar_cpus.items()}
+    sidecar_mean = {mode: sum(values) / args.rounds for mode, values in sidecar_cpus.items()}
+    side_on, side_off = sidecar_mean["on"], sidecar_mean["off"]
     print(
-        f"sidecar CPU per round on/off (mean): {side['on'] * 1e3:.1f} / {side['off'] * 1e3:.1f} ms; "
-        f"per wave {(side['on'] - side['off']) / steps_per_round * 1e6:+.1f} us "
+        f"sidecar CPU per round on/off (mean): {side_on * 1e3:.1f} / {side_off * 1e3:.1f} ms; "
+        f"per wave {(side_on - side_off) / steps_per_round * 1e6:+.1f} us "
         f"(the sidecar on core 1; {torch.get_num_threads()} torch thread(s), "
         f"{'the engine thread alone on core 0' if args.engine_core else 'on both cores'})"
     )
@@ -385,14 +386,11 @@ def _pin_process(pid: int, cores: set[int]) -> None:
 
 def _pin_engine_thread() -> None:
     """The calling (engine) thread to core 0, every other thread of this process to core 1.
-    Linux applies `sched_setaffinity` to one thread, named by its id; threads started later
-    inherit their starter's affinity, so this runs once the guard's threads are up."""
-    engine = threading.get_native_id()
-    for task in Path("/proc/self/task").iterdir():
-        with contextlib.suppress(OSError):
-            os.sched_setaffinity(int(task.name), {0} if int(task.name) == engine else {1})
-    others = len(list(Path("/proc/self/task").iterdir())) - 1
-    print(f"engine thread {engine} pinned to core 0; {others} other threads to core 1")
+    Threads started later inherit their starter's affinity, so this runs once the guard's
+    threads are up."""
+    _pin_process(os.getpid(), {1})
+    os.sched_setaffinity(0, {0})  # on Linux, 0 names the calling thread alone
+    print(f"engine thread {threading.get_native_id()} pinned to core 0; every other to core 1")
 
 
 def _time_collections() -> dict:
