@@ -94,10 +94,15 @@ def _time_detectors() -> dict:
 def _time_guard() -> dict:
     """Time the whole guard on the engine thread in place (bench only): the processor's
     `run_step` and `run_sample` less the runner's own call inside them, and the sampler
-    hook's `on_logits`. The detectors' timers (`_time_detectors`) run inside and count too."""
+    hook's `on_logits`. The detectors' timers (`_time_detectors`) run inside and count too.
+
+    The timers cost time of their own, in the same cold code after the model's work, so the
+    unguarded rounds run the bare methods through the same timers with nothing between them
+    (`timed_bare`, `timed_bare_sampler`): that is `timer_ns`, the timers' own cost in place,
+    which the report takes off the guarded rounds' figure."""
     from guard.processor import GuardProcessor
 
-    acc = {"ns": 0, "measuring": False}
+    acc = {"ns": 0, "timer_ns": 0, "measuring": False}
 
     def own_time(original):
         def timed(self, fn, runner, args, kwargs):
@@ -131,9 +136,54 @@ def _time_guard() -> dict:
 
         return timed
 
+    def timed_bare(fn):
+        """`fn` (a bare runner method) inside `own_time`'s timers, with no guard between."""
+
+        def timed(self, *args, **kwargs):
+            inner = 0
+
+            def timed_fn(*a, **kw):
+                nonlocal inner
+                begin = time.perf_counter_ns()
+                try:
+                    return fn(*a, **kw)
+                finally:
+                    inner += time.perf_counter_ns() - begin
+
+            start = time.perf_counter_ns()
+            try:
+                return timed_fn(self, *args, **kwargs)
+            finally:
+                if acc["measuring"]:
+                    acc["timer_ns"] += time.perf_counter_ns() - start - inner
+
+        return timed
+
+    def empty(self):
+        pass
+
+    def empty_timed(self):
+        start = time.perf_counter_ns()
+        try:
+            return empty(self)
+        finally:
+            if acc["measuring"]:
+                acc["timer_ns"] += time.perf_counter_ns() - start
+
+    def timed_bare_sampler(fn):
+        """`fn` (a bare sampler forward) after an empty call inside `whole_time`'s timer."""
+
+        def timed(self, *args, **kwargs):
+            empty_timed(self)
+            return fn(self, *args, **kwargs)
+
+        return timed
+
     GuardProcessor.run_step = own_time(GuardProcessor.run_step)
     GuardProcessor.run_sample = own_time(GuardProcessor.run_sample)
     GuardProcessor.on_logits = whole_time(GuardProcessor.on_logits)
+    acc["timed_bare"] = timed_bare
+    acc["timed_bare_sampler"] = timed_bare_sampler
     return acc
 
 
@@ -202,14 +252,21 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
         print("the guard did not bind the runner and samplers; nothing to measure", file=sys.stderr)
         return 2
     bare = {key: unwrap(m) for key, m in guarded.items()}
-
-    def set_mode(mode: str) -> None:
-        for (cls, name), method in guarded.items():
-            setattr(cls, name, method if mode == "on" else bare[(cls, name)])
-
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     inside = _time_detectors()
     guard_time = _time_guard()
+    # unguarded rounds: the bare methods, through the in-place timers alone (their own cost)
+    unguarded = {
+        key: guard_time["timed_bare_sampler" if key[0] is Sampler else "timed_bare"](method)
+        if key[0] is not RejectionSampler
+        else method
+        for key, method in bare.items()
+    }
+
+    def set_mode(mode: str) -> None:
+        for (cls, name), method in guarded.items():
+            setattr(cls, name, method if mode == "on" else unguarded[(cls, name)])
+
     prompts = [f"{PROMPTS[i % len(PROMPTS)]} #{i}" for i in range(args.requests)]
 
     sidecar_proc = psutil.Process(sidecar.proc.pid)
@@ -218,11 +275,7 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
         times = sidecar_proc.cpu_times()
         return times.user + times.system
 
-    engine_proc = psutil.Process()
     thread_cpu: dict[str, dict[int, list[float]]] = {"off": {}, "on": {}}  # per round
-
-    def thread_times() -> dict[int, float]:
-        return {t.id: t.user_time + t.system_time for t in engine_proc.threads()}
 
     gc_time = _time_collections()
 
@@ -231,13 +284,13 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
         seconds, tokens, token ids."""
         set_mode(mode)
         gc_time["mode"] = mode
-        cpu, side, threads = time.process_time(), sidecar_cpu(), thread_times()
+        cpu, side, threads = time.process_time(), sidecar_cpu(), _thread_times()
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         took = time.perf_counter() - start
         cpu, side = time.process_time() - cpu, sidecar_cpu() - side
         per_thread = thread_cpu[mode]
-        for tid, spent in thread_times().items():
+        for tid, spent in _thread_times().items():
             per_thread.setdefault(tid, []).append(spent - threads.get(tid, 0.0))
         ids = [list(o.outputs[0].token_ids) for o in outputs]
         return took, cpu, side, sum(map(len, ids)), ids
@@ -309,6 +362,7 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
         f"paired rounds on/off time: median {statistics.median(paired):.4f} (IQR {q[0]:.4f}..{q[2]:.4f})"
     )
     print(f"wall time added per wave: {added_us:+.1f} us ({steps_per_round:.0f} waves per round)")
+    waves_measured = args.rounds * steps_per_round
     if inside["calls"]:
         share = inside["measured_ns"] / 1e9 / sum(times["on"]) * 100
         print(
@@ -316,18 +370,25 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
             f"{inside['measured_ns'] / 1e3 / (args.rounds * steps_per_round):.1f} us per wave = "
             f"{share:.2f}% of the guarded rounds' wall time"
         )
-        waves_measured = args.rounds * steps_per_round
         parts = ", ".join(
             f"{name} {inside.get(name, 0) / 1e3 / waves_measured:.1f} us"
             f" ({inside.get('n_' + name, 0) / waves_measured:.2f} calls)"
             for name in ("on_schedule", "on_logits", "on_output")
         )
         print(f"  per entry point and wave: {parts}")
+    guard_us = guard_time["ns"] / 1e3 / waves_measured
+    timers_us = guard_time["timer_ns"] / 1e3 / waves_measured
+    net_us = guard_us - timers_us
+    wave_us = sum(times["on"]) * 1e6 / waves_measured
     print(
         f"time inside the whole guard on the engine thread (timed in place, any detectors' "
-        f"timers included): {guard_time['ns'] / 1e3 / (args.rounds * steps_per_round):.1f} us "
-        f"per wave = {guard_time['ns'] / 1e9 / sum(times['on']) * 100:.2f}% of the guarded "
-        "rounds' wall time"
+        f"timers included): {guard_us:.1f} us per wave = {guard_us / wave_us * 100:.2f}% of the "
+        "guarded rounds' wall time"
+    )
+    print(
+        f"  less the timers' own cost in place ({timers_us:.1f} us per wave, timed around the "
+        f"bare methods in unguarded rounds): {net_us:.1f} us per wave = "
+        f"{net_us / wave_us * 100:.2f}% of the wave"
     )
 
     qc = statistics.quantiles(paired_cpu, n=4) if len(paired_cpu) >= 2 else [paired_cpu[0]] * 3
@@ -346,7 +407,6 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
         f"{'the engine thread alone on core 0' if args.engine_core else 'on both cores'})"
     )
     _print_thread_cpu(thread_cpu, steps_per_round)
-    waves_measured = args.rounds * steps_per_round
     print(
         f"garbage collection per wave on/off: {gc_time['on_ns'] / 1e3 / waves_measured:.1f}"
         f" / {gc_time['off_ns'] / 1e3 / waves_measured:.1f} us; full collections "
@@ -412,6 +472,25 @@ def _time_collections() -> dict:
     return acc
 
 
+def _thread_times() -> dict[int, float]:
+    """CPU seconds each thread of this process has run, to the nanosecond: the first field of
+    `/proc/self/task/<tid>/schedstat` (the scheduler's own count; psutil's per-thread times
+    tick every 10 ms, too coarse for tens of microseconds a wave)."""
+    out: dict[int, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError, ValueError, IndexError):  # a thread that just ended
+            out[int(task.name)] = int((task / "schedstat").read_text().split()[0]) / 1e9
+    return out
+
+
+def _thread_comm(tid: int) -> str:
+    """The kernel's name for a thread no Python `Thread` object stands for (torch's, gloo's)."""
+    try:
+        return Path(f"/proc/self/task/{tid}/comm").read_text().strip() + " (native)"
+    except OSError:
+        return "(ended)"
+
+
 def _thread_label(thread: Any) -> str:
     """A thread's name, with its target's module when the name alone does not say whose it is."""
     target = getattr(thread, "_target", None)  # private, but the one place the target is kept
@@ -430,12 +509,12 @@ def _print_thread_cpu(thread_cpu: dict[str, dict[int, list[float]]], waves: floa
     for tid in sorted(set(thread_cpu["on"]) | set(thread_cpu["off"])):
         on = statistics.median(thread_cpu["on"].get(tid) or [0.0])
         off = statistics.median(thread_cpu["off"].get(tid) or [0.0])
-        if max(sum(thread_cpu[mode].get(tid, ())) for mode in ("on", "off")) < 0.05:
-            continue  # a few of the CPU clock's 10 ms ticks in all: an idle thread
+        if max(sum(thread_cpu[mode].get(tid, ())) for mode in ("on", "off")) < 0.001:
+            continue  # under a millisecond in all: an idle thread
         rows.append(
             (
                 str(tid),
-                names.get(tid, "(not a Python thread)"),
+                names.get(tid) or _thread_comm(tid),
                 f"{on / waves * 1e6:.1f}",
                 f"{off / waves * 1e6:.1f}",
                 f"{(on - off) / waves * 1e6:+.1f}",
