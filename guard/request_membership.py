@@ -9,9 +9,10 @@ first, when it packs a batch (`fill_batch`: rows, then `RequestColumns`), so the
 runs off the engine's path, while the engine thread is in the model without the GIL. That is
 safe because vLLM makes these objects fresh per wave and does not change them afterwards
 (the runner output's `req_ids` and `req_id_to_index` are copies), with one exception: the
-scheduler cuts a token list where its request stops. The engine thread's `tokens` and `kept`
-are therefore what the steps use, and `kept` is made whenever a list holds several tokens, the
-only lists a cut can change. At most `STEPS_KEPT` waves wait: past that (no stream, a
+scheduler cuts a token list where its request stops. So of the runner output only those two
+and the engine thread's counts are queued (`tokens`, and `kept` per request: made before any
+cut, and an array, which the garbage collector does not track, in place of one list per
+request that would each count towards its next young collection). At most `STEPS_KEPT` waves wait: past that (no stream, a
 starved streamer) the engine thread works the oldest out itself, so nothing is lost and the
 objects held stay bounded. Neither call raises: an error is counted as a guard error
 (`on_error`) and costs only that wave's membership.
@@ -109,18 +110,55 @@ class RequestMembership:
 
     # -- engine thread ------------------------------------------------------------------------
     def on_schedule(self, wave: int, scheduler_output: Any) -> None:
-        """Note the wave's scheduled requests (call after execute_model)."""
+        """Note the wave's scheduled requests (call after execute_model).
+
+        Only the fields read later are queued, not the scheduler output: its whole tree (a
+        dozen objects the garbage collector tracks, in a decode wave) would live until the
+        streamer's next batch, and every one counts towards the next young collection."""
         steps = self._steps
-        steps.append((_SCHEDULED, wave, scheduler_output))
+        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+        steps.append(
+            (
+                _SCHEDULED,
+                wave,
+                getattr(scheduler_output, "num_scheduled_tokens", None),
+                getattr(scheduler_output, "scheduled_new_reqs", None),
+                getattr(scheduler_output, "finished_req_ids", None),
+                getattr(scheduler_output, "preempted_req_ids", None),
+                getattr(cached, "resumed_req_ids", None),
+                getattr(scheduler_output, "total_num_scheduled_tokens", None),
+            )
+        )
         if len(steps) > self._steps_kept:
             self._catch_up()
 
     def on_wave(self, wave: int, output: Any, tokens: int | None, kept: Any = None) -> None:
         """Record wave `wave`: `output` is the runner output (None: it sampled nothing here),
-        `tokens` the sampled tokens the processor counted for it and `kept` per request, in
-        the output's order, when they are not each list's length (`sampled_counts`)."""
+        `tokens` the sampled tokens the processor counted for it and `kept` how many tokens
+        each request keeps, in the output's order (`sampled_counts`; made here from the token
+        lists when not given).
+
+        Only the output's request ids, its index of them and `kept` are queued, not the output:
+        a queued object lives until the streamer's next batch, and its token lists (one per
+        request) would each count towards the garbage collector's next young collection."""
         steps = self._steps
-        steps.append((_SAMPLED, wave, output, tokens, kept))
+        if output is None:
+            steps.append((_SAMPLED, wave, None, None, tokens, None))
+        else:
+            if kept is None:
+                ids = getattr(output, "sampled_token_ids", None)
+                if isinstance(ids, list):
+                    kept = array("I", map(len, ids))
+            steps.append(
+                (
+                    _SAMPLED,
+                    wave,
+                    getattr(output, "req_ids", None),
+                    getattr(output, "req_id_to_index", None),
+                    tokens,
+                    kept,
+                )
+            )
         if len(steps) > self._steps_kept:
             self._catch_up()
 
@@ -150,12 +188,12 @@ class RequestMembership:
                 return
             if step[0] == _SCHEDULED:
                 try:
-                    self._on_schedule(step[1], step[2])
+                    self._on_schedule(*step[1:])
                 except Exception:  # noqa: BLE001 - membership must not cost the wave record
                     self._failed("request_membership_schedule")
             else:
                 try:
-                    self._on_wave(step[1], step[2], step[3], step[4])
+                    self._on_wave(*step[1:])
                 except Exception:  # noqa: BLE001
                     self._pending.pop(step[1], None)
                     self._shadow = None
@@ -165,12 +203,14 @@ class RequestMembership:
         if self._on_error is not None:
             self._on_error(where)
 
-    def _on_schedule(self, wave: int, scheduler_output: Any) -> None:
-        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None)
+    def _on_schedule(
+        self, wave: int, scheduled: Any, new: Any, done: Any, gone: Any, back: Any, total: Any
+    ) -> None:
+        """The scheduler output's scheduled tokens per request, new requests, finished ids,
+        preempted ids (None: a scheduler that does not say), resumed ids and total tokens."""
         if scheduled is None:
             return
         index = self._index
-        new = getattr(scheduler_output, "scheduled_new_reqs", None)
         joined: Any = None if new is None else NOTHING
         if new:
             joined = [r.req_id for r in new]
@@ -179,7 +219,6 @@ class RequestMembership:
                 if req_id not in index:
                     prefilling[req_id] = self._name(req_id)
         finished: tuple = ()
-        done = getattr(scheduler_output, "finished_req_ids", None)
         if done:
             retired, prefilling, numbers = self._retired, self._prefilling, []
             for req_id in done:
@@ -194,27 +233,24 @@ class RequestMembership:
         preempted: tuple = ()
         # preempted in this step (vLLM >= 0.11 sets it for both runners); older V1 schedulers
         # leave it None, and a request back from a preemption is then in resumed_req_ids
-        gone = getattr(scheduler_output, "preempted_req_ids", None)
         if gone is None:
-            cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-            gone = getattr(cached, "resumed_req_ids", None)
+            gone = back
         if gone:
             preempted = tuple(index[r] for r in gone if r in index)
-        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-        back = getattr(cached, "resumed_req_ids", None)
         if back:  # recomputes its prompt and output so far: may take several waves
             joined = None  # rejoins in an order the runner picks: no prediction
             for req_id in back:
                 number = index.get(req_id)
                 if number is not None:
                     self._prefilling[req_id] = number
-        total = getattr(scheduler_output, "total_num_scheduled_tokens", None)
         pending = self._pending
         if len(pending) >= PENDING_WAVES:
             del pending[next(iter(pending))]
         pending[wave] = (scheduled, total, finished, preempted, joined)
 
-    def _on_wave(self, wave: int, output: Any, tokens: int | None, kept) -> None:
+    def _on_wave(self, wave: int, req_ids: Any, where: Any, tokens: int | None, kept) -> None:
+        """`req_ids` and `where` (id -> position) are the runner output's, `kept` its tokens
+        kept per request (None: it carried no host-side token lists)."""
         opened = self._pending.pop(wave, None)
         if opened is None:
             return
@@ -222,7 +258,6 @@ class RequestMembership:
         n = len(scheduled)
         if not n and not finished and not preempted:
             return
-        req_ids = getattr(output, "req_ids", None)
         if isinstance(req_ids, list) and len(req_ids) == n:
             if finished or preempted or joined:
                 members = None
@@ -241,16 +276,15 @@ class RequestMembership:
                 members = self._remap(req_ids)
             if self._prefilling or total != n:
                 sched = self._scheduled(scheduled, total, n, req_ids, members)
-                sampled, done = self._sampled(output, kept, tokens, n, sched[0], req_ids, members)
+                sampled, done = self._sampled(where, kept, tokens, n, sched[0], req_ids, members)
                 for req_id in done:
                     del self._prefilling[req_id]
             else:  # the usual wave: none may be prefilling, one token each scheduled
                 sched = STEADY
-                ids = getattr(output, "sampled_token_ids", None)
-                if tokens == n and isinstance(ids, list) and len(ids) == n:
+                if tokens == n and kept is not None and len(kept) == n:
                     sampled = STEADY
                 else:
-                    sampled = self._sampled(output, kept, tokens, n, 1, req_ids, members)[0]
+                    sampled = self._sampled(where, kept, tokens, n, 1, req_ids, members)[0]
         else:  # no runner output for this wave (a PP stage before the last, a wave cut short)
             members = self._members(list(scheduled))
             sched = (0, tuple(members), tuple(scheduled.values()))
@@ -289,14 +323,13 @@ class RequestMembership:
         # drafts (n-gram, EAGLE...) or a request we did not see join: each one listed
         return 0, members, tuple(map(scheduled.get, req_ids, itertools.repeat(0)))
 
-    def _sampled(self, output: Any, kept, tokens, n: int, sched_each: int, req_ids, members: list):
+    def _sampled(self, where: Any, kept, tokens, n: int, sched_each: int, req_ids, members: list):
         """(each, indexes, tokens) of the tokens the scheduler keeps of this output (None when
         not known), and the prefilling requests that sampled (their prefill is over). With one
         token scheduled for every request but the prefilling ones, those sampled at most one
-        each, so the wave's count says whether they all did. `kept`: the processor's
-        per-request counts, when some list is longer than what the scheduler keeps."""
-        ids = getattr(output, "sampled_token_ids", None)
-        if tokens is None or not isinstance(ids, list) or len(ids) != n:
+        each, so the wave's count says whether they all did. `kept`: the tokens each request
+        keeps, in the output's order; `where`: the output's id -> position."""
+        if tokens is None or kept is None or len(kept) != n:
             return None, ()
         cands = self._prefilling
         if sched_each == 1:
@@ -304,14 +337,13 @@ class RequestMembership:
                 if tokens == n:
                     return STEADY, ()
             else:
-                where = getattr(output, "req_id_to_index", None)
                 rest, seen, listed, counts, done = tokens, 0, [], [], []
                 for req_id, number in cands.items():
                     at = (
                         where.get(req_id) if isinstance(where, dict) else _position(req_ids, req_id)
                     )
                     if at is not None:
-                        got = kept[at] if kept is not None else len(ids[at])
+                        got = kept[at]
                         rest -= got
                         seen += 1
                         if got:
@@ -321,12 +353,11 @@ class RequestMembership:
                             counts.append(got)
                 if rest == n - seen:
                     return (1, tuple(listed), tuple(counts)), done
-        counts = kept if kept is not None else array("I", map(len, ids))
         done = ()
         if cands:
-            got = dict(zip(members, counts, strict=True))
+            got = dict(zip(members, kept, strict=True))
             done = [r for r, i in cands.items() if got.get(i)]
-        return (0, members, counts), done
+        return (0, members, kept), done
 
     def _predicted(self, left: tuple, joined: list) -> array | None:
         """This wave's members, made from the last wave's the way vLLM's persistent batch

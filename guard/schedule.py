@@ -157,14 +157,13 @@ def count_sampled_tokens(output: Any, runner: Any = None) -> int | None:
 
 
 def sampled_counts(output: Any, runner: Any = None) -> tuple[int | None, array | None]:
-    """(tokens the scheduler keeps of this output, or None when it carries no host-side token
-    lists yet; per request, in the output's order, how many it keeps, or None when that is
-    the length of each list).
+    """(tokens the scheduler keeps of this output, and per request, in the output's order, how
+    many it keeps), or (None, None) when the output carries no host-side token lists yet.
 
     A request gets more than one token in a wave only when drafts were accepted; those lists
     are cut where the scheduler stops the request (`_kept`). One token per request needs no
-    look at the request: the scheduler keeps a lone token. The per-request counts are made
-    only when some request got several, and the request membership reuses them.
+    look at the request: the scheduler keeps a lone token. The request membership queues the
+    per-request counts in place of the output's token lists.
     """
     ids = getattr(output, "sampled_token_ids", None)
     if not isinstance(ids, list):
@@ -172,7 +171,7 @@ def sampled_counts(output: Any, runner: Any = None) -> tuple[int | None, array |
     counts = array("I", map(len, ids))
     total = sum(counts)
     if total <= 1 or max(counts) <= 1:
-        return total, None
+        return total, counts
     requests = getattr(runner, "requests", None) if runner is not None else None
     req_ids = getattr(output, "req_ids", None)
     if not isinstance(requests, dict) or not isinstance(req_ids, list):
