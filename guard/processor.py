@@ -32,7 +32,13 @@ from guard.observers import Observers
 from guard.reload import LiveConfig
 from guard.reporter import IncidentReporter
 from guard.request_membership import RequestMembership
-from guard.schedule import EMPTY_SCHEDULE, PrefillTracker, ScheduleSummary, sampled_counts
+from guard.schedule import (
+    EMPTY_SCHEDULE,
+    PrefillTracker,
+    ScheduleSummary,
+    read_schedule,
+    sampled_counts,
+)
 from guard.spool import IncidentSpool
 from guard.streamer import HeartbeatState, Streamer, WaveTuple
 from telemetry.proto import guard_pb2
@@ -184,9 +190,10 @@ class GuardProcessor:
                 # config stamps (applied on every rank at this wave, before its sampling), then
                 # the detectors (finished requests, drafts)
                 observers.on_schedule(wave, scheduler_output)
-                schedule = self._prefill.summarize(scheduler_output)
+                fields = read_schedule(scheduler_output)  # read once, for both below
+                schedule = self._prefill.summarize_fields(fields, scheduler_output)
                 if self.membership is not None:
-                    self.membership.on_schedule(wave, scheduler_output)
+                    self.membership.queue_schedule(wave, fields)
             opened = (wave, start, end - start, schedule)
             if output is None:
                 self._open = opened  # sample_tokens finishes this wave

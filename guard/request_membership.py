@@ -2,20 +2,22 @@
 
 Only the rank that owns scheduling records it (tp0 of each replica and PP stage: every rank of
 a TP group runs the same requests). The engine thread makes two calls per wave: `on_schedule`
-(after execute_model: new, finished and preempted requests, from the scheduler output) and
-`on_wave` (when the wave's record is emitted: who ran, with what tokens). Both only queue the
-objects (a tuple and a deque append): the streamer thread works the queued steps out, oldest
-first, when it packs a batch (`fill_batch`: rows, then `RequestColumns`), so the work below
-runs off the engine's path, while the engine thread is in the model without the GIL. That is
-safe because vLLM makes these objects fresh per wave and does not change them afterwards
-(the runner output's `req_ids` and `req_id_to_index` are copies), with one exception: the
-scheduler cuts a token list where its request stops. So of the runner output only those two
-and the engine thread's counts are queued (`tokens`, and `kept` per request: made before any
-cut, and an array, which the garbage collector does not track, in place of one list per
-request that would each count towards its next young collection). At most `STEPS_KEPT` waves wait: past that (no stream, a
-starved streamer) the engine thread works the oldest out itself, so nothing is lost and the
-objects held stay bounded. Neither call raises: an error is counted as a guard error
-(`on_error`) and costs only that wave's membership.
+(after execute_model: new, finished and preempted requests, from the scheduler output; the
+processor calls `queue_schedule` with the fields it already read for its prefill tracker) and
+`on_wave` (when the wave's record is emitted: who ran, with what tokens). Both only queue what
+they were given (a tuple and a deque append): the streamer thread works the queued steps out,
+oldest first, when it packs a batch (`fill_batch`: rows, then `RequestColumns`), so the work
+below runs off the engine's path, while the engine thread is in the model without the GIL.
+That is safe because vLLM makes these objects fresh per wave and does not change them
+afterwards (the runner output's `req_ids` and `req_id_to_index` are copies), with one
+exception: the scheduler cuts a token list where its request stops. So of the runner output
+only those two and the engine thread's counts are queued (`tokens`, and `kept` per request:
+made before any cut, and an array, which the garbage collector does not track, in place of one
+list per request that would each count towards its next young collection); of the scheduler
+output, only the fields read (`guard.schedule.ScheduleFields`), not its whole tree. At most
+`STEPS_KEPT` waves wait: past that (no stream, a starved streamer) the engine thread works the
+oldest out itself, so nothing is lost and the objects held stay bounded. Neither call raises:
+an error is counted as a guard error (`on_error`) and costs only that wave's membership.
 
 Cost (bench/request_membership.py). A request id becomes a small integer once, when the
 request is new. The runner output's `req_ids` are the runner's own string objects, the same
@@ -47,6 +49,7 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
+from guard.schedule import ScheduleFields, read_schedule
 from telemetry.proto import guard_pb2
 
 DEFAULT_MAX_LIVE = 1 << 16  # names of unfinished requests kept per worker process
@@ -110,25 +113,16 @@ class RequestMembership:
 
     # -- engine thread ------------------------------------------------------------------------
     def on_schedule(self, wave: int, scheduler_output: Any) -> None:
-        """Note the wave's scheduled requests (call after execute_model).
+        """Note the wave's scheduled requests (call after execute_model)."""
+        self.queue_schedule(wave, read_schedule(scheduler_output))
 
-        Only the fields read later are queued, not the scheduler output: its whole tree (a
-        dozen objects the garbage collector tracks, in a decode wave) would live until the
-        streamer's next batch, and every one counts towards the next young collection."""
+    def queue_schedule(self, wave: int, fields: ScheduleFields) -> None:
+        """`on_schedule` from the fields the processor already read. Only those are queued,
+        not the scheduler output: its whole tree (a dozen objects the garbage collector
+        tracks, in a decode wave) would live until the streamer's next batch, and each one
+        counts towards the next young collection."""
         steps = self._steps
-        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-        steps.append(
-            (
-                _SCHEDULED,
-                wave,
-                getattr(scheduler_output, "num_scheduled_tokens", None),
-                getattr(scheduler_output, "scheduled_new_reqs", None),
-                getattr(scheduler_output, "finished_req_ids", None),
-                getattr(scheduler_output, "preempted_req_ids", None),
-                getattr(cached, "resumed_req_ids", None),
-                getattr(scheduler_output, "total_num_scheduled_tokens", None),
-            )
-        )
+        steps.append((_SCHEDULED, wave, fields))
         if len(steps) > self._steps_kept:
             self._catch_up()
 
@@ -188,7 +182,7 @@ class RequestMembership:
                 return
             if step[0] == _SCHEDULED:
                 try:
-                    self._on_schedule(*step[1:])
+                    self._on_schedule(step[1], *step[2])
                 except Exception:  # noqa: BLE001 - membership must not cost the wave record
                     self._failed("request_membership_schedule")
             else:

@@ -32,6 +32,37 @@ class ScheduleSummary(NamedTuple):
 
 EMPTY_SCHEDULE = ScheduleSummary(0, 0, 0, 0, 0, 0)
 
+_new_tuple = tuple.__new__  # builds a NamedTuple without its Python-level __new__ frame
+
+
+class ScheduleFields(NamedTuple):
+    """What the guard reads off a scheduler output, read once a wave (`read_schedule`) and
+    shared by the prefill tracker and the request membership, which queues these in place of
+    the output (whose whole tree would otherwise live until the streamer's next batch)."""
+
+    scheduled: Any  # num_scheduled_tokens: req_id -> tokens this wave
+    new: Any  # scheduled_new_reqs
+    finished: Any  # finished_req_ids
+    preempted: Any  # preempted_req_ids (None: an older scheduler that does not say)
+    resumed: Any  # scheduled_cached_reqs.resumed_req_ids
+    total: Any  # total_num_scheduled_tokens
+
+
+def read_schedule(scheduler_output: Any) -> ScheduleFields:
+    """The fields of `scheduler_output` the guard reads (None for each one it lacks)."""
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    return _new_tuple(
+        ScheduleFields,
+        (
+            getattr(scheduler_output, "num_scheduled_tokens", None),
+            getattr(scheduler_output, "scheduled_new_reqs", None),
+            getattr(scheduler_output, "finished_req_ids", None),
+            getattr(scheduler_output, "preempted_req_ids", None),
+            getattr(cached, "resumed_req_ids", None),
+            getattr(scheduler_output, "total_num_scheduled_tokens", None),
+        ),
+    )
+
 
 class PrefillTracker:
     """Splits each wave into prefill, recompute and decode work, at a cost that does not grow
@@ -55,23 +86,28 @@ class PrefillTracker:
     def summarize(self, scheduler_output: Any) -> ScheduleSummary:
         if scheduler_output is None:
             return EMPTY_SCHEDULE
-        scheduled: dict[str, int] = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        return self.summarize_fields(read_schedule(scheduler_output), scheduler_output)
+
+    def summarize_fields(self, fields: ScheduleFields, scheduler_output: Any) -> ScheduleSummary:
+        """`summarize` from the fields already read; `scheduler_output` is read further only
+        for a resumed request's tokens."""
+        scheduled, new_reqs, finished, preempted_ids, resumed, total = fields
+        scheduled = scheduled or {}
         remaining = self._remaining
         preempted = self._preempted
-        for req_id in getattr(scheduler_output, "finished_req_ids", None) or ():
+        for req_id in finished or ():
             remaining.pop(req_id, None)
             preempted.pop(req_id, None)
-        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():
+        for req_id in preempted_ids or ():
             entry = remaining.pop(req_id, None)
             preempted[req_id] = entry[0] - entry[1] if entry else 0
-        for new in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+        for new in new_reqs or ():
             left = _prompt_len(new) - (getattr(new, "num_computed_tokens", 0) or 0)
             # MRV2 sends a resumed request as a new one, its tokens so far as its prompt
             fresh = preempted.pop(new.req_id, None)
             remaining[new.req_id] = [left, 0 if fresh is None else max(0, left - fresh)]
-        cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-        resumed = getattr(cached, "resumed_req_ids", None)
         if resumed:
+            cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
             self._resume(cached, resumed, scheduled)
 
         prefill_reqs = prefill_tokens = recompute_tokens = 0
@@ -95,16 +131,18 @@ class PrefillTracker:
             del remaining[req_id]
 
         num_reqs = len(scheduled)
-        total = getattr(scheduler_output, "total_num_scheduled_tokens", None)
         if total is None:
             total = sum(scheduled.values())
-        return ScheduleSummary(
-            num_reqs,
-            prefill_reqs,
-            num_reqs - prefill_reqs,
-            prefill_tokens,
-            total - prefill_tokens - recompute_tokens,
-            recompute_tokens,
+        return _new_tuple(
+            ScheduleSummary,
+            (
+                num_reqs,
+                prefill_reqs,
+                num_reqs - prefill_reqs,
+                prefill_tokens,
+                total - prefill_tokens - recompute_tokens,
+                recompute_tokens,
+            ),
         )
 
     def _resume(self, cached: Any, resumed: Any, scheduled: dict[str, int]) -> None:
