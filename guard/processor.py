@@ -106,6 +106,7 @@ class GuardProcessor:
         self.observers = Observers(self.errors.record)
         self.observers.add(self.live_config)
         self.observers.add(self.detector_host)
+        self.detector_host.on_change = self.observers.refresh
         # issue 17: phase and collective in shared memory, for the sidecar (None = off)
         self.live_record: LivenessRecord | None = None
         # issue 12: request membership per wave, on the rank that owns scheduling (None = off).
@@ -167,7 +168,11 @@ class GuardProcessor:
             self._prepare_step(runner)
         self._runner = runner
         observers = self.observers
-        observers.begin_wave(wave)
+        for hook in observers.begin_wave_hooks:  # walked here: no dispatch frame (observers.py)
+            try:
+                hook(wave)
+            except Exception:  # noqa: BLE001 - never break the step
+                self.errors.record("observer_begin_wave")
         start = time.perf_counter_ns()
         self._phase = (_EXECUTE, start)
         record = self.live_record
@@ -189,7 +194,11 @@ class GuardProcessor:
                 scheduler_output = args[0] if args else kwargs.get("scheduler_output")
                 # config stamps (applied on every rank at this wave, before its sampling), then
                 # the detectors (finished requests, drafts)
-                observers.on_schedule(wave, scheduler_output)
+                for hook in observers.on_schedule_hooks:
+                    try:
+                        hook(wave, scheduler_output)
+                    except Exception:  # noqa: BLE001
+                        self.errors.record("observer_on_schedule")
                 fields = read_schedule(scheduler_output)  # read once, for both below
                 schedule = self._prefill.summarize_fields(fields, scheduler_output)
                 if self.membership is not None:
@@ -200,8 +209,12 @@ class GuardProcessor:
             else:
                 tokens, kept = sampled_counts(output, runner)
                 self._emit(opened, 0, 0, tokens, False, output, kept)
-                observers.on_output(wave, runner, output)
-                observers.end_wave(wave)
+                self._on_output(wave, output)
+                for hook in observers.end_wave_hooks:
+                    try:
+                        hook(wave)
+                    except Exception:  # noqa: BLE001
+                        self.errors.record("observer_end_wave")
         except Exception:  # noqa: BLE001
             self.errors.record("step_end")
         return output
@@ -212,9 +225,10 @@ class GuardProcessor:
             return fn(runner, *args, **kwargs)
         start = time.perf_counter_ns()
         self._phase = (_SAMPLE, start)
+        wave = self.wave
         record = self.live_record
         if record is not None:
-            record.phase(_SAMPLE, start, self.wave)
+            record.phase(_SAMPLE, start, wave)
         self._depth = 1
         try:
             output = fn(runner, *args, **kwargs)
@@ -223,15 +237,31 @@ class GuardProcessor:
             end = time.perf_counter_ns()
             self._phase = (_IDLE, end)
             if record is not None:
-                record.phase(_IDLE, end, self.wave)
-        self.observers.end_wave(self.wave)
-        opened = self._open
-        if opened is not None:
-            self._open = None
+                record.phase(_IDLE, end, wave)
+        observers = self.observers
+        for hook in observers.end_wave_hooks:
             try:
-                self._finish_sampled(opened, output, start, end)
+                hook(wave)
             except Exception:  # noqa: BLE001
-                self.errors.record("sample_end")
+                self.errors.record("observer_end_wave")
+        opened = self._open
+        if opened is None:
+            return output
+        self._open = None
+        try:
+            offset = start - opened[1]
+            tokens, kept = sampled_counts(output, self._runner)
+            if tokens is None and callable(getattr(output, "get_output", None)):
+                self._finish_on_get_output(opened, output, end - start, offset)
+                return output
+            self._emit(opened, end - start, offset, tokens, True, output, kept)
+            for hook in observers.on_output_hooks:  # _on_output, in line: the usual wave's path
+                try:
+                    hook(opened[0], self._runner, output)
+                except Exception:  # noqa: BLE001
+                    self.errors.record("observer_on_output")
+        except Exception:  # noqa: BLE001
+            self.errors.record("sample_end")
         return output
 
     # -- internals ----------------------------------------------------------------------------
@@ -247,18 +277,20 @@ class GuardProcessor:
         except Exception:  # noqa: BLE001
             self.errors.record("step_begin")
 
-    def _finish_sampled(self, opened: OpenWave, output: Any, start: int, end: int) -> None:
-        offset = start - opened[1]
-        tokens, kept = sampled_counts(output, self._runner)
-        get_output = getattr(output, "get_output", None) if tokens is None else None
-        observers = self.observers
-        if get_output is None or not callable(get_output):
-            self._emit(opened, end - start, offset, tokens, True, output, kept)
-            observers.on_output(opened[0], self._runner, output)
-            return
+    def _on_output(self, wave: int, output: Any) -> None:
+        for hook in self.observers.on_output_hooks:
+            try:
+                hook(wave, self._runner, output)
+            except Exception:  # noqa: BLE001
+                self.errors.record("observer_on_output")
 
-        # Async output (GPU/NPU runners): token lists exist only once get_output() resolves,
-        # which the worker calls right after. Count them then, without forcing a sync here.
+    def _finish_on_get_output(
+        self, opened: OpenWave, output: Any, sample_ns: int, offset: int
+    ) -> None:
+        """Async output (GPU/NPU runners): token lists exist only once get_output() resolves,
+        which the worker calls right after. Count them then, without forcing a sync here."""
+        get_output = output.get_output
+
         def resolved_get_output(*a: Any, **kw: Any) -> Any:
             result = get_output(*a, **kw)
             try:
@@ -266,8 +298,8 @@ class GuardProcessor:
                 # may have moved on (async scheduling), so every returned token counts; the
                 # per-request counts are taken now, before the scheduler cuts any list
                 tokens, kept = sampled_counts(result)
-                self._emit(opened, end - start, offset, tokens, True, result, kept)
-                observers.on_output(opened[0], self._runner, result)
+                self._emit(opened, sample_ns, offset, tokens, True, result, kept)
+                self._on_output(opened[0], result)
             except Exception:  # noqa: BLE001
                 self.errors.record("async_output")
             return result

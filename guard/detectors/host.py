@@ -1,16 +1,16 @@
 """The sampling detectors' lifecycle on one rank, as one wave observer.
 
 Built once the first wave names the rank (the evidence directory and the reporting rank need
-it), rebuilt when a live config change arrives, closed with the processor. It forwards the
-wave's schedule and output to the `DetectorSuite` (the sampler decorators' logits go to
-the suite straight from the processor), and adds the detectors' readings to each heartbeat
-batch.
+it), rebuilt when a live config change arrives, closed with the processor. The wave's schedule
+and output go to the `DetectorSuite` straight from the processor (the host names the suite as
+its `wave_delegate`, and calls `on_change` when it builds or closes one, so the processor's
+hook tuples follow), as do the sampler decorators' logits. The host adds the detectors'
+readings to each heartbeat batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 from guard.detectors.config import DetectorsConfig
 from guard.detectors.evidence import EvidenceDumper
@@ -30,12 +30,14 @@ class DetectorHost:
         self._on_error = on_error
         self.suite: DetectorSuite | None = None
         self.wants_logits = False  # read by the sampler decorators on every sample
+        self.on_change: Callable[[], None] = lambda: None  # the suite was built or closed
 
     def build(self, config: DetectorsConfig, rank: guard_pb2.RankInfo) -> None:
         """(Re)build the suite for `config`; the old one drains and closes first."""
         old, self.suite = self.suite, None
         self.wants_logits = False
         if old is not None:
+            self.on_change()
             old.close()
         suite = DetectorSuite(
             config,
@@ -50,17 +52,12 @@ class DetectorHost:
         if suite.needs_logits or suite.needs_output:
             self.suite = suite
             self.wants_logits = suite.needs_logits
+            self.on_change()
 
     # -- wave observer hooks ----------------------------------------------------------------
-    def on_schedule(self, wave: int, scheduler_output: Any) -> None:
-        suite = self.suite
-        if suite is not None:
-            suite.on_schedule(wave, scheduler_output)
-
-    def on_output(self, wave: int, runner: Any, output: Any) -> None:
-        suite = self.suite
-        if suite is not None:
-            suite.on_output(wave, runner, output)
+    def wave_delegate(self) -> DetectorSuite | None:
+        """Whose wave hooks stand for this observer's: the suite's (on_schedule, on_output)."""
+        return self.suite
 
     def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool) -> None:
         """Streamer thread: a host engine's stats waves and the full token batches are read
@@ -89,4 +86,5 @@ class DetectorHost:
         suite, self.suite = self.suite, None
         self.wants_logits = False
         if suite is not None:
+            self.on_change()
             suite.close()

@@ -235,8 +235,8 @@ def test_the_detector_host_screens_an_idle_batch_with_the_heartbeat(tmp_path):
     config = DetectorsConfig(dump=DumpConfig(directory=str(tmp_path)))
     host.build(config, guard_pb2.RankInfo(run_id="r"))
     runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=["a"]))
-    for wave in range(1, 6):
-        host.on_output(
+    for wave in range(1, 6):  # the processor calls the host's wave delegate: its suite
+        host.wave_delegate().on_output(
             wave, runner, types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[11] * 8])
         )
     host.suite._last_tokens -= 2 * IDLE_FLUSH_S  # as if the engine had been idle since
@@ -267,8 +267,8 @@ def _worker_host(
 
 def _loop_waves(host: DetectorHost, waves: range) -> None:
     runner = types.SimpleNamespace(input_batch=types.SimpleNamespace(req_ids=["a"]))
-    for wave in waves:
-        host.on_output(
+    for wave in waves:  # the processor calls the host's wave delegate: its suite
+        host.wave_delegate().on_output(
             wave, runner, types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[11] * 8])
         )
 
@@ -318,12 +318,13 @@ class _Runner:
 
 
 def _wave(host: DetectorHost, wave: int, sampled: dict[str, list[int]], finished=()) -> None:
-    """One wave through the processor's two detector hooks: the schedule (with the requests
-    that finished before it), then the output."""
+    """One wave through the processor's two detector hooks, on the host's wave delegate (its
+    suite): the schedule (with the requests that finished before it), then the output."""
     req_ids = list(sampled)
-    host.on_schedule(wave, types.SimpleNamespace(finished_req_ids=set(finished)))
+    suite = host.wave_delegate()
+    suite.on_schedule(wave, types.SimpleNamespace(finished_req_ids=set(finished)))
     output = types.SimpleNamespace(req_ids=req_ids, sampled_token_ids=list(sampled.values()))
-    host.on_output(wave, _Runner(req_ids), output)
+    suite.on_output(wave, _Runner(req_ids), output)
 
 
 def test_a_worker_hands_its_tokens_to_the_detectors_once_a_batch(tmp_path):
