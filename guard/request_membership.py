@@ -49,7 +49,7 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
-from guard.schedule import ScheduleFields, read_schedule
+from guard.schedule import ONE_EACH, ScheduleFields, read_schedule
 from telemetry.proto import guard_pb2
 
 DEFAULT_MAX_LIVE = 1 << 16  # names of unfinished requests kept per worker process
@@ -129,8 +129,8 @@ class RequestMembership:
     def on_wave(self, wave: int, output: Any, tokens: int | None, kept: Any = None) -> None:
         """Record wave `wave`: `output` is the runner output (None: it sampled nothing here),
         `tokens` the sampled tokens the processor counted for it and `kept` how many tokens
-        each request keeps, in the output's order (`sampled_counts`; made here from the token
-        lists when not given).
+        each request keeps (`sampled_counts`: `ONE_EACH`, or an array in the output's order;
+        made here from the token lists when not given).
 
         Only the output's request ids, its index of them and `kept` are queued, not the output:
         a queued object lives until the streamer's next batch, and its token lists (one per
@@ -275,7 +275,7 @@ class RequestMembership:
                     del self._prefilling[req_id]
             else:  # the usual wave: none may be prefilling, one token each scheduled
                 sched = STEADY
-                if tokens == n and kept is not None and len(kept) == n:
+                if tokens == n and (kept is ONE_EACH or (kept is not None and len(kept) == n)):
                     sampled = STEADY
                 else:
                     sampled = self._sampled(where, kept, tokens, n, 1, req_ids, members)[0]
@@ -322,8 +322,11 @@ class RequestMembership:
         not known), and the prefilling requests that sampled (their prefill is over). With one
         token scheduled for every request but the prefilling ones, those sampled at most one
         each, so the wave's count says whether they all did. `kept`: the tokens each request
-        keeps, in the output's order; `where`: the output's id -> position."""
-        if tokens is None or kept is None or len(kept) != n:
+        keeps (`ONE_EACH`, or in the output's order); `where`: the output's id -> position."""
+        if tokens is None or kept is None:
+            return None, ()
+        one_each = kept is ONE_EACH
+        if not one_each and len(kept) != n:
             return None, ()
         cands = self._prefilling
         if sched_each == 1:
@@ -337,7 +340,7 @@ class RequestMembership:
                         where.get(req_id) if isinstance(where, dict) else _position(req_ids, req_id)
                     )
                     if at is not None:
-                        got = kept[at]
+                        got = 1 if one_each else kept[at]
                         rest -= got
                         seen += 1
                         if got:
@@ -347,11 +350,12 @@ class RequestMembership:
                             counts.append(got)
                 if rest == n - seen:
                     return (1, tuple(listed), tuple(counts)), done
+        counts = array("I", [1]) * n if one_each else kept
         done = ()
         if cands:
-            got = dict(zip(members, kept, strict=True))
+            got = dict(zip(members, counts, strict=True))
             done = [r for r, i in cands.items() if got.get(i)]
-        return (0, members, kept), done
+        return (0, members, counts), done
 
     def _predicted(self, left: tuple, joined: list) -> array | None:
         """This wave's members, made from the last wave's the way vLLM's persistent batch

@@ -188,15 +188,20 @@ def _prompt_len(new_request: Any) -> int:
     return int(shape[0]) if shape else 0
 
 
+ONE_EACH = ()  # `kept` when every request keeps exactly one token: no per-request array made
+
+
 def count_sampled_tokens(output: Any, runner: Any = None) -> int | None:
     """Tokens a runner output carries that the scheduler keeps, or None when it carries no
     host-side token lists yet (`sampled_counts` without the per-request counts)."""
     return sampled_counts(output, runner)[0]
 
 
-def sampled_counts(output: Any, runner: Any = None) -> tuple[int | None, array | None]:
-    """(tokens the scheduler keeps of this output, and per request, in the output's order, how
-    many it keeps), or (None, None) when the output carries no host-side token lists yet.
+def sampled_counts(output: Any, runner: Any = None) -> tuple[int | None, Any]:
+    """(tokens the scheduler keeps of this output, and how many each request keeps), or
+    (None, None) when the output carries no host-side token lists yet. The per-request
+    counts are `ONE_EACH` in the usual wave, where every request got one token, and
+    otherwise an array in the output's order.
 
     A request gets more than one token in a wave only when drafts were accepted; those lists
     are cut where the scheduler stops the request (`_kept`). One token per request needs no
@@ -206,9 +211,11 @@ def sampled_counts(output: Any, runner: Any = None) -> tuple[int | None, array |
     ids = getattr(output, "sampled_token_ids", None)
     if not isinstance(ids, list):
         return None, None
+    total = sum(map(len, ids))
+    if total == len(ids) and all(map(len, ids)):  # none empty, none longer: one each (in C)
+        return total, ONE_EACH
     counts = array("I", map(len, ids))
-    total = sum(counts)
-    if total <= 1 or max(counts) <= 1:
+    if max(counts, default=0) <= 1:
         return total, counts
     requests = getattr(runner, "requests", None) if runner is not None else None
     req_ids = getattr(output, "req_ids", None)

@@ -307,6 +307,46 @@ def test_the_engine_thread_only_queues_and_uses_its_own_counts_after_a_list_is_c
     assert not len(m)
 
 
+class _Held(SimpleNamespace):
+    """A step object that can be weakly referenced (a subclass gets the slot SimpleNamespace
+    lacks)."""
+
+
+def test_queued_steps_hold_no_vllm_object_and_one_each_rows_match_counted_rows() -> None:
+    """Queued steps keep only the fields they read: the scheduler and runner outputs (whose
+    trees would live until the streamer's next batch and bring the garbage collector's young
+    collections on sooner) are freed as soon as the engine drops them. A wave whose counts
+    are `ONE_EACH` (the processor's usual wave) gives the same rows as the same wave with its
+    counts made from the token lists."""
+    import gc
+    import weakref
+
+    from guard.schedule import ONE_EACH, sampled_counts
+
+    ids = ["a", "b", "c"]
+    rows = []
+    for counts_from_processor in (True, False):
+        m = RequestMembership(capacity=100)
+        so = _Held(**vars(_sched(ids, [2, 2, 2], new=ids)))
+        out = _Held(req_ids=list(ids), sampled_token_ids=[[7], [8], [9]])
+        tokens, kept = sampled_counts(out)
+        assert (tokens, kept) == (3, ONE_EACH)
+        m.on_schedule(1, so)
+        if counts_from_processor:
+            m.on_wave(1, out, tokens, kept)
+        else:
+            m.on_wave(1, out, tokens)  # no counts given: made from the lists
+        held = weakref.ref(so), weakref.ref(out)
+        del so, out
+        gc.collect()
+        assert [r() for r in held] == [None, None]
+        batch = guard_pb2.Batch(rank=guard_pb2.RankInfo(run_id="r"))
+        m.fill_batch(batch)
+        got = entries(batch.request_columns)
+        rows.append((got.sampled.tolist(), got.scheduled.tolist()))
+    assert rows[0] == rows[1] == ([1, 1, 1], [2, 2, 2])
+
+
 def test_queued_steps_are_bounded_by_the_engine_thread_catching_up(monkeypatch) -> None:
     """With no streamer draining (no stream), the engine thread works the oldest steps out
     itself past STEPS_KEPT waves, so nothing is lost; while the streamer holds the lock it

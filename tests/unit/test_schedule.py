@@ -344,3 +344,20 @@ def test_drafts_past_a_stop_are_trimmed_as_vllms_check_stop_trims_them(
     runner = types.SimpleNamespace(requests={"b": state}, max_model_len=max_len)
     total, counts = sampled_counts(output, runner)
     assert total == 1 + want and list(counts) == [1, want]
+
+
+def test_sampled_counts_says_one_each_only_when_every_request_got_exactly_one_token():
+    """`ONE_EACH` stands for the per-request counts only when no list is empty or longer;
+    a wave with an empty list (a prefill chunk) or drafts gets its counts as an array."""
+    from guard.schedule import ONE_EACH
+
+    def counts(lists):
+        return sampled_counts(types.SimpleNamespace(req_ids=[], sampled_token_ids=lists))
+
+    assert counts([[5], [6], [7]]) == (3, ONE_EACH)
+    assert counts([]) == (0, ONE_EACH)
+    total, kept = counts([[5], [], [6, 7]])  # the sum equals the count, but not one each
+    assert total == 3 and list(kept) == [1, 0, 2]
+    total, kept = counts([[], [5]])
+    assert total == 1 and list(kept) == [0, 1]
+    assert counts(None) == (None, None)
