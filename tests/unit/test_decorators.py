@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from guard import decorators
-from guard.config import GuardConfig
+from guard.config import GuardConfig, parse_config
 from guard.decorators import (
     install,
     is_guarded,
@@ -583,3 +583,32 @@ def test_decorators_are_a_leaf_and_the_facade_needs_no_processor():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['guard', 'guard.decorators', 'guard.incidents']"
+
+
+def test_the_detectors_suite_takes_the_wave_hooks_itself_and_a_rebuild_swaps_it(guard):
+    """The detector host names its suite as its wave delegate: the processor calls the
+    suite's hooks with no forwarding frame, follows a live rebuild to the new suite, and
+    calls nothing for the detectors while none is on."""
+    runner = Runner(sample_result=Output([[1]]))
+    runner.execute_model(sched(a=1))
+    runner.sample_tokens(None)
+    first = guard.processor.detectors
+    assert first is not None  # the default detectors are on
+    observers = guard.processor.observers
+    assert [h.__self__ for h in observers.on_output_hooks] == [first]
+    assert first in [h.__self__ for h in observers.on_schedule_hooks]
+
+    names = ("logits_finite", "token_repeat", "spec_acceptance", "logits_stats", "token_range")
+    off = {"sidecar": "localhost:1", "detectors": {n: {"enabled": False} for n in names}}
+    guard.processor._config_changed(parse_config(off))
+    assert guard.processor.detectors is None
+    assert observers.on_output_hooks == ()
+    assert all(h.__self__ is not first for h in observers.on_schedule_hooks)
+
+    guard.processor._config_changed(parse_config({"sidecar": "localhost:1"}))
+    second = guard.processor.detectors
+    assert second is not None and second is not first
+    assert [h.__self__ for h in observers.on_output_hooks] == [second]
+    runner.execute_model(sched(b=1))
+    runner.sample_tokens(None)
+    assert [r.wave for r in guard.records] == [1, 2] and guard.processor.errors.total == 0
