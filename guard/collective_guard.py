@@ -41,13 +41,19 @@ class CollectiveGuard:
         if fault_config.enabled:
             self.injector = FaultInjector(fault_config, self.tracker, rank_source)
             self.injector.warn()
+        # the first wave starts the watchdog (this process runs a model); then None
+        self._start_watchdog = self.watchdog.start if self.watchdog is not None else None
         self.errors = 0
 
+    # The wave hooks run twice a wave on the engine thread, with or without collectives in
+    # the wave: no frame beyond the tracker's roll.
     def begin_wave(self, wave: int) -> None:
         try:
             self.tracker.roll(wave)
-            if self.watchdog is not None:
-                self.watchdog.start()  # first wave: this process runs a model
+            start = self._start_watchdog
+            if start is not None:
+                self._start_watchdog = None
+                start()
             if self.injector is not None:
                 self.injector.begin_wave(wave)
         except Exception:  # noqa: BLE001 - never break the step
@@ -55,7 +61,9 @@ class CollectiveGuard:
 
     def end_wave(self, wave: int) -> None:
         try:
-            self.tracker.end_wave(wave)
+            tracker = self.tracker
+            if wave == tracker.wave:  # tracker.end_wave, in line
+                tracker.roll(0)
         except Exception:  # noqa: BLE001
             self.errors += 1
 

@@ -327,21 +327,21 @@ class CollectiveTracker:
         self._dtype_names: dict[Any, str] = {}
         self._wall_offset_ns = time.time_ns() - time.perf_counter_ns()
         self._latest_wave = 0
-        self._reset(0)
-
-    # -- wave boundaries (engine thread) -------------------------------------------------------
-    def _reset(self, wave: int) -> None:
-        self.wave = wave
-        if wave > self._latest_wave:
-            self._latest_wave = wave
+        # the wave in progress (0: none) and its aggregates, reset by `roll`
+        self.wave = 0
         self._stats: dict[tuple[str, str], list] = {}
         self._slow: list[tuple] = []
         self._slow_dropped = 0
         self._first_arrival = 0
         self._wait_ns = 0
 
+    # -- wave boundaries (engine thread) -------------------------------------------------------
     def roll(self, wave: int) -> None:
-        """Close the aggregates of the wave in progress (if any) and start `wave`."""
+        """Close the aggregates of the wave in progress (if any) and start `wave`.
+
+        Runs twice a wave, with or without collectives in it (a TP=1 engine has none), so a
+        wave that recorded nothing keeps its empty containers rather than allocating new ones,
+        and the reset is in line: no further frame."""
         if self._replay_events or self._parked:
             self.poll_replays()
         if self.wave and (self._stats or self.injected_delay_ns):
@@ -365,11 +365,18 @@ class CollectiveTracker:
                 self._parked.append(item)  # its replays' device times are not resolved yet
             else:
                 self.finished.append(item)
+            self._stats = {}  # the item holds the old ones
+            self._slow = []
             self.completed_waves += 1
         elif self.wave:
             self.completed_waves += 1
         self.injected_delay_ns = 0
-        self._reset(wave)
+        self.wave = wave
+        if wave > self._latest_wave:
+            self._latest_wave = wave
+        self._slow_dropped = 0
+        self._first_arrival = 0
+        self._wait_ns = 0
 
     def end_wave(self, wave: int) -> None:
         """The wave finished on this rank: hand its aggregates over now rather than at the
