@@ -14,11 +14,13 @@ settings (the sampler and rejection-sampler hooks are swapped together with the 
 `--detectors none` measures streaming alone, and a detector's name runs that one alone.
 
 Besides throughput, it reports where the guard's cost lands: its time on the engine thread,
-timed in place; the sidecar's CPU; the engine process's CPU by thread, on against off (the
-engine thread's added CPU beyond the guard's in-place time would be the runner's own code
-running slower in guarded rounds, where the host's noise lets it show); and garbage collection. `--engine-core` gives the engine thread
-core 0 alone, with one torch thread, and moves everything else to core 1: the layout of a
-host whose model does not share cores with the guard's threads and sidecar.
+timed in place, less the timers' own cost (the unguarded rounds run the bare methods through
+the same timers); the sidecar's CPU; the engine process's CPU by thread, to the nanosecond
+(the scheduler's own count), on against off (the engine thread's added CPU beyond the guard's
+in-place time is the runner's own code running slower in guarded rounds); and garbage
+collection. `--engine-core` gives the engine thread core 0 alone, with one torch thread, and
+moves everything else to core 1: the layout of a host whose model does not share cores with
+the guard's threads and sidecar.
 
     python bench/toggle.py [--rounds 12] [--requests 16] [--max-tokens 128]
                            [--detectors all|none|NAME] [--engine-core]
