@@ -194,11 +194,14 @@ class GuardProcessor:
                 scheduler_output = args[0] if args else kwargs.get("scheduler_output")
                 # config stamps (applied on every rank at this wave, before its sampling), then
                 # the detectors (finished requests, drafts)
-                for hook in observers.on_schedule_hooks:
+                hooks = observers.on_schedule_hooks
+                for hook in hooks:
                     try:
                         hook(wave, scheduler_output)
                     except Exception:  # noqa: BLE001
                         self.errors.record("observer_on_schedule")
+                if observers.on_schedule_hooks is not hooks:  # a live change rebuilt the suite
+                    self._schedule_new_hooks(hooks, wave, scheduler_output)
                 fields = read_schedule(scheduler_output)  # read once, for both below
                 schedule = self._prefill.summarize_fields(fields, scheduler_output)
                 if self.membership is not None:
@@ -276,6 +279,17 @@ class GuardProcessor:
                 self._emit(opened, 0, 0, None, False)
         except Exception:  # noqa: BLE001
             self.errors.record("step_begin")
+
+    def _schedule_new_hooks(self, called: tuple, wave: int, scheduler_output: Any) -> None:
+        """A config change applied in this wave's schedule hooks rebuilt an observer's
+        delegate (the detectors' suite): the new hooks see this wave's schedule too, as the
+        change applies before this wave's sampling."""
+        for hook in self.observers.on_schedule_hooks:
+            if hook not in called:
+                try:
+                    hook(wave, scheduler_output)
+                except Exception:  # noqa: BLE001
+                    self.errors.record("observer_on_schedule")
 
     def _on_output(self, wave: int, output: Any) -> None:
         for hook in self.observers.on_output_hooks:

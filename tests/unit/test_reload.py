@@ -113,6 +113,29 @@ def test_a_rank_applies_a_stamp_once_and_reports_a_refused_one_with_a_shared_id(
     assert processor.errors.total == 0
 
 
+def test_a_suite_rebuilt_by_a_stamp_sees_the_stamped_wave_schedule():
+    """The stamp applies before the wave's sampling: the suite it builds gets that wave's
+    schedule (here, a finished request logged for the repeat screen), not the old suite."""
+    rank = guard_pb2.RankInfo(run_id="run9", tp_rank=0, tp_size=1)
+    processor = GuardProcessor(GuardConfig(), lambda runner: rank, Streamer)
+
+    def step(stamp=None, finished=()):
+        output = types.SimpleNamespace(scheduled_new_reqs=[], scheduled_cached_reqs=None,
+                                       num_scheduled_tokens={}, finished_req_ids=set(finished))  # fmt: skip
+        if stamp is not None:
+            setattr(output, STAMP_ATTR, stamp)
+        processor.run_step(lambda runner, so: None, object(), (output,), {})
+
+    step()
+    old = processor.detectors
+    new = parse_config({"detectors": {"token_repeat": {"window": 64}}})
+    step((2, new.to_json(), "", ()), finished=["done-1"])
+    suite = processor.detectors
+    assert suite is not old and suite.config.token_repeat.window == 64
+    assert list(suite._token_log) == [(2, ("done-1",))]
+    assert processor.errors.total == 0
+
+
 def test_config_check_cli(tmp_path):
     good = tmp_path / "good.json"
     good.write_text(json.dumps({"runtime_guard": {"detectors": {"token_repeat": {"window": 256}}}}))
