@@ -13,6 +13,12 @@ reporter (hit counts), the collectives observer. The streamer is built with them
 `start(rank)` names the rank once the first wave knows it. Records, incidents and probe
 readings offered before that simply wait in the buffers.
 
+"The streamer thread", here and across the guard, means the thread that runs the batch
+generator (`_batches`) and with it every batch filler: gRPC's own request thread, which pulls
+the generator for the stream (it shows as `Thread-N (_run)` from `grpc._cython.cygrpc`). The
+streamer's own thread (`ascend-guard-streamer`) connects, waits on the stream and reconnects.
+Either holds the GIL while it runs Python, so the fillers' work is not free for the engine.
+
 Incidents take another road, because none may be lost: they wait in their own queue, the ones
 sent on a stream that breaks are sent again on the next one, and while the sidecar is away they
 go to an on-disk spool (`guard/spool.py`). The sidecar deduplicates them by id.
