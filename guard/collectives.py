@@ -339,9 +339,8 @@ class CollectiveTracker:
     def roll(self, wave: int) -> None:
         """Close the aggregates of the wave in progress (if any) and start `wave`.
 
-        Runs twice a wave, with or without collectives in it (a TP=1 engine has none), so a
-        wave that recorded nothing keeps its empty containers rather than allocating new ones,
-        and the reset is in line: no further frame."""
+        Runs twice a wave, with or without collectives in it (a TP=1 engine has none), so the
+        reset is in line: no further frame."""
         if self._replay_events or self._parked:
             self.poll_replays()
         if self.wave and (self._stats or self.injected_delay_ns):
@@ -365,12 +364,12 @@ class CollectiveTracker:
                 self._parked.append(item)  # its replays' device times are not resolved yet
             else:
                 self.finished.append(item)
-            self._stats = {}  # the item holds the old ones
-            self._slow = []
             self.completed_waves += 1
         elif self.wave:
             self.completed_waves += 1
         self.injected_delay_ns = 0
+        self._stats = {}  # new ones: an item holds the old; what came outside a wave is dropped
+        self._slow = []
         self.wave = wave
         if wave > self._latest_wave:
             self._latest_wave = wave
