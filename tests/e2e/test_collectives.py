@@ -194,13 +194,16 @@ def test_fire_drill_shows_rank_1_as_straggler_by_the_injected_delay(dep: Deploym
         # rounds of short requests). /metrics runs behind, so this request runs long, not short.
         dep.server.complete(PROMPTS[0], max_tokens=int(max(8, DRILL_WAVE + 16 - now)))
         now = last_wave()
-    waves = []
+    waves, near = [], []
     for _ in range(50):
-        waves = [w for w in dep.get("/skew")[1]["waves"] if w["wave"] == DRILL_WAVE]
+        skew = dep.get("/skew")[1]["waves"]
+        waves = [w for w in skew if w["wave"] == DRILL_WAVE]
         if waves:
             break
         time.sleep(0.1)
-    assert len(waves) == 1, "the drill wave was aligned across both ranks"
+    else:  # what the sidecar aligned around the drill wave: a gap is a wave with no forward
+        near = sorted(w["wave"] for w in skew if abs(w["wave"] - DRILL_WAVE) <= 5)
+    assert len(waves) == 1, f"the drill wave was not aligned across both ranks; near it: {near}"
     drill = waves[0]
     assert drill["straggler_tp"] == 1
     assert drill["injected_s"] == {"1": pytest.approx(DRILL_DELAY_S, abs=0.05)}
