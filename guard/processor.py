@@ -200,8 +200,9 @@ class GuardProcessor:
                         hook(wave, scheduler_output)
                     except Exception:  # noqa: BLE001
                         self.errors.record("observer_on_schedule")
-                if observers.on_schedule_hooks is not hooks:  # a live change rebuilt the suite
-                    self._schedule_new_hooks(hooks, wave, scheduler_output)
+                    if observers.on_schedule_hooks is not hooks:  # a live change rebuilt one
+                        self._schedule_rest(hook, wave, scheduler_output)
+                        break
                 fields = read_schedule(scheduler_output)  # read once, for both below
                 schedule = self._prefill.summarize_fields(fields, scheduler_output)
                 if self.membership is not None:
@@ -280,16 +281,17 @@ class GuardProcessor:
         except Exception:  # noqa: BLE001
             self.errors.record("step_begin")
 
-    def _schedule_new_hooks(self, called: tuple, wave: int, scheduler_output: Any) -> None:
-        """A config change applied in this wave's schedule hooks rebuilt an observer's
-        delegate (the detectors' suite): the new hooks see this wave's schedule too, as the
-        change applies before this wave's sampling."""
-        for hook in self.observers.on_schedule_hooks:
-            if hook not in called:
-                try:
-                    hook(wave, scheduler_output)
-                except Exception:  # noqa: BLE001
-                    self.errors.record("observer_on_schedule")
+    def _schedule_rest(self, done: Callable[..., None], wave: int, scheduler_output: Any) -> None:
+        """Hook `done` (a config change) rebuilt an observer's delegate (the detectors'
+        suite): the hooks after it come from the new tuple, so the new suite sees this wave's
+        schedule, as the change applies before this wave's sampling, and the closed one not."""
+        hooks = self.observers.on_schedule_hooks
+        start = hooks.index(done) + 1 if done in hooks else 0
+        for hook in hooks[start:]:
+            try:
+                hook(wave, scheduler_output)
+            except Exception:  # noqa: BLE001
+                self.errors.record("observer_on_schedule")
 
     def _on_output(self, wave: int, output: Any) -> None:
         for hook in self.observers.on_output_hooks:

@@ -14,10 +14,11 @@ exception: the scheduler cuts a token list where its request stops. So of the ru
 only those two and the engine thread's counts are queued (`tokens`, and `kept` per request:
 made before any cut, and an array, which the garbage collector does not track, in place of one
 list per request that would each count towards its next young collection); of the scheduler
-output, only the fields read (`guard.schedule.ScheduleFields`), not its whole tree. At most
-`STEPS_KEPT` waves wait: past that (no stream, a starved streamer) the engine thread works the
-oldest out itself, so nothing is lost and the objects held stay bounded. Neither call raises:
-an error is counted as a guard error (`on_error`) and costs only that wave's membership.
+output, only the fields read (`guard.schedule.ScheduleFields`, new requests by their ids), not
+its whole tree. At most `STEPS_KEPT` waves wait: past that (no stream, a starved streamer) the
+engine thread works the oldest out itself, so nothing is lost and the objects held stay
+bounded. Neither call raises: an error is counted as a guard error (`on_error`) and costs only
+that wave's membership.
 
 Cost (bench/request_membership.py). A request id becomes a small integer once, when the
 request is new. The runner output's `req_ids` are the runner's own string objects, the same
@@ -121,6 +122,13 @@ class RequestMembership:
         not the scheduler output: its whole tree (a dozen objects the garbage collector
         tracks, in a decode wave) would live until the streamer's next batch, and each one
         counts towards the next young collection."""
+        new = fields.new
+        if new:  # their ids only: a new request's data holds its prompt, params and features
+            try:
+                fields = fields._replace(new=[r.req_id for r in new])
+            except Exception:  # noqa: BLE001 - costs this wave's membership only
+                self._failed("request_membership_schedule")
+                return
         steps = self._steps
         steps.append((_SCHEDULED, wave, fields))
         if len(steps) > self._steps_kept:
@@ -130,7 +138,8 @@ class RequestMembership:
         """Record wave `wave`: `output` is the runner output (None: it sampled nothing here),
         `tokens` the sampled tokens the processor counted for it and `kept` how many tokens
         each request keeps (`sampled_counts`: `ONE_EACH`, or an array in the output's order;
-        made here from the token lists when not given).
+        made here from the token lists when not given, as they are now: a list the scheduler
+        cuts later keeps its count from here).
 
         Only the output's request ids, its index of them and `kept` are queued, not the output:
         a queued object lives until the streamer's next batch, and its token lists (one per
@@ -200,14 +209,15 @@ class RequestMembership:
     def _on_schedule(
         self, wave: int, scheduled: Any, new: Any, done: Any, gone: Any, back: Any, total: Any
     ) -> None:
-        """The scheduler output's scheduled tokens per request, new requests, finished ids,
-        preempted ids (None: a scheduler that does not say), resumed ids and total tokens."""
+        """The scheduler output's scheduled tokens per request, new requests' ids, finished
+        ids, preempted ids (None: a scheduler that does not say), resumed ids and total
+        tokens."""
         if scheduled is None:
             return
         index = self._index
         joined: Any = None if new is None else NOTHING
         if new:
-            joined = [r.req_id for r in new]
+            joined = list(new)
             prefilling = self._prefilling
             for req_id in joined:
                 if req_id not in index:
@@ -326,7 +336,7 @@ class RequestMembership:
         if tokens is None or kept is None:
             return None, ()
         one_each = kept is ONE_EACH
-        if not one_each and len(kept) != n:
+        if (tokens if one_each else len(kept)) != n:  # one each: one list per token
             return None, ()
         cands = self._prefilling
         if sched_each == 1:

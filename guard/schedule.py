@@ -188,7 +188,17 @@ def _prompt_len(new_request: Any) -> int:
     return int(shape[0]) if shape else 0
 
 
-ONE_EACH = ()  # `kept` when every request keeps exactly one token: no per-request array made
+class _OneEach:
+    """The per-request counts of a wave where every request keeps exactly one token (no array
+    made). Compared by identity; it has no length, so a check that forgets that fails loudly."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "ONE_EACH"
+
+
+ONE_EACH = _OneEach()
 
 
 def count_sampled_tokens(output: Any, runner: Any = None) -> int | None:

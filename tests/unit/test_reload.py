@@ -115,7 +115,8 @@ def test_a_rank_applies_a_stamp_once_and_reports_a_refused_one_with_a_shared_id(
 
 def test_a_suite_rebuilt_by_a_stamp_sees_the_stamped_wave_schedule():
     """The stamp applies before the wave's sampling: the suite it builds gets that wave's
-    schedule (here, a finished request logged for the repeat screen), not the old suite."""
+    schedule (here, a finished request logged for the repeat screen), and the old suite,
+    closed by then, does not."""
     rank = guard_pb2.RankInfo(run_id="run9", tp_rank=0, tp_size=1)
     processor = GuardProcessor(GuardConfig(), lambda runner: rank, Streamer)
 
@@ -133,6 +134,7 @@ def test_a_suite_rebuilt_by_a_stamp_sees_the_stamped_wave_schedule():
     suite = processor.detectors
     assert suite is not old and suite.config.token_repeat.window == 64
     assert list(suite._token_log) == [(2, ("done-1",))]
+    assert (2, ("done-1",)) not in list(old._token_log)  # the closed suite is not called
     assert processor.errors.total == 0
 
 

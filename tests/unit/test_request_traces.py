@@ -313,9 +313,10 @@ class _Held(SimpleNamespace):
 
 
 def test_queued_steps_hold_no_vllm_object_and_one_each_rows_match_counted_rows() -> None:
-    """Queued steps keep only the fields they read: the scheduler and runner outputs (whose
-    trees would live until the streamer's next batch and bring the garbage collector's young
-    collections on sooner) are freed as soon as the engine drops them. A wave whose counts
+    """Queued steps keep only the fields they read: the scheduler and runner outputs and the
+    new requests' data (which would live until the streamer's next batch and bring the
+    garbage collector's young collections on sooner) are freed as soon as the engine drops
+    them. A wave whose counts
     are `ONE_EACH` (the processor's usual wave) gives the same rows as the same wave with its
     counts made from the token lists."""
     import gc
@@ -327,7 +328,9 @@ def test_queued_steps_hold_no_vllm_object_and_one_each_rows_match_counted_rows()
     rows = []
     for counts_from_processor in (True, False):
         m = RequestMembership(capacity=100)
-        so = _Held(**vars(_sched(ids, [2, 2, 2], new=ids)))
+        so = _Held(**vars(_sched(ids, [2, 2, 2])))
+        so.scheduled_new_reqs = [_Held(req_id=i, prompt_token_ids=[1, 2]) for i in ids]
+        new_req = weakref.ref(so.scheduled_new_reqs[0])
         out = _Held(req_ids=list(ids), sampled_token_ids=[[7], [8], [9]])
         tokens, kept = sampled_counts(out)
         assert (tokens, kept) == (3, ONE_EACH)
@@ -336,15 +339,33 @@ def test_queued_steps_hold_no_vllm_object_and_one_each_rows_match_counted_rows()
             m.on_wave(1, out, tokens, kept)
         else:
             m.on_wave(1, out, tokens)  # no counts given: made from the lists
-        held = weakref.ref(so), weakref.ref(out)
+        held = weakref.ref(so), weakref.ref(out), new_req
         del so, out
         gc.collect()
-        assert [r() for r in held] == [None, None]
+        assert [r() for r in held] == [None, None, None]
         batch = guard_pb2.Batch(rank=guard_pb2.RankInfo(run_id="r"))
         m.fill_batch(batch)
         got = entries(batch.request_columns)
         rows.append((got.sampled.tolist(), got.scheduled.tolist()))
     assert rows[0] == rows[1] == ([1, 1, 1], [2, 2, 2])
+
+
+def test_an_output_with_no_token_lists_leaves_its_rows_sampled_unknown() -> None:
+    """A pooling runner's output has request ids and an empty `sampled_token_ids`: the
+    processor counts 0 tokens, one each of no list, and the row says the sampled tokens are
+    not known rather than one each."""
+    from guard.schedule import sampled_counts
+
+    ids = ["a", "b"]
+    m = RequestMembership(capacity=100)
+    m.on_schedule(1, _sched(ids, [3, 3], new=ids))
+    out = SimpleNamespace(req_ids=list(ids), req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[])
+    tokens, kept = sampled_counts(out)
+    m.on_wave(1, out, tokens, kept)
+    m.drain()
+    (row,) = m._rows
+    assert row[3] is None  # sampled: unknown
+    assert set(m._prefilling) == {"a", "b"}  # neither taken for a finished prefill
 
 
 def test_queued_steps_are_bounded_by_the_engine_thread_catching_up(monkeypatch) -> None:
