@@ -106,24 +106,29 @@ def _time_guard() -> dict:
 
     acc = {"ns": 0, "timer_ns": 0, "measuring": False}
 
+    def counting(fn):
+        """`fn` wrapped to add its own time to the returned cell: the runner's call, which the
+        in-place figure leaves out (the same wrapper in both modes, so the timers match)."""
+        inner = [0]
+
+        def timed_fn(*a, **kw):
+            begin = time.perf_counter_ns()
+            try:
+                return fn(*a, **kw)
+            finally:
+                inner[0] += time.perf_counter_ns() - begin
+
+        return timed_fn, inner
+
     def own_time(original):
         def timed(self, fn, runner, args, kwargs):
-            inner = 0
-
-            def timed_fn(*a, **kw):
-                nonlocal inner
-                begin = time.perf_counter_ns()
-                try:
-                    return fn(*a, **kw)
-                finally:
-                    inner += time.perf_counter_ns() - begin
-
+            timed_fn, inner = counting(fn)
             start = time.perf_counter_ns()
             try:
                 return original(self, timed_fn, runner, args, kwargs)
             finally:
                 if acc["measuring"]:
-                    acc["ns"] += time.perf_counter_ns() - start - inner
+                    acc["ns"] += time.perf_counter_ns() - start - inner[0]
 
         return timed
 
@@ -142,22 +147,13 @@ def _time_guard() -> dict:
         """`fn` (a bare runner method) inside `own_time`'s timers, with no guard between."""
 
         def timed(self, *args, **kwargs):
-            inner = 0
-
-            def timed_fn(*a, **kw):
-                nonlocal inner
-                begin = time.perf_counter_ns()
-                try:
-                    return fn(*a, **kw)
-                finally:
-                    inner += time.perf_counter_ns() - begin
-
+            timed_fn, inner = counting(fn)
             start = time.perf_counter_ns()
             try:
                 return timed_fn(self, *args, **kwargs)
             finally:
                 if acc["measuring"]:
-                    acc["timer_ns"] += time.perf_counter_ns() - start - inner
+                    acc["timer_ns"] += time.perf_counter_ns() - start - inner[0]
 
         return timed
 

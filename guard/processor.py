@@ -213,12 +213,10 @@ class GuardProcessor:
             else:
                 tokens, kept = sampled_counts(output, runner)
                 self._emit(opened, 0, 0, tokens, False, output, kept)
-                self._on_output(wave, output)
-                for hook in observers.end_wave_hooks:
-                    try:
-                        hook(wave)
-                    except Exception:  # noqa: BLE001
-                        self.errors.record("observer_end_wave")
+                self._run_hooks(
+                    observers.on_output_hooks, "observer_on_output", wave, runner, output
+                )
+                self._run_hooks(observers.end_wave_hooks, "observer_end_wave", wave)
         except Exception:  # noqa: BLE001
             self.errors.record("step_end")
         return output
@@ -259,7 +257,7 @@ class GuardProcessor:
                 self._finish_on_get_output(opened, output, end - start, offset)
                 return output
             self._emit(opened, end - start, offset, tokens, True, output, kept)
-            for hook in observers.on_output_hooks:  # _on_output, in line: the usual wave's path
+            for hook in observers.on_output_hooks:  # _run_hooks, in line: the usual wave's path
                 try:
                     hook(opened[0], self._runner, output)
                 except Exception:  # noqa: BLE001
@@ -287,18 +285,16 @@ class GuardProcessor:
         schedule, as the change applies before this wave's sampling, and the closed one not."""
         hooks = self.observers.on_schedule_hooks
         start = hooks.index(done) + 1 if done in hooks else 0
-        for hook in hooks[start:]:
-            try:
-                hook(wave, scheduler_output)
-            except Exception:  # noqa: BLE001
-                self.errors.record("observer_on_schedule")
+        self._run_hooks(hooks[start:], "observer_on_schedule", wave, scheduler_output)
 
-    def _on_output(self, wave: int, output: Any) -> None:
-        for hook in self.observers.on_output_hooks:
+    def _run_hooks(self, hooks: tuple, where: str, *args: Any) -> None:
+        """Call each hook; one that raises is counted under `where` and the others still run.
+        The usual wave's paths walk their tuples in line instead (one frame less each)."""
+        for hook in hooks:
             try:
-                hook(wave, self._runner, output)
+                hook(*args)
             except Exception:  # noqa: BLE001
-                self.errors.record("observer_on_output")
+                self.errors.record(where)
 
     def _finish_on_get_output(
         self, opened: OpenWave, output: Any, sample_ns: int, offset: int
@@ -315,7 +311,13 @@ class GuardProcessor:
                 # per-request counts are taken now, before the scheduler cuts any list
                 tokens, kept = sampled_counts(result)
                 self._emit(opened, sample_ns, offset, tokens, True, result, kept)
-                self._on_output(opened[0], result)
+                self._run_hooks(
+                    self.observers.on_output_hooks,
+                    "observer_on_output",
+                    opened[0],
+                    self._runner,
+                    result,
+                )
             except Exception:  # noqa: BLE001
                 self.errors.record("async_output")
             return result
