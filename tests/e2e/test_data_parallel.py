@@ -224,18 +224,21 @@ def test_sigstop_of_one_dp_engines_worker_is_named_while_the_other_serves(dep: D
     # This test process shares the 2 cores with both engines, each pinned and spinning, and can
     # oversleep the 0.2 s by seconds: once in a fresh-clone run all four requests had ended
     # (sidecar `hang_check_late gap_s=4.3` in the same seconds). Such a round stops nothing
-    # that flows, so it is run again, up to 3 rounds.
+    # that flows, so it is run again, up to 3 rounds. Whether they still flowed is read just
+    # after the stop, not before it: the stop frees the frozen engine's core, so this process
+    # is scheduled at once, and a request done by then was done at the stop.
     for _ in range(3):
         flowing = [pool.submit(dep.server.complete, p, LONG) for p in PROMPTS[:4]]
         time.sleep(0.2)
+        os.kill(victim, signal.SIGSTOP)
+        stopped_at, stopped_unix = time.monotonic(), time.time()
         early = [f.exception() or f.result()["usage"] for f in flowing if f.done()]
         if not early:
+            before = dep.guard_metrics()  # engine 0's tokens and the checker's lateness at the stop
             break
+        os.kill(victim, signal.SIGCONT)
         wait(flowing, timeout=180)
     assert not early, f"requests ended before the stop, 3 rounds in a row: {early}"
-    before = dep.guard_metrics()
-    os.kill(victim, signal.SIGSTOP)
-    stopped_at, stopped_unix = time.monotonic(), time.time()
     try:
         verdict_after = None
         while time.monotonic() - stopped_at < 20:
