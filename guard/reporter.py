@@ -17,7 +17,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import structlog
@@ -67,6 +67,9 @@ class IncidentReporter:
         self._pid = os.getpid()
         # (type, request) -> [occurrences, occurrence of the next report, hits since last report]
         self._keys: collections.OrderedDict[tuple[str, str], list[int]] = collections.OrderedDict()
+        # request -> the types it has keys of: a finished request is forgotten without a pass
+        # over every key (the engine thread forgets each wave's finished requests)
+        self._types_of: dict[str, list[str]] = {}
         self.hits: dict[str, int] = {}
         self.reported = 0
 
@@ -132,19 +135,29 @@ class IncidentReporter:
             state = self._keys.get((type_, request_id))
             return state is None or state[0] + 1 >= state[1]
 
-    def forget_request(self, request_id: str) -> None:
-        """A finished request's caps are no longer needed."""
+    def forget_requests(self, request_ids: Iterable[str]) -> None:
+        """Finished requests' caps are no longer needed (one lookup each)."""
+        types_of = self._types_of
+        if not types_of:  # the usual wave: no request has a key
+            return
         with self._lock:
-            for key in [k for k in self._keys if k[1] == request_id]:
-                del self._keys[key]
+            keys = self._keys
+            for request_id in request_ids:
+                for type_ in types_of.pop(request_id, ()):
+                    del keys[(type_, request_id)]
 
     def _admit(self, type_: str, request_id: str) -> tuple[int | None, int]:
         key = (type_, request_id)
         state = self._keys.get(key)
         if state is None:
             state = self._keys[key] = [0, 1, 0]
+            self._types_of.setdefault(request_id, []).append(type_)
             if len(self._keys) > MAX_TRACKED_KEYS:
-                self._keys.popitem(last=False)
+                (old_type, old_request), _ = self._keys.popitem(last=False)
+                types = self._types_of[old_request]
+                types.remove(old_type)
+                if not types:
+                    del self._types_of[old_request]
         else:
             self._keys.move_to_end(key)
         state[0] += 1

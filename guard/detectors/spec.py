@@ -26,7 +26,7 @@ from __future__ import annotations
 import array
 import collections
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -146,9 +146,9 @@ class AcceptanceTracker:
         """Waves queued for the next judgement."""
         return bool(self._queue)
 
-    def forget(self, request_id: str) -> None:
-        """A finished request; its queued waves are still judged."""
-        self.requests.release([request_id])
+    def forget_requests(self, request_ids: Iterable[str]) -> None:
+        """Finished requests; their queued waves are still judged."""
+        self.requests.release(request_ids)
         if not self._queue:
             self.requests.apply_releases()
 

@@ -138,11 +138,10 @@ class DetectorSuite:
         if finished:
             if self.repeat is not None:  # after their last tokens, in the log's order
                 self._token_log.append((wave, tuple(finished)))
-            for req_id in finished:
-                if self.spec is not None:
-                    with self._tokens_lock:
-                        self.spec.forget(req_id)
-                self.reporter.forget_request(req_id)
+            if self.spec is not None:
+                with self._tokens_lock:
+                    self.spec.forget_requests(finished)
+            self.reporter.forget_requests(finished)
         if self.spec is not None:
             drafts = getattr(scheduler_output, "scheduled_spec_decode_tokens", None)
             self._drafts = drafts or {}

@@ -41,8 +41,39 @@ def test_caps_are_per_type_and_request():
     assert reporter.would_report("token_repeat", "a") is True  # 2nd hit = 1 * 2
     reporter.report("token_repeat", "warning", "x", request_id="a")
     assert reporter.would_report("token_repeat", "a") is False  # next report at 4
-    reporter.forget_request("a")
+    reporter.forget_requests(["a"])
     assert reporter.would_report("token_repeat", "a") is True
+
+
+def test_forgetting_finished_requests_drops_every_type_of_theirs_and_only_theirs():
+    reporter, sent = make(cap=1, factor=2.0)
+    for request in ("a", "b", "c"):
+        for type_ in ("token_repeat", "logits_finite"):
+            reporter.report(type_, "warning", "x", request_id=request)
+            reporter.report(type_, "warning", "x", request_id=request)  # next report at 4
+    reporter.forget_requests(["a", "c", "never-seen"])
+    for type_ in ("token_repeat", "logits_finite"):
+        assert reporter.would_report(type_, "a") is True
+        assert reporter.would_report(type_, "c") is True
+        assert reporter.would_report(type_, "b") is False  # still capped
+    reporter.report("token_repeat", "warning", "x", request_id="a")  # a new key, a fresh cap
+    assert sent[-1].occurrence == 1 and sent[-1].request_id == "a"
+
+
+def test_keys_forgotten_past_the_bound_leave_no_trace_for_a_later_forget(monkeypatch):
+    monkeypatch.setattr("guard.reporter.MAX_TRACKED_KEYS", 3)
+    reporter, _ = make(cap=1, factor=2.0)
+    for request in ("a", "b", "c", "d"):  # a's key is the oldest, dropped by d's
+        reporter.report("token_repeat", "warning", "x", request_id=request)
+        reporter.report("token_repeat", "warning", "x", request_id=request)
+    assert reporter.would_report("token_repeat", "a") is True  # forgotten by the bound
+    assert reporter.would_report("token_repeat", "b") is False
+    reporter.forget_requests(["a", "b"])  # a has no key left: no error
+    assert reporter.would_report("token_repeat", "b") is True
+    for request in ("e", "f"):  # f's key drops c's, the oldest of c, d, e
+        reporter.report("token_repeat", "warning", "x", request_id=request)
+    assert reporter.would_report("token_repeat", "c") is True
+    assert reporter.would_report("token_repeat", "d") is False
 
 
 def test_incident_fields_ids_and_wave_default():

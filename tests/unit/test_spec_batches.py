@@ -115,9 +115,10 @@ def run(seed: int, waves: int = 400, grid: bool = False) -> tuple[int, int]:
     bias: dict[str, float] = {}  # each request's current chance that a draft is accepted
     next_id, got, expected = 0, [], []
     for wave in range(1, waves + 1):
-        for req_id in [r for r in active if not grid and rng.random() < 0.03]:  # finished
+        finished = [r for r in active if not grid and rng.random() < 0.03]
+        tracker.forget_requests(finished)  # a wave's finished requests, together
+        for req_id in finished:
             active.remove(req_id)
-            tracker.forget(req_id)
             reference.forget(req_id)
         while (not grid or wave == 1) and len(active) < rng.randint(1, 12):
             active.append(f"r{next_id}")
@@ -183,7 +184,7 @@ def test_a_request_that_finishes_mid_batch_is_still_judged_and_its_slot_starts_c
     tracker = AcceptanceTracker(config)
     for wave in (1, 2):  # 0 of 4 accepted, twice: the request is outside [0.5, 1]
         tracker.add_wave(wave, ["a"], {"a": [1, 2, 3, 4]}, WaveTokens([[5]]))
-    tracker.forget("a")  # finished while its waves are queued
+    tracker.forget_requests(["a"])  # finished while its waves are queued
     assert [(j.wave, j.key, j.kind) for j in tracker.flush()] == [(1, "", "band"), (1, "a", "band")]
     assert tracker.window("a") is None
     tracker.add_wave(3, ["b"], {"b": [1, 2, 3, 4]}, WaveTokens([[5, 5, 5, 5, 5]]))
