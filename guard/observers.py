@@ -27,7 +27,9 @@ class WaveObserver(Protocol):
 
     def begin_wave(self, wave: int) -> None: ...  # before execute_model
     def on_schedule(self, wave: int, scheduler_output: Any) -> None: ...  # before sampling
-    def on_output(self, wave: int, runner: Any, output: Any) -> None: ...  # the wave's tokens
+    # the wave's output, and its tokens as the processor read them (`guard.schedule.WaveTokens`,
+    # None when the output carries no host-side token lists)
+    def on_output(self, wave: int, runner: Any, output: Any, tokens: Any) -> None: ...
     def end_wave(self, wave: int) -> None: ...  # after sample_tokens
     def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool) -> None: ...  # streamer
     def close(self) -> None: ...

@@ -36,8 +36,8 @@ from guard.schedule import (
     EMPTY_SCHEDULE,
     PrefillTracker,
     ScheduleSummary,
+    read_sampled,
     read_schedule,
-    sampled_counts,
 )
 from guard.spool import IncidentSpool
 from guard.streamer import HeartbeatState, Streamer, WaveTuple
@@ -211,10 +211,10 @@ class GuardProcessor:
             if output is None:
                 self._open = opened  # sample_tokens finishes this wave
             else:
-                tokens, kept = sampled_counts(output, runner)
+                tokens, kept, read = read_sampled(output, runner)
                 self._emit(opened, 0, 0, tokens, False, output, kept)
                 self._run_hooks(
-                    observers.on_output_hooks, "observer_on_output", wave, runner, output
+                    observers.on_output_hooks, "observer_on_output", wave, runner, output, read
                 )
                 self._run_hooks(observers.end_wave_hooks, "observer_end_wave", wave)
         except Exception:  # noqa: BLE001
@@ -252,14 +252,14 @@ class GuardProcessor:
         self._open = None
         try:
             offset = start - opened[1]
-            tokens, kept = sampled_counts(output, self._runner)
+            tokens, kept, read = read_sampled(output, self._runner)
             if tokens is None and callable(getattr(output, "get_output", None)):
                 self._finish_on_get_output(opened, output, end - start, offset)
                 return output
             self._emit(opened, end - start, offset, tokens, True, output, kept)
             for hook in observers.on_output_hooks:  # _run_hooks, in line: the usual wave's path
                 try:
-                    hook(opened[0], self._runner, output)
+                    hook(opened[0], self._runner, output, read)
                 except Exception:  # noqa: BLE001
                     self.errors.record("observer_on_output")
         except Exception:  # noqa: BLE001
@@ -309,7 +309,7 @@ class GuardProcessor:
                 # no trim of drafts past a stop here: by now the runner's request states
                 # may have moved on (async scheduling), so every returned token counts; the
                 # per-request counts are taken now, before the scheduler cuts any list
-                tokens, kept = sampled_counts(result)
+                tokens, kept, read = read_sampled(result)
                 self._emit(opened, sample_ns, offset, tokens, True, result, kept)
                 self._run_hooks(
                     self.observers.on_output_hooks,
@@ -317,6 +317,7 @@ class GuardProcessor:
                     opened[0],
                     self._runner,
                     result,
+                    read,
                 )
             except Exception:  # noqa: BLE001
                 self.errors.record("async_output")

@@ -17,8 +17,13 @@ What is counted, and how it relates to vLLM's own counters (docs: README, "Metri
 
 from __future__ import annotations
 
+import array as arrays
+import itertools
 from array import array
+from collections.abc import Sequence
 from typing import Any, NamedTuple
+
+import numpy as np
 
 
 class ScheduleSummary(NamedTuple):
@@ -188,6 +193,68 @@ def _prompt_len(new_request: Any) -> int:
     return int(shape[0]) if shape else 0
 
 
+class WaveTokens:
+    """One wave's sampled tokens: `ids` (all of them, row by row) and, unless every row has
+    exactly one token (`uniform`, a plain decode wave), `lengths` per row.
+
+    `sampled` is the runner's list of token lists; the processor reads it once a wave here
+    (`read_sampled`), at C speed, for its own counts and the detectors' checks alike, so later
+    changes to those lists (the scheduler trims tokens past a stop) do not reach the detectors.
+    No numpy runs here: inside the engine numpy's first calls after the model's own work cost
+    several times their figure in a loop, so arrays are built per batch, not per wave.
+    `packed` (the ids as 8-byte machine integers, about 20 ns an id) and `flat` (an array over
+    `packed`, no copy) are made on first use.
+    """
+
+    __slots__ = ("_packed", "ids", "lengths", "rows", "width")
+
+    def __init__(self, sampled: Sequence[Sequence[int]]) -> None:
+        rows = len(sampled)
+        self.rows = rows
+        self._packed: arrays.array | None = None
+        try:
+            # a plain decode wave: one pass that unpacks each row, and fails on a longer one
+            self.ids = [token for (token,) in sampled]
+        except ValueError:
+            lengths = list(map(len, sampled))
+            self.ids = list(itertools.chain.from_iterable(sampled))
+            self.lengths: list[int] | None = lengths
+            self.width = max(lengths)
+        else:
+            self.lengths = None
+            self.width = 1 if rows else 0
+
+    @property
+    def uniform(self) -> bool:
+        return self.lengths is None
+
+    @property
+    def packed(self) -> arrays.array:
+        """`ids` as 8-byte integers (an id past that range raises OverflowError)."""
+        if self._packed is None:
+            self._packed = arrays.array("q", self.ids)
+        return self._packed
+
+    @property
+    def flat(self) -> np.ndarray:
+        """`ids` as an int64 array (over `packed`)."""
+        return np.frombuffer(self.packed, dtype=np.int64)
+
+    def row(self, index: int) -> list[int]:
+        """Row `index`'s ids."""
+        lengths = self.lengths
+        if lengths is None:
+            return self.ids[index : index + 1]
+        start = sum(lengths[:index])
+        return self.ids[start : start + lengths[index]]
+
+    def row_of_each(self) -> np.ndarray:
+        """The row of each id in `ids`."""
+        if self.lengths is None:
+            return np.arange(self.rows)
+        return np.repeat(np.arange(self.rows), self.lengths)
+
+
 class _OneEach:
     """The per-request counts of a wave where every request keeps exactly one token (no array
     made). Compared by identity; it has no length, so a check that forgets that fails loudly."""
@@ -203,34 +270,37 @@ ONE_EACH = _OneEach()
 
 def count_sampled_tokens(output: Any, runner: Any = None) -> int | None:
     """Tokens a runner output carries that the scheduler keeps, or None when it carries no
-    host-side token lists yet (`sampled_counts` without the per-request counts)."""
-    return sampled_counts(output, runner)[0]
+    host-side token lists yet (`read_sampled`'s first value)."""
+    return read_sampled(output, runner)[0]
 
 
-def sampled_counts(output: Any, runner: Any = None) -> tuple[int | None, Any]:
-    """(tokens the scheduler keeps of this output, and how many each request keeps), or
-    (None, None) when the output carries no host-side token lists yet. The per-request
-    counts are `ONE_EACH` in the usual wave, where every request got one token, and
-    otherwise an array in the output's order.
+def read_sampled(output: Any, runner: Any = None) -> tuple[int | None, Any, WaveTokens | None]:
+    """The wave's sampled tokens, read once: (tokens the scheduler keeps of this output, how
+    many each request keeps, and the tokens themselves as returned), or (None, None, None)
+    when the output carries no host-side token lists yet. The per-request counts are
+    `ONE_EACH` in the usual wave, where every request got one token, and otherwise an array
+    in the output's order.
 
     A request gets more than one token in a wave only when drafts were accepted; those lists
     are cut where the scheduler stops the request (`_kept`). One token per request needs no
     look at the request: the scheduler keeps a lone token. The request membership queues the
-    per-request counts in place of the output's token lists.
+    per-request counts in place of the output's token lists; the detectors take the tokens.
     """
     ids = getattr(output, "sampled_token_ids", None)
     if not isinstance(ids, list):
-        return None, None
-    total = sum(map(len, ids))
-    if total == len(ids) and all(map(len, ids)):  # none empty, none longer: one each (in C)
-        return total, ONE_EACH
-    counts = array("I", map(len, ids))
-    if max(counts, default=0) <= 1:
-        return total, counts
+        return None, None, None
+    tokens = WaveTokens(ids)  # one pass in the usual wave: it tells one each apart too
+    lengths = tokens.lengths
+    if lengths is None:  # none empty, none longer: one each
+        return tokens.rows, ONE_EACH, tokens
+    total = len(tokens.ids)
+    counts = array("I", lengths)
+    if tokens.width <= 1:
+        return total, counts, tokens
     requests = getattr(runner, "requests", None) if runner is not None else None
     req_ids = getattr(output, "req_ids", None)
     if not isinstance(requests, dict) or not isinstance(req_ids, list):
-        return total, counts
+        return total, counts, tokens
     max_model_len = getattr(runner, "max_model_len", 0) or 0
     for index in [i for i, c in enumerate(counts) if c > 1 and i < len(req_ids)]:
         state = requests.get(req_ids[index])
@@ -238,7 +308,7 @@ def sampled_counts(output: Any, runner: Any = None) -> tuple[int | None, Any]:
             kept = _kept(ids[index], state, max_model_len)
             total -= counts[index] - kept
             counts[index] = kept
-    return total, counts
+    return total, counts, tokens
 
 
 def _kept(tokens: list[int], state: Any, max_model_len: int) -> int:

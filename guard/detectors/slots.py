@@ -1,4 +1,4 @@
-"""Per-request state in arrays: a slot per request id, and one wave's tokens read once.
+"""Per-request state in arrays: a slot per request id, and batches of waves' tokens.
 
 A detector keeps each request's state in preallocated numpy rows indexed by a slot. A wave maps
 its request ids to slots once (`SlotMap.slots`, cached while the batch's composition stays the
@@ -9,11 +9,12 @@ new request always starts from a clean row.
 
 from __future__ import annotations
 
-import array
 import itertools
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
+
+from guard.schedule import WaveTokens
 
 INITIAL_SLOTS = 64
 # waves a batching detector screens together: about BATCH_IDS rows' worth, within
@@ -125,67 +126,6 @@ def grown(array: np.ndarray, rows: int, fill: int | float | bool = 0) -> np.ndar
     out = np.full((rows, *array.shape[1:]), fill, dtype=array.dtype)
     out[: array.shape[0]] = array
     return out
-
-
-class WaveTokens:
-    """One wave's sampled tokens: `ids` (all of them, row by row) and, unless every row has
-    exactly one token (`uniform`, a plain decode wave), `lengths` per row.
-
-    `sampled` is the runner's list of token lists; it is read once here, at C speed, so later
-    changes to those lists (the scheduler trims tokens past a stop) do not reach the detectors.
-    No numpy runs here: inside the engine numpy's first calls after the model's own work cost
-    several times their figure in a loop, so arrays are built per batch, not per wave.
-    `packed` (the ids as 8-byte machine integers, about 20 ns an id) and `flat` (an array over
-    `packed`, no copy) are made on first use.
-    """
-
-    __slots__ = ("_packed", "ids", "lengths", "rows", "width")
-
-    def __init__(self, sampled: Sequence[Sequence[int]]) -> None:
-        rows = len(sampled)
-        self.rows = rows
-        self._packed: array.array | None = None
-        try:
-            # a plain decode wave: one pass that unpacks each row, and fails on a longer one
-            self.ids = [token for (token,) in sampled]
-        except ValueError:
-            lengths = list(map(len, sampled))
-            self.ids = list(itertools.chain.from_iterable(sampled))
-            self.lengths: list[int] | None = lengths
-            self.width = max(lengths)
-        else:
-            self.lengths = None
-            self.width = 1 if rows else 0
-
-    @property
-    def uniform(self) -> bool:
-        return self.lengths is None
-
-    @property
-    def packed(self) -> array.array:
-        """`ids` as 8-byte integers (an id past that range raises OverflowError)."""
-        if self._packed is None:
-            self._packed = array.array("q", self.ids)
-        return self._packed
-
-    @property
-    def flat(self) -> np.ndarray:
-        """`ids` as an int64 array (over `packed`)."""
-        return np.frombuffer(self.packed, dtype=np.int64)
-
-    def row(self, index: int) -> list[int]:
-        """Row `index`'s ids."""
-        lengths = self.lengths
-        if lengths is None:
-            return self.ids[index : index + 1]
-        start = sum(lengths[:index])
-        return self.ids[start : start + lengths[index]]
-
-    def row_of_each(self) -> np.ndarray:
-        """The row of each id in `ids`."""
-        if self.lengths is None:
-            return np.arange(self.rows)
-        return np.repeat(np.arange(self.rows), self.lengths)
 
 
 def packed_batch(waves: Sequence[WaveTokens]) -> np.ndarray:

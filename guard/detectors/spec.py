@@ -34,12 +34,12 @@ import numpy as np
 from guard.detectors.config import SpecAcceptanceConfig
 from guard.detectors.slots import (
     SlotMap,
-    WaveTokens,
     batch_waves,
     grown,
     power_of_two,
     rank_in_group,
 )
+from guard.schedule import WaveTokens
 
 
 class Window:

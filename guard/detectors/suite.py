@@ -24,10 +24,11 @@ from guard.detectors import compiled
 from guard.detectors import logits as logit_checks
 from guard.detectors.config import DetectorsConfig
 from guard.detectors.evidence import EvidenceDumper, request_kv_blocks
-from guard.detectors.slots import WaveTokens, batch_waves
+from guard.detectors.slots import batch_waves
 from guard.detectors.spec import AcceptanceTracker, Judged
 from guard.detectors.tokens import RepeatDetector, out_of_range, rows_out_of_range
 from guard.reporter import IncidentReporter
+from guard.schedule import WaveTokens
 
 # a token batch left queued this long with no new wave is screened by the streamer thread, so a
 # finding does not wait for the next request
@@ -303,7 +304,11 @@ class DetectorSuite:
             )
 
     # -- output -----------------------------------------------------------------------------
-    def on_output(self, wave: int, runner: Any, output: Any) -> None:
+    def on_output(
+        self, wave: int, runner: Any, output: Any, tokens: WaveTokens | None = None
+    ) -> None:
+        """The wave's sampled tokens: `tokens` as the processor read them (`read_sampled`),
+        or read here from `output` when not given."""
         if self._pending:
             self.resolve_ready()
         if not self.needs_output:
@@ -315,11 +320,13 @@ class DetectorSuite:
         if len(sampled) != len(req_ids):
             count = min(len(sampled), len(req_ids))
             req_ids, sampled = req_ids[:count], sampled[:count]
+            tokens = None  # read again: the rows past the request ids are left out
         if self.vocab_size is None:  # the first output: what the runner says of itself
             self.vocab_size = _vocab_size(runner, None)
             if getattr(runner, "speculative_config", "") is None:
                 self.spec = None  # no drafts will come: spec_acceptance has nothing to judge
-        tokens = WaveTokens(sampled)  # read once at C speed: no Python pass per request
+        if tokens is None:
+            tokens = WaveTokens(sampled)  # read once at C speed: no Python pass per request
         if self.logs_tokens:
             # the runner's request ids are a list of the wave's own (V1 hands a copy of its
             # batch's, MRV2 builds a batch per step): kept, not copied

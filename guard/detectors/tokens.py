@@ -28,12 +28,12 @@ from guard.detectors import compiled
 from guard.detectors.config import TokenRepeatConfig
 from guard.detectors.slots import (
     SlotMap,
-    WaveTokens,
     batch_waves,
     grown,
     packed_batch,
     power_of_two,
 )
+from guard.schedule import WaveTokens
 
 CHECK_EVERY = 8  # new tokens of a request before its stream is looked at for loops again
 # batches left queued for another thread's screen before the engine thread screens them itself

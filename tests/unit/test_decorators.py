@@ -533,8 +533,9 @@ class Recorder:
     def on_schedule(self, wave, scheduler_output):
         self.calls.append((self.name, "schedule", wave))
 
-    def on_output(self, wave, runner, output):
+    def on_output(self, wave, runner, output, tokens):
         self.calls.append((self.name, "output", wave))
+        self.tokens = tokens
 
     def end_wave(self, wave):
         self.calls.append((self.name, "end", wave))
@@ -571,6 +572,18 @@ def test_observers_are_called_in_order_and_a_failing_hook_is_counted(guard):
     batch = guard_pb2.Batch()
     guard.processor.fill_batch(batch, True)
     assert batch.guard_errors_total == 2 + 5 and batch.heartbeat.last_wave == 2
+
+
+def test_the_wave_tokens_are_read_once_for_the_record_and_the_observers(guard):
+    """The processor reads the sampled tokens once: the wave's record counts them and the
+    observers get that same read, not the lists, which the scheduler may cut afterwards."""
+    recorder = Recorder([], "a")
+    guard.processor.add_observer(recorder)
+    runner = Runner(sample_result=Output([[5], [6, 7]]))
+    runner.execute_model(sched(a=1, b=2))
+    runner.sample_tokens(None)
+    assert recorder.tokens.ids == [5, 6, 7] and recorder.tokens.lengths == [1, 2]
+    assert guard.records[-1].sampled_tokens == 3
 
 
 def test_decorators_are_a_leaf_and_the_facade_needs_no_processor():

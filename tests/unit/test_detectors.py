@@ -26,7 +26,7 @@ from guard.detectors.config import (
 )
 from guard.detectors.evidence import EvidenceDumper
 from guard.detectors.host import DetectorHost
-from guard.detectors.slots import WaveTokens, packed_batch
+from guard.detectors.slots import packed_batch
 from guard.detectors.spec import AcceptanceTracker
 from guard.detectors.suite import HOST_READ_WAVES, HOST_STATS_QUEUED, DetectorSuite
 from guard.detectors.tokens import (
@@ -37,6 +37,7 @@ from guard.detectors.tokens import (
     rows_out_of_range,
 )
 from guard.reporter import IncidentReporter
+from guard.schedule import WaveTokens
 from telemetry.proto import guard_pb2
 
 
@@ -690,6 +691,26 @@ def test_a_device_without_events_is_copied_at_once():
     )
     host, event = checks.start_copy(tensor)
     assert copied == ["cpu"] and event is None and host.tolist() == [1.0, 1.0]
+
+
+def test_the_suite_judges_the_tokens_the_processor_read_and_rereads_rows_cut_to_the_ids(tmp_path):
+    """The processor reads a wave's tokens once (`read_sampled`) and hands the read to the
+    detectors, which judge that read: the lists may have been cut by the scheduler since.
+    When the output has more rows than request ids, the suite reads the rows it keeps again."""
+    suite, sent, _ = make_suite(tmp_path)
+    runner = Runner(["a"])
+    suite.on_logits(1, runner, torch.randn(1, 50), None)  # the vocabulary: 50
+    output = types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[7]])
+    suite.on_output(1, runner, output, WaveTokens([[77]]))  # read before a cut, say
+    suite.close()
+    assert [json.loads(i.evidence_json)["ids"] for i in sent] == [[77]]
+
+    suite, sent, _ = make_suite(tmp_path)
+    suite.on_logits(1, runner, torch.randn(1, 50), None)
+    output = types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[7], [99]])
+    suite.on_output(1, runner, output, WaveTokens(output.sampled_token_ids))
+    suite.close()
+    assert sent == []  # 99 belongs to no request id: not judged
 
 
 def test_no_probe_is_sent_when_no_row_was_healthy(tmp_path):

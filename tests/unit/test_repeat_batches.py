@@ -27,10 +27,11 @@ from guard.detectors.config import (
     TokenRepeatConfig,
 )
 from guard.detectors.host import DetectorHost
-from guard.detectors.slots import WaveTokens, batch_waves
+from guard.detectors.slots import batch_waves
 from guard.detectors.suite import IDLE_FLUSH_S
 from guard.detectors.tokens import CHECK_EVERY, OVERDUE_BATCHES, RepeatDetector, find_loop
 from guard.reporter import IncidentReporter
+from guard.schedule import WaveTokens
 from telemetry.proto import guard_pb2
 
 

@@ -322,7 +322,7 @@ def test_queued_steps_hold_no_vllm_object_and_one_each_rows_match_counted_rows()
     import gc
     import weakref
 
-    from guard.schedule import ONE_EACH, sampled_counts
+    from guard.schedule import ONE_EACH, read_sampled
 
     ids = ["a", "b", "c"]
     rows = []
@@ -332,7 +332,7 @@ def test_queued_steps_hold_no_vllm_object_and_one_each_rows_match_counted_rows()
         so.scheduled_new_reqs = [_Held(req_id=i, prompt_token_ids=[1, 2]) for i in ids]
         new_req = weakref.ref(so.scheduled_new_reqs[0])
         out = _Held(req_ids=list(ids), sampled_token_ids=[[7], [8], [9]])
-        tokens, kept = sampled_counts(out)
+        tokens, kept, _ = read_sampled(out)
         assert (tokens, kept) == (3, ONE_EACH)
         m.on_schedule(1, so)
         if counts_from_processor:
@@ -354,13 +354,13 @@ def test_an_output_with_no_token_lists_leaves_its_rows_sampled_unknown() -> None
     """A pooling runner's output has request ids and an empty `sampled_token_ids`: the
     processor counts 0 tokens, one each of no list, and the row says the sampled tokens are
     not known rather than one each."""
-    from guard.schedule import sampled_counts
+    from guard.schedule import read_sampled
 
     ids = ["a", "b"]
     m = RequestMembership(capacity=100)
     m.on_schedule(1, _sched(ids, [3, 3], new=ids))
     out = SimpleNamespace(req_ids=list(ids), req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[])
-    tokens, kept = sampled_counts(out)
+    tokens, kept, _ = read_sampled(out)
     m.on_wave(1, out, tokens, kept)
     m.drain()
     (row,) = m._rows

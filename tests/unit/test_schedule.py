@@ -14,7 +14,7 @@ from guard.schedule import (
     ScheduleSummary,
     _kept,
     count_sampled_tokens,
-    sampled_counts,
+    read_sampled,
 )
 
 sched_output = pytest.importorskip("vllm.v1.core.sched.output")
@@ -342,17 +342,23 @@ def test_drafts_past_a_stop_are_trimmed_as_vllms_check_stop_trims_them(
     assert _kept(tokens, state, max_len) == want
     output = types.SimpleNamespace(req_ids=["a", "b"], sampled_token_ids=[[1], tokens])
     runner = types.SimpleNamespace(requests={"b": state}, max_model_len=max_len)
-    total, counts = sampled_counts(output, runner)
+    total, counts, read = read_sampled(output, runner)
     assert total == 1 + want and list(counts) == [1, want]
+    assert read.ids == [1, *tokens] and read.lengths == [1, len(tokens)]  # as returned, untrimmed
 
 
-def test_sampled_counts_says_one_each_only_when_every_request_got_exactly_one_token():
+def test_read_sampled_says_one_each_only_when_every_request_got_exactly_one_token():
     """`ONE_EACH` stands for the per-request counts only when no list is empty or longer;
-    a wave with an empty list (a prefill chunk) or drafts gets its counts as an array."""
+    a wave with an empty list (a prefill chunk) or drafts gets its counts as an array. The
+    tokens read are the detectors' too: every id, row by row, copied out of the lists."""
     from guard.schedule import ONE_EACH
 
     def counts(lists):
-        return sampled_counts(types.SimpleNamespace(req_ids=[], sampled_token_ids=lists))
+        total, kept, read = read_sampled(types.SimpleNamespace(req_ids=[], sampled_token_ids=lists))
+        if read is not None:
+            assert read.ids == [t for row in lists for t in row] and read.rows == len(lists)
+            assert read.uniform == (kept is ONE_EACH)
+        return total, kept
 
     assert counts([[5], [6], [7]]) == (3, ONE_EACH)
     assert counts([]) == (0, ONE_EACH)
@@ -361,3 +367,8 @@ def test_sampled_counts_says_one_each_only_when_every_request_got_exactly_one_to
     total, kept = counts([[], [5]])
     assert total == 1 and list(kept) == [0, 1]
     assert counts(None) == (None, None)
+    lists = [[5], [6]]
+    _, _, read = read_sampled(types.SimpleNamespace(sampled_token_ids=lists))
+    lists[1].clear()  # the scheduler cuts a list after the read: the read keeps what came
+    assert read.ids == [5, 6]
+    assert read_sampled(types.SimpleNamespace(sampled_token_ids=None)) == (None, None, None)

@@ -17,8 +17,8 @@ import random
 import pytest
 
 from guard.detectors.config import SpecAcceptanceConfig
-from guard.detectors.slots import WaveTokens
 from guard.detectors.spec import AcceptanceTracker
+from guard.schedule import WaveTokens
 
 
 class Sums:
