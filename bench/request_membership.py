@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 from guard.config import GuardConfig  # noqa: E402
 from guard.processor import GuardProcessor  # noqa: E402
 from guard.request_membership import RETIRED_KEPT, RequestMembership  # noqa: E402
-from guard.schedule import sampled_counts  # noqa: E402
+from guard.schedule import read_sampled  # noqa: E402
 from telemetry.proto import guard_pb2  # noqa: E402
 
 RANK = guard_pb2.RankInfo(run_id="bench", engine="b", tp_size=2, dp_size=1, pp_size=1)
@@ -192,7 +192,7 @@ def measure(reqs: int, blocks: int, n_waves: int, scenario: str, warm: int) -> d
             if proc.membership is not None:
                 proc.membership.fill_batch(guard_pb2.Batch())
         waves = engine.waves(size)
-        call_alone(alone, waves, [sampled_counts(o, runner) for _, o in waves], number)
+        call_alone(alone, waves, [read_sampled(o, runner)[:2] for _, o in waves], number)
         number += size
     diffs, ons, offs, direct, streamer = [], [], [], [], []
     for block in range(blocks):
@@ -200,7 +200,7 @@ def measure(reqs: int, blocks: int, n_waves: int, scenario: str, warm: int) -> d
         batch_waves = {on: engines[on].waves(n_waves) for on in procs}
         waves = engine.waves(n_waves)
         # the processor counts these (its cost, the same with membership off)
-        counted = [sampled_counts(o, runner) for _, o in waves]
+        counted = [read_sampled(o, runner)[:2] for _, o in waves]
         took, worked = {}, 0
         gc.disable()
         try:

@@ -33,7 +33,7 @@ When requests leave and join, the new list is predicted the way vLLM's persisten
 changes (freed slots reused lowest first, then condensed: `_predicted`) and checked with the
 same one compare; only a list it did not predict (a reorder) pays a lookup per request. Drafts
 (spec decode: tokens differ per request) list every member, with the per-request kept counts
-the processor already made for the wave's total (`guard.schedule.sampled_counts`).
+the processor already made for the wave's total (`guard.schedule.read_sampled`).
 
 Bounds: steps wait up to `STEPS_KEPT` waves (then worked out on the engine thread); rows
 wait in a deque of `capacity` (the oldest dropped, counted); names of live requests are kept
@@ -137,7 +137,7 @@ class RequestMembership:
     def on_wave(self, wave: int, output: Any, tokens: int | None, kept: Any = None) -> None:
         """Record wave `wave`: `output` is the runner output (None: it sampled nothing here),
         `tokens` the sampled tokens the processor counted for it and `kept` how many tokens
-        each request keeps (`sampled_counts`: `ONE_EACH`, or an array in the output's order;
+        each request keeps (`read_sampled`: `ONE_EACH`, or an array in the output's order;
         made here from the token lists when not given, as they are now: a list the scheduler
         cuts later keeps its count from here).
 
