@@ -127,6 +127,20 @@ def current_rank() -> tuple[int, int, int]:
     return coords[0], coords[1], coords[2]
 
 
+def widest_group() -> int:
+    """The most ranks any of this process's groups spans (1: vLLM short-cuts every collective
+    here, so none communicates; 0: not known, no group answered)."""
+    from vllm.distributed import parallel_state as ps
+
+    sizes = []
+    for name in ("get_world_group", "get_tp_group", "get_pp_group", "get_dp_group", "get_ep_group"):
+        try:
+            sizes.append(int(getattr(ps, name)().world_size))
+        except Exception:  # noqa: BLE001 - a group this vLLM lacks, or not initialised
+            continue
+    return max(sizes, default=0)
+
+
 def _replay_events() -> Callable[[], Any] | None:
     """Device timing events for graph replays (None on CPU, where nothing is captured)."""
     try:
@@ -150,6 +164,7 @@ def install_collective_guard(config: GuardConfig, processor: Any) -> None:
     guard = CollectiveGuard(
         collectives, fault, wave_source=lambda: processor.wave, rank_source=current_rank,
         describe_group=describe_group, new_event=_replay_events(),
+        world_size=widest_group,
     )  # fmt: skip
     processor.observer = guard
     if collectives.enabled:

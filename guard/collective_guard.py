@@ -2,6 +2,11 @@
 
 The processor calls `begin_wave` / `end_wave` at the wave's boundaries on the engine thread,
 and the streamer calls `fill_batch` on its own thread for every batch it sends.
+
+A worker whose every group spans one rank (a TP=1, PP=1, DP=1 engine) never communicates:
+vLLM short-cuts each collective. At the first wave, once vLLM's groups exist, the guard asks
+(`world_size`); with no fire drill to run it then takes its wave hooks away
+(`wave_delegate`) and starts no watchdog, so such an engine pays nothing per wave for it.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ class CollectiveGuard:
         rank_source: RankSource,
         describe_group: Callable[[object], GroupMeta] | None = None,
         new_event: Callable[[], object] | None = None,
+        world_size: Callable[[], int] | None = None,
     ) -> None:
         self.tracker = CollectiveTracker(config, wave_source, describe_group, new_event)
         self.watchdog: CollectiveWatchdog | None = None
@@ -41,23 +47,49 @@ class CollectiveGuard:
         if fault_config.enabled:
             self.injector = FaultInjector(fault_config, self.tracker, rank_source)
             self.injector.warn()
+        # the most ranks any group of this process spans, read at the first wave (0: unknown)
+        self._world_size = world_size
         # the first wave starts the watchdog (this process runs a model); then None
         self._start_watchdog = self.watchdog.start if self.watchdog is not None else None
+        self._first_wave = True
+        self.communicates = True  # until the first wave finds every group of one rank
+        self.on_change: Callable[[], None] = lambda: None  # set by the observers' list
         self.errors = 0
+
+    def wave_delegate(self) -> CollectiveGuard | None:
+        """Whose wave hooks stand for this observer's: its own, or none in a worker that
+        never communicates and runs no drill."""
+        return self if self.communicates or self.injector is not None else None
 
     # The wave hooks run twice a wave on the engine thread, with or without collectives in
     # the wave: no frame beyond the tracker's roll.
     def begin_wave(self, wave: int) -> None:
         try:
             self.tracker.roll(wave)
-            start = self._start_watchdog
-            if start is not None:
-                self._start_watchdog = None
-                start()
+            if self._first_wave:
+                self._first_wave = False
+                self._first(wave)
             if self.injector is not None:
                 self.injector.begin_wave(wave)
         except Exception:  # noqa: BLE001 - never break the step
             self.errors += 1
+
+    def _first(self, wave: int) -> None:
+        """The first wave: vLLM's groups exist now. Start the watchdog where collectives
+        can run; where none can, take the wave hooks away (see the module's docstring)."""
+        try:
+            size = self._world_size() if self._world_size is not None else 0
+        except Exception:  # noqa: BLE001 - not known: the hooks stay, and the watchdog starts
+            size = 0
+        if size == 1:
+            self.communicates = False
+            self.tracker.roll(0)  # nothing will be recorded: close the wave it opened
+            log.info("collectives_none_in_this_worker", wave=wave, drill=self.injector is not None)
+            self.on_change()
+            return
+        start, self._start_watchdog = self._start_watchdog, None
+        if start is not None:
+            start()
 
     def end_wave(self, wave: int) -> None:
         try:

@@ -50,7 +50,11 @@ class Observers:
         self._close: list[Callable[[], None]] = []
 
     def add(self, observer: Any) -> None:
+        """Add `observer`; one that names a delegate is told (`on_change`) how to say that
+        its delegate changed."""
         self.members.append(observer)
+        if callable(getattr(observer, "wave_delegate", None)):
+            observer.on_change = self.refresh
         self.refresh()
 
     def refresh(self) -> None:

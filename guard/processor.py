@@ -105,8 +105,7 @@ class GuardProcessor:
         self.detector_host = DetectorHost(self.incidents, self.offer_probe, self.errors.record)
         self.observers = Observers(self.errors.record)
         self.observers.add(self.live_config)
-        self.observers.add(self.detector_host)
-        self.detector_host.on_change = self.observers.refresh
+        self.observers.add(self.detector_host)  # it calls observers.refresh on a rebuild
         # issue 17: phase and collective in shared memory, for the sidecar (None = off)
         self.live_record: LivenessRecord | None = None
         # issue 12: request membership per wave, on the rank that owns scheduling (None = off).

@@ -52,6 +52,10 @@ class CollectiveWatchdog:
         self._last_tick = time.monotonic()
         self.fired = 0
 
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
     def start(self) -> None:
         if self._thread is not None:
             return

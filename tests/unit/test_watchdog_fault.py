@@ -146,3 +146,59 @@ def test_collective_guard_errors_reach_the_exported_error_count():
     batch = guard_pb2.Batch(guard_errors_total=2)
     guard.fill_batch(batch, with_heartbeat=False)
     assert batch.guard_errors_total == 3
+
+
+class _Observers:
+    """The processor's list of observers, counting how often a member said it changed."""
+
+    def __init__(self, guard):
+        from guard.observers import Observers
+
+        self.list = Observers(lambda where: None)
+        self.list.add(guard)
+        self.refreshes = 0
+        refresh = guard.on_change
+
+        def counted():
+            self.refreshes += 1
+            refresh()
+
+        guard.on_change = counted
+
+    def hooks(self):
+        return [h.__self__ for h in self.list.begin_wave_hooks + self.list.end_wave_hooks]
+
+
+def _sized_guard(size, drill=False):
+    def world_size():
+        if size is None:
+            raise RuntimeError("no groups")
+        return size
+
+    return CollectiveGuard(
+        CollectivesConfig(watchdog=True, watchdog_interval_ms=5), FaultInjectionConfig(enabled=drill),
+        wave_source=lambda: 1, rank_source=lambda: (0, 0, 0), world_size=world_size,
+    )  # fmt: skip
+
+
+def test_a_worker_whose_groups_span_one_rank_drops_its_wave_hooks_and_starts_no_watchdog():
+    """TP=PP=DP=1: vLLM short-cuts every collective, so at the first wave the guard takes its
+    two wave hooks off the engine thread and starts no watchdog thread."""
+    guard = _sized_guard(1)
+    observers = _Observers(guard)
+    assert observers.hooks() == [guard, guard]
+    guard.begin_wave(1)
+    assert observers.refreshes == 1 and observers.hooks() == []
+    assert guard.watchdog is not None and not guard.watchdog.started
+    assert guard.tracker.wave == 0  # the wave it opened is closed
+
+
+def test_a_worker_that_can_communicate_or_runs_a_drill_keeps_its_wave_hooks():
+    for size, drill in ((2, False), (None, False), (0, False), (1, True)):
+        guard = _sized_guard(size, drill)
+        observers = _Observers(guard)
+        guard.begin_wave(1)
+        guard.end_wave(1)
+        assert observers.hooks() == [guard, guard], (size, drill)
+        assert guard.watchdog.started == (size != 1), (size, drill)
+        guard.close()
