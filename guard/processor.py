@@ -8,8 +8,8 @@ logged at a bounded rate, and the engine carries on.
 
 The processor is a minimal shared core, in the manner of vLLM's Model Runner V2: it counts
 waves and fans out to a list of wave observers through one protocol (`guard/observers.py`):
-the config-stamp reader (hot reload), the detectors, the collectives observer, probes. The
-streamer is built here at start-up with one batch-filler protocol (the processor itself and
+the detectors, the collectives observer, probes. A live config change riding on the wave's
+schedule (hot reload) is applied first, before any observer sees the wave. The streamer is built here at start-up with one batch-filler protocol (the processor itself and
 the incident reporter) and started as soon as the first wave names the rank.
 """
 
@@ -97,14 +97,14 @@ class GuardProcessor:
             current_wave=lambda: self.wave,
             sink=self._queue_incident,
         )
-        # the wave observers: live config first (a change applies before this wave's
-        # sampling), the detectors (built once the rank is known), then collectives and probes
+        # live config: a stamp on the wave's schedule applies before any observer sees it
         self.live_config = LiveConfig(
             self.incidents, self._config_changed, self.offer_probe, self._run_id
         )
+        # the wave observers: the detectors (built once the rank is known), then collectives
+        # and probes
         self.detector_host = DetectorHost(self.incidents, self.offer_probe, self.errors.record)
         self.observers = Observers(self.errors.record)
-        self.observers.add(self.live_config)
         self.observers.add(self.detector_host)  # it calls observers.refresh on a rebuild
         # issue 17: phase and collective in shared memory, for the sidecar (None = off)
         self.live_record: LivenessRecord | None = None
@@ -191,18 +191,14 @@ class GuardProcessor:
                 schedule = EMPTY_SCHEDULE
             else:
                 scheduler_output = args[0] if args else kwargs.get("scheduler_output")
-                # config stamps (applied on every rank at this wave, before its sampling), then
-                # the detectors (finished requests, drafts)
-                hooks = observers.on_schedule_hooks
-                for hook in hooks:
+                fields = read_schedule(scheduler_output)  # read once, for all below
+                if fields.stamp is not None:  # applied on every rank at this wave, before
+                    self._apply_stamp(fields.stamp, wave)  # its sampling and its observers
+                for hook in observers.on_schedule_hooks:  # the detectors: finished, drafts
                     try:
                         hook(wave, scheduler_output)
                     except Exception:  # noqa: BLE001
                         self.errors.record("observer_on_schedule")
-                    if observers.on_schedule_hooks is not hooks:  # a live change rebuilt one
-                        self._schedule_rest(hook, wave, scheduler_output)
-                        break
-                fields = read_schedule(scheduler_output)  # read once, for both below
                 schedule = self._prefill.summarize_fields(fields, scheduler_output)
                 if self.membership is not None:
                     self.membership.queue_schedule(wave, fields)
@@ -278,17 +274,19 @@ class GuardProcessor:
         except Exception:  # noqa: BLE001
             self.errors.record("step_begin")
 
-    def _schedule_rest(self, done: Callable[..., None], wave: int, scheduler_output: Any) -> None:
-        """Hook `done` (a config change) rebuilt an observer's delegate (the detectors'
-        suite): the hooks after it come from the new tuple, so the new suite sees this wave's
-        schedule, as the change applies before this wave's sampling, and the closed one not."""
-        hooks = self.observers.on_schedule_hooks
-        start = hooks.index(done) + 1 if done in hooks else 0
-        self._run_hooks(hooks[start:], "observer_on_schedule", wave, scheduler_output)
+    def _apply_stamp(self, stamp: Any, wave: int) -> None:
+        """A live config change rides on this wave's schedule (guard/reload.py). It may
+        rebuild the detectors' suite, before the observers' hooks are read for this wave: the
+        new suite sees the wave's schedule, and the closed one does not."""
+        try:
+            self.live_config.apply(stamp, wave)
+        except Exception:  # noqa: BLE001
+            self.errors.record("live_config")
 
     def _run_hooks(self, hooks: tuple, where: str, *args: Any) -> None:
         """Call each hook; one that raises is counted under `where` and the others still run.
-        The usual wave's paths walk their tuples in line instead (one frame less each)."""
+        The usual wave's paths walk their tuples in line instead (one frame less each): a step
+        that returns its output itself and async output come here."""
         for hook in hooks:
             try:
                 hook(*args)

@@ -196,12 +196,13 @@ def guard_schedule(fn: F) -> F:
 
 
 class LiveConfig:
-    """Worker side of hot reload, a wave observer: applies each new stamp at its wave.
+    """Worker side of hot reload: applies each new stamp at its wave.
 
     A stamp rides on the scheduler output, so every rank applies (or refuses) it at the same
-    wave, before that wave's sampling. `on_change` gets the new config (the processor then
-    rebuilds what depends on it); a refusal or keys needing a restart become incidents with one
-    id shared by every rank.
+    wave, before that wave's sampling: the processor reads it with the schedule's other fields
+    (`guard.schedule.read_schedule`) and calls `apply` before any observer sees the schedule.
+    `on_change` gets the new config (the processor then rebuilds what depends on it); a refusal
+    or keys needing a restart become incidents with one id shared by every rank.
     """
 
     def __init__(
@@ -216,11 +217,6 @@ class LiveConfig:
         self._on_change = on_change
         self._offer_probe = offer_probe
         self._run_id = run_id
-
-    def on_schedule(self, wave: int, scheduler_output: Any) -> None:
-        stamp = getattr(scheduler_output, STAMP_ATTR, None)
-        if stamp is not None:
-            self.apply(stamp, wave)
 
     def apply(self, stamp: Stamp, wave: int) -> None:
         generation, config_json, error, restart = stamp

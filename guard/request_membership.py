@@ -191,7 +191,7 @@ class RequestMembership:
                 return
             if step[0] == _SCHEDULED:
                 try:
-                    self._on_schedule(step[1], *step[2])
+                    self._on_schedule(step[1], step[2])
                 except Exception:  # noqa: BLE001 - membership must not cost the wave record
                     self._failed("request_membership_schedule")
             else:
@@ -206,12 +206,12 @@ class RequestMembership:
         if self._on_error is not None:
             self._on_error(where)
 
-    def _on_schedule(
-        self, wave: int, scheduled: Any, new: Any, done: Any, gone: Any, back: Any, total: Any
-    ) -> None:
+    def _on_schedule(self, wave: int, fields: ScheduleFields) -> None:
         """The scheduler output's scheduled tokens per request, new requests' ids, finished
         ids, preempted ids (None: a scheduler that does not say), resumed ids and total
         tokens."""
+        scheduled, new, done = fields.scheduled, fields.new, fields.finished
+        gone, back, total = fields.preempted, fields.resumed, fields.total
         if scheduled is None:
             return
         index = self._index

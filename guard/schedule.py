@@ -25,6 +25,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from guard.reload import STAMP_ATTR
+
 
 class ScheduleSummary(NamedTuple):
     num_reqs: int
@@ -51,6 +53,7 @@ class ScheduleFields(NamedTuple):
     preempted: Any  # preempted_req_ids (None: an older scheduler that does not say)
     resumed: Any  # scheduled_cached_reqs.resumed_req_ids
     total: Any  # total_num_scheduled_tokens
+    stamp: Any  # a live config change riding on the output (`guard.reload`), else None
 
 
 def read_schedule(scheduler_output: Any) -> ScheduleFields:
@@ -65,6 +68,7 @@ def read_schedule(scheduler_output: Any) -> ScheduleFields:
             getattr(scheduler_output, "preempted_req_ids", None),
             getattr(cached, "resumed_req_ids", None),
             getattr(scheduler_output, "total_num_scheduled_tokens", None),
+            getattr(scheduler_output, STAMP_ATTR, None),
         ),
     )
 
@@ -96,7 +100,7 @@ class PrefillTracker:
     def summarize_fields(self, fields: ScheduleFields, scheduler_output: Any) -> ScheduleSummary:
         """`summarize` from the fields already read; `scheduler_output` is read further only
         for a resumed request's tokens."""
-        scheduled, new_reqs, finished, preempted_ids, resumed, total = fields
+        scheduled, new_reqs, finished, preempted_ids, resumed, total, _ = fields
         scheduled = scheduled or {}
         remaining = self._remaining
         preempted = self._preempted
