@@ -15,7 +15,10 @@ settings (the sampler and rejection-sampler hooks are swapped together with the 
 
 Besides throughput, it reports where the guard's cost lands: its time on the engine thread,
 timed in place, less the timers' own cost (the unguarded rounds run the bare methods through
-the same timers); the sidecar's CPU; the engine process's CPU by thread, to the nanosecond
+the same timers), in the guarded rounds without the detectors' timers (every other guarded
+round carries them, for the detectors' own figure), with the garbage collections it adds (on
+against off) in place of any that ran inside it; the verdict line reads that against the
+1% goal. Then the sidecar's CPU; the engine process's CPU by thread, to the nanosecond
 (the scheduler's own count), on against off (the engine thread's added CPU beyond the guard's
 in-place time is the runner's own code running slower in guarded rounds); and garbage
 collection. `--engine-core` gives the engine thread core 0 alone, with one torch thread, and
