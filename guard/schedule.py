@@ -17,7 +17,6 @@ What is counted, and how it relates to vLLM's own counters (docs: README, "Metri
 
 from __future__ import annotations
 
-import array as arrays
 import itertools
 from array import array
 from collections.abc import Sequence
@@ -215,7 +214,7 @@ class WaveTokens:
     def __init__(self, sampled: Sequence[Sequence[int]]) -> None:
         rows = len(sampled)
         self.rows = rows
-        self._packed: arrays.array | None = None
+        self._packed: array | None = None
         try:
             # a plain decode wave: one pass that unpacks each row, and fails on a longer one
             self.ids = [token for (token,) in sampled]
@@ -233,10 +232,10 @@ class WaveTokens:
         return self.lengths is None
 
     @property
-    def packed(self) -> arrays.array:
+    def packed(self) -> array:
         """`ids` as 8-byte integers (an id past that range raises OverflowError)."""
         if self._packed is None:
-            self._packed = arrays.array("q", self.ids)
+            self._packed = array("q", self.ids)
         return self._packed
 
     @property
