@@ -49,8 +49,7 @@ class CollectiveGuard:
             self.injector.warn()
         # the most ranks any group of this process spans, read at the first wave (0: unknown)
         self._world_size = world_size
-        # the first wave starts the watchdog (this process runs a model); then None
-        self._start_watchdog = self.watchdog.start if self.watchdog is not None else None
+        # the first wave starts the watchdog where collectives can run (`_first`)
         self._first_wave = True
         self.communicates = True  # until the first wave finds every group of one rank
         self.on_change: Callable[[], None] = lambda: None  # set by the observers' list
@@ -87,9 +86,8 @@ class CollectiveGuard:
             log.info("collectives_none_in_this_worker", wave=wave, drill=self.injector is not None)
             self.on_change()
             return
-        start, self._start_watchdog = self._start_watchdog, None
-        if start is not None:
-            start()
+        if self.watchdog is not None:
+            self.watchdog.start()
 
     def end_wave(self, wave: int) -> None:
         try:

@@ -44,7 +44,7 @@ class Observers:
         self.members: list[Any] = []
         self.begin_wave_hooks: tuple[Callable[[int], None], ...] = ()
         self.on_schedule_hooks: tuple[Callable[[int, Any], None], ...] = ()
-        self.on_output_hooks: tuple[Callable[[int, Any, Any], None], ...] = ()
+        self.on_output_hooks: tuple[Callable[[int, Any, Any, Any], None], ...] = ()
         self.end_wave_hooks: tuple[Callable[[int], None], ...] = ()
         self._fill_batch: list[Callable[[guard_pb2.Batch, bool], None]] = []
         self._close: list[Callable[[], None]] = []

@@ -9,8 +9,9 @@ logged at a bounded rate, and the engine carries on.
 The processor is a minimal shared core, in the manner of vLLM's Model Runner V2: it counts
 waves and fans out to a list of wave observers through one protocol (`guard/observers.py`):
 the detectors, the collectives observer, probes. A live config change riding on the wave's
-schedule (hot reload) is applied first, before any observer sees the wave. The streamer is built here at start-up with one batch-filler protocol (the processor itself and
-the incident reporter) and started as soon as the first wave names the rank.
+schedule (hot reload) is applied first, before any observer sees the wave. The streamer is
+built here at start-up with one batch-filler protocol (the processor itself and the incident
+reporter) and started as soon as the first wave names the rank.
 """
 
 from __future__ import annotations
