@@ -103,14 +103,15 @@ def _device_time(fn: Callable[..., Any], point: AttachPoint) -> Callable[..., An
 
     @functools.wraps(fn)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # on every worker step: two dict reads when the guard is off or there is no device clock
-        timer = state.get("timer", _UNSET) if decorators._processor is not None else None
-        if timer is None:
+        if decorators._processor is None:  # the guard is off: one global read
             return fn(self, *args, **kwargs)
+        timer = state.get("timer", _UNSET)
         if timer is _UNSET:
             timer = _timer()
-            if timer is None:
-                return fn(self, *args, **kwargs)
+        if timer is None:  # no device clock here (CPU), ever: the bare method from now on
+            if decorators.step_aside(type(self), phase, wrapper):
+                log.info("device_time_stepped_aside", method=point.target, platform=platform())
+            return fn(self, *args, **kwargs)
         try:
             started = timer.start(phase)
         except Exception:  # noqa: BLE001

@@ -97,6 +97,19 @@ def unwrap(method: Any) -> Any:
     return getattr(method, WRAPPED_ATTR, None) or method
 
 
+def step_aside(cls: type, name: str, wrapper: Any) -> bool:
+    """Put the bare function back in place of `wrapper`, on the class of `cls`'s MRO that holds
+    it as `name`. For a wrapper that finds at its first call that it has nothing to do in this
+    process, ever (no device clock, no config file to watch): on the engine thread every later
+    step would still pay its frame. False when `wrapper` is not there (stepped aside already,
+    or rebound)."""
+    for owner in cls.__mro__:
+        if owner.__dict__.get(name) is wrapper:
+            setattr(owner, name, getattr(wrapper, WRAPPED_ATTR))
+            return True
+    return False
+
+
 def runtime_guard_logits(fn: F) -> F:
     """Decorate a sampler's `forward(self, logits, sampling_metadata, ...)`: logits detectors."""
     if getattr(fn, WRAPPED_ATTR, None) is not None:

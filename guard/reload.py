@@ -33,6 +33,7 @@ from guard.config import (
     config_from_json,
     parse_config,
 )
+from guard.decorators import step_aside
 
 log = structlog.get_logger("ascend_guard.reload")
 
@@ -187,6 +188,9 @@ def guard_schedule(fn: F) -> F:
             watcher = engine_watcher()
             if watcher is not None:
                 watcher.stamp_output(output)
+            elif step_aside(type(self), fn.__name__, guarded_schedule):
+                # no config file to watch in this engine, ever: no frame on later steps
+                log.info("config_stamp_stepped_aside", reason="no config file is watched")
         except Exception:  # noqa: BLE001 - never break scheduling
             log.exception("config_stamp_failed")
         return output

@@ -251,6 +251,81 @@ def test_idle_dp_rank_dummy_batch_is_a_dummy_wave():
     assert all(w.dummy and w.num_reqs == 0 and not w.sampled for w in streamer.waves)
 
 
+def _device_time_worker():
+    """A worker base class with its step and sample bound as the binder binds `device_time`
+    points, and a subclass that inherits them (as vLLM's CPUWorker inherits the GPU worker's)."""
+
+    class Worker:
+        def execute_model(self, scheduler_output):
+            return ("ran", scheduler_output)
+
+        def sample_tokens(self, grammar_output):
+            return ("sampled", grammar_output)
+
+    class CPUWorker(Worker):
+        pass
+
+    originals = {}
+    for method in ("execute_model", "sample_tokens"):
+        point = AttachPoint("worker", __name__, "Worker", method, "device_time", ("cpu",))
+        originals[method] = Worker.__dict__[method]
+        setattr(Worker, method, actions.WRAPPERS["device_time"](originals[method], point))
+    return Worker, CPUWorker, originals
+
+
+def test_device_time_steps_aside_where_there_is_no_device_clock(monkeypatch):
+    """On a platform with no device clock (CPU) each wrapper puts the bare method back at its
+    first guarded call, the one that finds the clock missing and the one after it alike, so
+    later steps pay no frame of the guard's; with the guard off they stay."""
+    monkeypatch.setitem(actions._state, "platform", "cpu")
+    monkeypatch.delitem(actions._state, "timer", raising=False)
+    Worker, CPUWorker, originals = _device_time_worker()
+    install(None)
+    assert CPUWorker().execute_model(1) == ("ran", 1)
+    assert is_guarded(Worker.__dict__["execute_model"])  # guard off: nothing decided yet
+    processor, _ = _processor()
+    install(processor)
+    try:
+        worker = CPUWorker()
+        assert worker.execute_model(2) == ("ran", 2)  # finds no clock, steps aside
+        assert Worker.__dict__["execute_model"] is originals["execute_model"]
+        assert is_guarded(Worker.__dict__["sample_tokens"])
+        assert worker.sample_tokens(3) == ("sampled", 3)  # the clock known missing
+        assert Worker.__dict__["sample_tokens"] is originals["sample_tokens"]
+        assert not {"execute_model", "sample_tokens"} & set(CPUWorker.__dict__)
+        assert worker.execute_model(4) == ("ran", 4)
+    finally:
+        install(None)
+    assert processor.errors.total == 0
+
+
+def test_device_time_stays_and_times_each_phase_with_a_device_clock(monkeypatch):
+    phases = []
+
+    class Timer:  # stands in for device_time.PhaseTimer over a device's events
+        def start(self, phase):
+            phases.append(phase)
+            return phase
+
+        def end(self, started):
+            phases.append(("end", started))
+
+    monkeypatch.setitem(actions._state, "timer", Timer())
+    Worker, CPUWorker, _ = _device_time_worker()
+    processor, _ = _processor()
+    install(processor)
+    try:
+        for step in range(2):
+            assert CPUWorker().execute_model(step) == ("ran", step)
+            assert CPUWorker().sample_tokens(step) == ("sampled", step)
+    finally:
+        install(None)
+    assert is_guarded(Worker.__dict__["execute_model"])
+    assert is_guarded(Worker.__dict__["sample_tokens"])
+    timed = ["execute_model", ("end", "execute_model"), "sample_tokens", ("end", "sample_tokens")]
+    assert phases == timed * 2
+
+
 def test_probe_wrappers_pass_through_when_the_guard_is_off():
     calls = []
 

@@ -9,6 +9,7 @@ import sys
 import types
 
 from guard.config import GuardConfig, parse_config
+from guard.decorators import is_guarded
 from guard.processor import GuardProcessor
 from guard.reload import STAMP_ATTR, STAMP_WAVES, ConfigWatcher, guard_schedule
 from telemetry.proto import guard_pb2
@@ -65,6 +66,28 @@ def test_schedule_decorator_stamps_a_bounded_number_of_outputs(tmp_path, monkeyp
     outputs = [Scheduler().schedule() for _ in range(STAMP_WAVES + 3)]
     assert all(getattr(o, STAMP_ATTR) == stamp for o in outputs[:STAMP_WAVES])
     assert not any(hasattr(o, STAMP_ATTR) for o in outputs[STAMP_WAVES:])
+    assert is_guarded(Scheduler.__dict__["schedule"])  # a watched file: it stays
+
+
+def test_schedule_decorator_steps_aside_when_no_config_file_is_watched(monkeypatch):
+    """No config file in this engine (the usual `vllm serve`): the first schedule() puts the
+    bare method back on the class that holds it, so later steps pay no frame of the guard's."""
+    monkeypatch.setattr("guard.reload.engine_watcher", lambda: None)
+
+    class Scheduler:
+        def schedule(self):
+            return types.SimpleNamespace(step=True)
+
+    class AsyncScheduler(Scheduler):
+        pass
+
+    original = Scheduler.__dict__["schedule"]
+    Scheduler.schedule = guard_schedule(original)
+    first = AsyncScheduler().schedule()
+    assert first.step and not hasattr(first, STAMP_ATTR)
+    assert Scheduler.__dict__["schedule"] is original
+    assert "schedule" not in AsyncScheduler.__dict__
+    assert AsyncScheduler().schedule().step
 
 
 class Streamer:
