@@ -18,12 +18,12 @@ timed in place, less the timers' own cost (the unguarded rounds run the bare met
 the same timers), in the guarded rounds without the detectors' timers (every other guarded
 round carries them, for the detectors' own figure), with the garbage collections it adds (on
 against off) in place of any that ran inside it; the verdict line reads that against the
-1% goal (and says whether any other guard wrapper, the worker's device time or the
-scheduler's config stamp, stayed on the engine thread: those step aside here, and one that did
-not would be guard time the figure misses). Then the sidecar's CPU; the engine process's CPU by thread, to the nanosecond
-(the scheduler's own count), on against off (the engine thread's added CPU beyond the guard's
-in-place time is the runner's own code running slower in guarded rounds); and garbage
-collection. `--engine-core` gives the engine thread core 0 alone, with one torch thread, and
+1% goal, and says whether any other guard wrapper (the worker's device time, the scheduler's
+config stamp) stayed on the engine thread: those step aside here, and one that did not would
+be guard time the figure misses. Then the sidecar's CPU; the engine process's CPU by thread,
+to the nanosecond (the scheduler's own count), on against off (the engine thread's added CPU
+beyond the guard's in-place time is the runner's own code running slower in guarded rounds);
+and garbage collection. `--engine-core` gives the engine thread core 0 alone, with one torch thread, and
 moves everything else to core 1: the layout of a host whose model does not share cores with
 the guard's threads and sidecar.
 
