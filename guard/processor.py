@@ -36,6 +36,7 @@ from guard.request_membership import RequestMembership
 from guard.schedule import (
     EMPTY_SCHEDULE,
     PrefillTracker,
+    ScheduleFields,
     ScheduleSummary,
     read_sampled,
     read_schedule,
@@ -52,9 +53,10 @@ log = structlog.get_logger("ascend_guard.processor")
 RankDescriber = Callable[[Any], guard_pb2.RankInfo]
 
 
-# A wave between execute_model and sample_tokens: (wave, start_perf_ns, execute_ns, schedule).
-# A plain tuple: this is built on every step, on the engine thread.
-OpenWave = tuple[int, int, int, ScheduleSummary]
+# A wave between execute_model and sample_tokens: (wave, start_perf_ns, execute_ns, schedule,
+# the schedule's fields as read, None for a dummy wave). A plain tuple: this is built on every
+# step, on the engine thread.
+OpenWave = tuple[int, int, int, ScheduleSummary, ScheduleFields | None]
 
 _IDLE = "idle"
 _EXECUTE = "execute_model"
@@ -189,7 +191,7 @@ class GuardProcessor:
                 record.phase(_IDLE, end, wave)
         try:
             if kwargs and kwargs.get("dummy_run"):
-                schedule = EMPTY_SCHEDULE
+                schedule, fields = EMPTY_SCHEDULE, None
             else:
                 scheduler_output = args[0] if args else kwargs.get("scheduler_output")
                 fields = read_schedule(scheduler_output)  # read once, for all below
@@ -201,9 +203,7 @@ class GuardProcessor:
                     except Exception:  # noqa: BLE001
                         self.errors.record("observer_on_schedule")
                 schedule = self._prefill.summarize_fields(fields, scheduler_output)
-                if self.membership is not None:
-                    self.membership.queue_schedule(wave, fields)
-            opened = (wave, start, end - start, schedule)
+            opened = (wave, start, end - start, schedule, fields)
             if output is None:
                 self._open = opened  # sample_tokens finishes this wave
             else:
@@ -336,7 +336,7 @@ class GuardProcessor:
         if not self.streaming:
             return
         streamer = self.streamer
-        wave, start, execute_ns, schedule = opened
+        wave, start, execute_ns, schedule, fields = opened
         num_reqs, prefill_reqs, decode_reqs, prefill_tokens, decode_tokens, recompute = schedule
         record = (
             wave,
@@ -355,8 +355,8 @@ class GuardProcessor:
             recompute,
         )
         streamer.offer(_new_tuple(WaveTuple, record))
-        if self.membership is not None:
-            self.membership.on_wave(wave, output, tokens, kept)
+        if self.membership is not None:  # the wave's schedule and output, in one call
+            self.membership.on_step(wave, fields, output, tokens, kept)
 
     # -- sampling detectors and live config ----------------------------------------------------
     def on_logits(self, logits: Any, rows_per_req: list[int] | None) -> None:

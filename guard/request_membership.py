@@ -144,7 +144,25 @@ class RequestMembership:
         Only the output's request ids, its index of them and `kept` are queued, not the output:
         a queued object lives until the streamer's next batch, and its token lists (one per
         request) would each count towards the garbage collector's next young collection."""
+        self.on_step(wave, None, output, tokens, kept)
+
+    def on_step(
+        self,
+        wave: int,
+        fields: ScheduleFields | None,
+        output: Any,
+        tokens: int | None,
+        kept: Any = None,
+    ) -> None:
+        """The processor's one call a wave, as it hands the wave's record over: the wave's
+        schedule (`queue_schedule`; None for a dummy wave, which schedules nothing) and its
+        output (`on_wave`), queued in one call on the engine thread, not two."""
         steps = self._steps
+        if fields is not None:
+            if fields.new:  # new requests: their ids only
+                self.queue_schedule(wave, fields)
+            else:
+                steps.append((_SCHEDULED, wave, fields))
         if output is None:
             steps.append((_SAMPLED, wave, None, None, tokens, None))
         else:

@@ -103,6 +103,13 @@ class PrefillTracker:
         scheduled = scheduled or {}
         remaining = self._remaining
         preempted = self._preempted
+        if not (remaining or preempted or new_reqs or preempted_ids or resumed):
+            # the usual decode wave: no request owes prompt tokens, none joins or leaves the
+            # running set but by finishing (nothing held to forget), so all of it is decode
+            num_reqs = len(scheduled)
+            if total is None:
+                total = sum(scheduled.values())
+            return _new_tuple(ScheduleSummary, (num_reqs, 0, num_reqs, 0, total, 0))
         for req_id in finished or ():
             remaining.pop(req_id, None)
             preempted.pop(req_id, None)

@@ -308,25 +308,26 @@ class DetectorSuite:
         self, wave: int, runner: Any, output: Any, tokens: WaveTokens | None = None
     ) -> None:
         """The wave's sampled tokens: `tokens` as the processor read them (`read_sampled`),
-        or read here from `output` when not given."""
+        or read here from `output` when not given or when its rows are not the request ids'."""
         if self._pending:
             self.resolve_ready()
         if not self.needs_output:
             return
         req_ids = getattr(output, "req_ids", None)
-        sampled = getattr(output, "sampled_token_ids", None)
-        if not req_ids or not sampled or not isinstance(sampled, list):
+        if not req_ids:
             return
-        if len(sampled) != len(req_ids):
-            count = min(len(sampled), len(req_ids))
-            req_ids, sampled = req_ids[:count], sampled[:count]
-            tokens = None  # read again: the rows past the request ids are left out
+        if tokens is None or tokens.rows != len(req_ids):  # else the processor's read serves
+            sampled = getattr(output, "sampled_token_ids", None)
+            if not sampled or not isinstance(sampled, list):
+                return
+            if len(sampled) != len(req_ids):  # the rows past the request ids are left out
+                count = min(len(sampled), len(req_ids))
+                req_ids, sampled = req_ids[:count], sampled[:count]
+            tokens = WaveTokens(sampled)  # read once at C speed: no Python pass per request
         if self.vocab_size is None:  # the first output: what the runner says of itself
             self.vocab_size = _vocab_size(runner, None)
             if getattr(runner, "speculative_config", "") is None:
                 self.spec = None  # no drafts will come: spec_acceptance has nothing to judge
-        if tokens is None:
-            tokens = WaveTokens(sampled)  # read once at C speed: no Python pass per request
         if self.logs_tokens:
             # the runner's request ids are a list of the wave's own (V1 hands a copy of its
             # batch's, MRV2 builds a batch per step): kept, not copied

@@ -245,6 +245,60 @@ def test_cost_does_not_depend_on_running_decode_requests():
     assert CountingDict.lookups == 0
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 2),  # new requests joining this wave
+            st.integers(1, 6),  # their prompt length
+            st.integers(1, 4),  # the chunk each prefilling request computes this wave
+            st.integers(0, 1),  # drafts each decoding request carries
+            st.booleans(),  # one running request finishes before this wave
+        ),
+        min_size=1,
+        max_size=12,
+    )
+)
+def test_summary_matches_a_per_request_count_over_any_schedule(waves):
+    """A schedule of requests joining with a prompt, prefilling in chunks, decoding (some with
+    drafts) and finishing, summarised wave by wave, against an independent count: a request's
+    scheduled tokens are prefill up to its prompt, and decode after. Decode waves with no
+    request mid-prefill take the tracker's short path, the others its full one."""
+    tracker = PrefillTracker()
+    prompt: dict[str, int] = {}  # reference: running request -> prompt length
+    computed: dict[str, int] = {}  # reference: tokens computed so far
+    count = 0
+    for joining, length, chunk, drafts, finishing in waves:
+        finished = set()
+        if finishing and computed:
+            gone = next(iter(computed))
+            finished.add(gone)
+            del computed[gone], prompt[gone]
+        new = []
+        for _ in range(joining):
+            req_id = f"r{count}"
+            count += 1
+            new.append(new_req(req_id, length))
+            prompt[req_id], computed[req_id] = length, 0
+        tokens: dict[str, int] = {}
+        prefill_reqs = prefill_tokens = 0
+        for req_id, done in computed.items():
+            owed = prompt[req_id] - done
+            tokens[req_id] = min(chunk, owed) if owed > 0 else 1 + drafts
+            if owed > 0:
+                prefill_reqs += 1
+                prefill_tokens += tokens[req_id]
+        for req_id, scheduled in tokens.items():
+            computed[req_id] += scheduled
+        summary = tracker.summarize(step(new=new, tokens=tokens, finished=finished))
+        total = sum(tokens.values())
+        assert summary == ScheduleSummary(
+            len(tokens), prefill_reqs, len(tokens) - prefill_reqs, prefill_tokens,
+            total - prefill_tokens, 0,
+        )  # fmt: skip
+        assert len(tracker) == sum(1 for r in computed if computed[r] < prompt[r])
+
+
 def test_drafts_accepted_past_a_stop_are_not_counted():
     """The scheduler appends accepted drafts one by one and trims at the first stop (issue 15:
     753 counted against vLLM's 733 with n-gram drafts). Real V1 request states and params."""
