@@ -7,8 +7,9 @@ scheduler output (request ids as new string objects each wave, as they arrive un
 TP > 1) and runner output (the runner's own id strings, a fresh list each wave), as
 tests/support/request_sim.py makes them. The two are timed block by block, interleaved (order
 rotated per block, GC off); the cost is the median over blocks of (on - off) per wave. The
-engine-thread calls alone (`on_schedule` + `on_wave`: they queue the step objects) are timed
-too, and beside them the streamer thread's part: working the queued steps out into rows
+engine-thread call alone (`on_step`, with the read of the schedule's fields that the processor
+shares with its prefill tracker; it queues the fields and the counts) is timed too, and
+beside it the streamer thread's part: working the queued steps out into rows
 (`drain`, every FLUSH_WAVES waves, as the streamer packs) and `fill_batch`. The goal is on the
 engine thread (the serving path); the streamer's part is the same host CPU as before the
 calls were queued, spent while the engine thread is in the model.
@@ -43,7 +44,7 @@ sys.path.insert(0, str(REPO))
 from guard.config import GuardConfig  # noqa: E402
 from guard.processor import GuardProcessor  # noqa: E402
 from guard.request_membership import RETIRED_KEPT, RequestMembership  # noqa: E402
-from guard.schedule import read_sampled  # noqa: E402
+from guard.schedule import read_sampled, read_schedule  # noqa: E402
 from telemetry.proto import guard_pb2  # noqa: E402
 
 RANK = guard_pb2.RankInfo(run_id="bench", engine="b", tp_size=2, dp_size=1, pp_size=1)
@@ -155,7 +156,7 @@ def run_waves(proc: GuardProcessor, waves: list[tuple], runner) -> tuple[int, in
 
 
 def call_alone(alone: RequestMembership, waves: list[tuple], counted: list, number: int) -> int:
-    """ns of the engine thread's two calls alone over `waves` (numbered from `number` + 1),
+    """ns of the engine thread's call alone (`on_step`, with the schedule's read) over `waves` (numbered from `number` + 1),
     the queued steps worked out every FLUSH_WAVES waves, untimed."""
     took = 0
     for at in range(0, len(waves), FLUSH_WAVES):
@@ -164,8 +165,7 @@ def call_alone(alone: RequestMembership, waves: list[tuple], counted: list, numb
             waves[at : at + FLUSH_WAVES], counted[at : at + FLUSH_WAVES], strict=True
         ):
             number += 1
-            alone.on_schedule(number, so)
-            alone.on_wave(number, output, count, kept)
+            alone.on_step(number, read_schedule(so), output, count, kept)
         took += time.perf_counter_ns() - t0
         alone.drain()
         alone._rows.clear()

@@ -1,13 +1,14 @@
 """Which vLLM requests ran in each wave, with their tokens: the worker side of request traces.
 
 Only the rank that owns scheduling records it (tp0 of each replica and PP stage: every rank of
-a TP group runs the same requests). The engine thread makes two calls per wave: `on_schedule`
-(after execute_model: new, finished and preempted requests, from the scheduler output; the
-processor calls `queue_schedule` with the fields it already read for its prefill tracker) and
-`on_wave` (when the wave's record is emitted: who ran, with what tokens). Both only queue what
-they were given (a tuple and a deque append): the streamer thread works the queued steps out,
-oldest first, when it packs a batch (`fill_batch`: rows, then `RequestColumns`), so the work
-below runs off the engine's path, while the engine thread is in the model without the GIL.
+a TP group runs the same requests). Each wave has two steps: its schedule (new, finished and
+preempted requests, from the scheduler output: `on_schedule`, or `queue_schedule` with the
+fields already read) and its output (who ran, with what tokens: `on_wave`). The processor
+queues both in one call as it hands the wave's record over (`on_step`, with the fields it read
+for its prefill tracker). They only queue what they were given (a tuple and a deque append
+each): the streamer thread works the queued steps out, oldest first, when it packs a batch
+(`fill_batch`: rows, then `RequestColumns`), so the work below runs off the engine's path,
+while the engine thread is in the model without the GIL.
 That is safe because vLLM makes these objects fresh per wave and does not change them
 afterwards (the runner output's `req_ids` and `req_id_to_index` are copies), with one
 exception: the scheduler cuts a token list where its request stops. So of the runner output
