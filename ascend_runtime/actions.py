@@ -107,10 +107,17 @@ def _device_time(fn: Callable[..., Any], point: AttachPoint) -> Callable[..., An
             return fn(self, *args, **kwargs)
         timer = state.get("timer", _UNSET)
         if timer is _UNSET:
-            timer = _timer()
+            try:
+                timer = _timer()
+            except Exception:  # noqa: BLE001 - no device time in this process, the step goes on
+                _record_error("device_time")
+                timer = state["timer"] = None
         if timer is None:  # no device clock here (CPU), ever: the bare method from now on
-            if decorators.step_aside(type(self), phase, wrapper):
-                log.info("device_time_stepped_aside", method=point.target, platform=platform())
+            try:
+                if decorators.step_aside(type(self), phase, wrapper):
+                    log.info("device_time_stepped_aside", method=point.target)
+            except Exception:  # noqa: BLE001
+                _record_error("device_time")
             return fn(self, *args, **kwargs)
         try:
             started = timer.start(phase)

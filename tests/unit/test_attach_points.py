@@ -299,6 +299,28 @@ def test_device_time_steps_aside_where_there_is_no_device_clock(monkeypatch):
     assert processor.errors.total == 0
 
 
+def test_device_time_that_cannot_learn_the_platform_counts_an_error_and_steps_aside(monkeypatch):
+    """Detecting the platform fails (a broken driver library, say): the step still runs, the
+    error is counted, and there is no device time in this process from then on."""
+
+    def broken_detection():
+        raise RuntimeError("driver library failed to load")
+
+    monkeypatch.delitem(actions._state, "timer", raising=False)
+    monkeypatch.setattr(actions, "_timer", broken_detection)
+    Worker, CPUWorker, originals = _device_time_worker()
+    processor, _ = _processor()
+    install(processor)
+    try:
+        assert CPUWorker().execute_model(1) == ("ran", 1)
+        assert CPUWorker().sample_tokens(2) == ("sampled", 2)
+    finally:
+        install(None)
+    assert processor.errors.total == 1
+    assert Worker.__dict__["execute_model"] is originals["execute_model"]
+    assert Worker.__dict__["sample_tokens"] is originals["sample_tokens"]
+
+
 def test_device_time_stays_and_times_each_phase_with_a_device_clock(monkeypatch):
     phases = []
 
