@@ -100,9 +100,11 @@ def _timer() -> Any:
 def _device_time(fn: Callable[..., Any], point: AttachPoint) -> Callable[..., Any]:
     phase = point.method
     state = _state
+    tried_aside = False  # once: a wrapper that is not where it was bound stays
 
     @functools.wraps(fn)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal tried_aside
         if decorators._processor is None:  # the guard is off: one global read
             return fn(self, *args, **kwargs)
         timer = state.get("timer", _UNSET)
@@ -113,11 +115,13 @@ def _device_time(fn: Callable[..., Any], point: AttachPoint) -> Callable[..., An
                 _record_error("device_time")
                 timer = state["timer"] = None
         if timer is None:  # no device clock here (CPU), ever: the bare method from now on
-            try:
-                if decorators.step_aside(type(self), phase, wrapper):
-                    log.info("device_time_stepped_aside", method=point.target)
-            except Exception:  # noqa: BLE001
-                _record_error("device_time")
+            if not tried_aside:
+                tried_aside = True
+                try:
+                    if decorators.step_aside(type(self), phase, wrapper):
+                        log.info("device_time_stepped_aside", method=point.target)
+                except Exception:  # noqa: BLE001
+                    _record_error("device_time")
             return fn(self, *args, **kwargs)
         try:
             started = timer.start(phase)

@@ -181,16 +181,21 @@ def engine_watcher(environ: Mapping[str, str] | None = None) -> ConfigWatcher | 
 def guard_schedule(fn: F) -> F:
     """Decorate the scheduler's `schedule()`: stamp pending config changes onto its output."""
 
+    tried_aside = False  # once: a wrapper that is not where it was bound stays
+
     @functools.wraps(fn)
     def guarded_schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal tried_aside
         output = fn(self, *args, **kwargs)
         try:
             watcher = engine_watcher()
             if watcher is not None:
                 watcher.stamp_output(output)
-            elif step_aside(type(self), fn.__name__, guarded_schedule):
+            elif not tried_aside:
                 # no config file to watch in this engine, ever: no frame on later steps
-                log.info("config_stamp_stepped_aside", reason="no config file is watched")
+                tried_aside = True
+                if step_aside(type(self), fn.__name__, guarded_schedule):
+                    log.info("config_stamp_stepped_aside", reason="no config file is watched")
         except Exception:  # noqa: BLE001 - never break scheduling
             log.exception("config_stamp_failed")
         return output

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import types
 
+import guard.reload
 from guard.config import GuardConfig, parse_config
 from guard.decorators import is_guarded
 from guard.processor import GuardProcessor
@@ -67,6 +68,26 @@ def test_schedule_decorator_stamps_a_bounded_number_of_outputs(tmp_path, monkeyp
     assert all(getattr(o, STAMP_ATTR) == stamp for o in outputs[:STAMP_WAVES])
     assert not any(hasattr(o, STAMP_ATTR) for o in outputs[STAMP_WAVES:])
     assert is_guarded(Scheduler.__dict__["schedule"])  # a watched file: it stays
+
+
+def test_a_stamp_wrapper_wrapped_again_stays_and_tries_to_step_aside_once(monkeypatch):
+    """Another plugin wrapped the scheduler over ours: ours is not on the class, so it stays
+    in the chain, and looks for itself there only once, not on every step."""
+    monkeypatch.setattr("guard.reload.engine_watcher", lambda: None)
+    looks = []
+    search = guard.reload.step_aside
+    monkeypatch.setattr("guard.reload.step_aside", lambda *a: looks.append(search(*a)))
+
+    class Scheduler:
+        def schedule(self):
+            return types.SimpleNamespace(step=True)
+
+    ours = guard_schedule(Scheduler.__dict__["schedule"])
+    Scheduler.schedule = lambda self: ours(self)  # another plugin's wrapper over ours
+    other = Scheduler.__dict__["schedule"]
+    assert all(Scheduler().schedule().step for _ in range(3))
+    assert looks == [False]  # one look, which did not find it
+    assert Scheduler.__dict__["schedule"] is other
 
 
 def test_schedule_decorator_steps_aside_when_no_config_file_is_watched(monkeypatch):
