@@ -101,15 +101,36 @@ class PrefillTracker:
         for a resumed request's tokens."""
         scheduled, new_reqs, finished, preempted_ids, resumed, total, _ = fields
         scheduled = scheduled or {}
+        if self._remaining or self._preempted or new_reqs or preempted_ids or resumed:
+            prefill_reqs, prefill_tokens, recompute_tokens = self._prefill_work(
+                fields, scheduled, scheduler_output
+            )
+        else:  # the usual decode wave: no request owes prompt tokens, none joins or leaves
+            # the running set but by finishing (nothing held to forget): all of it is decode
+            prefill_reqs = prefill_tokens = recompute_tokens = 0
+        num_reqs = len(scheduled)
+        if total is None:
+            total = sum(scheduled.values())
+        return _new_tuple(
+            ScheduleSummary,
+            (
+                num_reqs,
+                prefill_reqs,
+                num_reqs - prefill_reqs,
+                prefill_tokens,
+                total - prefill_tokens - recompute_tokens,
+                recompute_tokens,
+            ),
+        )
+
+    def _prefill_work(
+        self, fields: ScheduleFields, scheduled: dict[str, int], scheduler_output: Any
+    ) -> tuple[int, int, int]:
+        """A wave where some request owes prompt tokens, or joins, leaves or comes back:
+        (requests prefilling, prefill tokens, recompute tokens), the held state moved on."""
+        _, new_reqs, finished, preempted_ids, resumed, _, _ = fields
         remaining = self._remaining
         preempted = self._preempted
-        if not (remaining or preempted or new_reqs or preempted_ids or resumed):
-            # the usual decode wave: no request owes prompt tokens, none joins or leaves the
-            # running set but by finishing (nothing held to forget), so all of it is decode
-            num_reqs = len(scheduled)
-            if total is None:
-                total = sum(scheduled.values())
-            return _new_tuple(ScheduleSummary, (num_reqs, 0, num_reqs, 0, total, 0))
         for req_id in finished or ():
             remaining.pop(req_id, None)
             preempted.pop(req_id, None)
@@ -144,21 +165,7 @@ class PrefillTracker:
                 entry[0], entry[1] = left - tokens, recompute - again
         for req_id in finished_prefill:
             del remaining[req_id]
-
-        num_reqs = len(scheduled)
-        if total is None:
-            total = sum(scheduled.values())
-        return _new_tuple(
-            ScheduleSummary,
-            (
-                num_reqs,
-                prefill_reqs,
-                num_reqs - prefill_reqs,
-                prefill_tokens,
-                total - prefill_tokens - recompute_tokens,
-                recompute_tokens,
-            ),
-        )
+        return prefill_reqs, prefill_tokens, recompute_tokens
 
     def _resume(self, cached: Any, resumed: Any, scheduled: dict[str, int]) -> None:
         """A preempted request that comes back computes its prompt and its output so far again.
