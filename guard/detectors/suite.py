@@ -26,7 +26,12 @@ from guard.detectors.config import DetectorsConfig
 from guard.detectors.evidence import EvidenceDumper, request_kv_blocks
 from guard.detectors.slots import batch_waves
 from guard.detectors.spec import AcceptanceTracker, Judged
-from guard.detectors.tokens import RepeatDetector, out_of_range, rows_out_of_range
+from guard.detectors.tokens import (
+    OVERDUE_BATCHES,
+    RepeatDetector,
+    out_of_range,
+    rows_out_of_range,
+)
 from guard.reporter import IncidentReporter
 from guard.schedule import WaveTokens
 
@@ -91,15 +96,17 @@ class DetectorSuite:
         # unless a finding's evidence needs the runner as of its batch (`action: dump`)
         self.screen_on_streamer = load_in_background and config.token_repeat.action != "dump"
         # The token detectors' waves and finished requests, in order, until `_hand_over` gives
-        # them to token_range and token_repeat. In a worker that is once a batch of token_repeat
-        # (`batch_waves`), so that the engine thread's share of a wave is one append: its first
-        # Python after the model's work runs several times slower than the same code in a
-        # loop, so one call a batch costs far less than one a wave. Elsewhere, or when a
-        # finding's evidence reads the runner as of its wave (`action: dump`), every wave.
+        # them to token_range and token_repeat. In a worker the streamer thread does that with
+        # each batch it sends (`screen_ready`), so that the engine thread's share of a wave is
+        # one append: a hand-over there cost 80-130 us once a batch of waves, the engine
+        # thread's largest single cost (bench/README.md, issue 10). The engine thread hands
+        # over itself only when `OVERDUE_BATCHES` batches wait (the streamer is not keeping
+        # up), which bounds the log. Elsewhere, or when a finding's evidence reads the runner
+        # as of its wave (`action: dump`), every wave, on the engine thread.
         self.logs_tokens = bool(self.repeat) or config.token_range.enabled
         dumps = "dump" in (config.token_repeat.action, config.token_range.action)
         self._batches_tokens = load_in_background and not dumps
-        self._hand_over_at = batch_waves(1) if self._batches_tokens else 1
+        self._hand_over_at = _overdue_waves(1) if self._batches_tokens else 1
         # waves in the log (a streamer's idle hand-over racing a wave only moves the next one)
         self._logged_waves = 0
         self._token_log: collections.deque[LoggedWave | LoggedFinish] = collections.deque()
@@ -154,10 +161,11 @@ class DetectorSuite:
     ) -> None:
         stats_wave = bool(self.stats_every) and wave % self.stats_every == 0
         if self._on_host:  # every wave after the first on a CPU engine
+            checked = None
             if self.check_finite:
-                self._check_host_rows(wave, runner, logits, rows_per_req)
+                checked = self._check_host_rows(wave, runner, logits, rows_per_req)
             if stats_wave:
-                self._queue_host_stats(wave, logits)
+                self._queue_host_stats(wave, logits, checked)
             return
         if self.vocab_size is None:
             self.vocab_size = _vocab_size(runner, logits)
@@ -204,16 +212,18 @@ class DetectorSuite:
 
     def _check_host_rows(
         self, wave: int, runner: Any, logits: Any, rows_per_req: list[int] | None
-    ) -> None:
+    ) -> Any:
         """A host wave's row check: the compiled pass, read at once (one integer back). Until
         the kernels are in, or for logits it does not take (bfloat16, a strided view), the
-        torch row max, read with the next waves' (`_defer_host_check`)."""
+        torch row max, read with the next waves' (`_defer_host_check`). Returns the logits
+        as the compiled pass read them (float32 rows in one block, no copy), else None."""
         row_check = self._row_check
         if row_check is None:  # not known yet: the kernels may have come in since
             row_check = self._row_check = self._host_row_check()
         if row_check:
             try:
-                bad = row_check(logits.numpy())
+                rows = logits.numpy()
+                bad = row_check(rows)
             except (TypeError, RuntimeError):  # not float32 rows in one block: torch for good
                 self._row_check = False
             else:
@@ -224,8 +234,9 @@ class DetectorSuite:
                             None, None, runner,
                         )
                     )  # fmt: skip
-                return
+                return rows
         self._defer_host_check(wave, runner, logit_checks.row_max(logits), rows_per_req)
+        return None
 
     def _host_row_check(self) -> Any:
         """The compiled row check once the kernels are in (the waves kept for torch's read
@@ -237,10 +248,15 @@ class DetectorSuite:
             self._read_host_checks()
         return kernels.logits.first_bad_row
 
-    def _queue_host_stats(self, wave: int, logits: Any) -> None:
+    def _queue_host_stats(self, wave: int, logits: Any, checked: Any = None) -> None:
         """A stats wave on a host engine: a copy of its sampled rows goes to the streamer
-        thread (`read_host_stats`)."""
-        self._host_stats.append((wave, logit_checks.host_rows(logits)))
+        thread (`read_host_stats`), made from the row check's read of them when there is one
+        (`checked`: no second slice and read of the tensor in this wave)."""
+        if checked is None:
+            rows = logit_checks.host_rows(logits)
+        else:  # float32 rows in one block: the copy is too
+            rows = checked[: logit_checks.STATS_ROWS].copy()
+        self._host_stats.append((wave, rows))
         if len(self._host_stats) > HOST_STATS_QUEUED:  # the streamer is not keeping up
             self.read_host_stats(with_torch=True)
 
@@ -362,8 +378,8 @@ class DetectorSuite:
                 except Exception as exc:  # noqa: BLE001 - raised below, after the range check
                     failed = exc
         waves = [entry for entry in entries if len(entry) == 3]
-        if self._batches_tokens and waves:  # the next hand-over fills a batch of this size
-            self._hand_over_at = batch_waves(waves[-1][2].rows)
+        if self._batches_tokens and waves:  # the engine thread's bound, for batches this size
+            self._hand_over_at = _overdue_waves(waves[-1][2].rows)
         vocab = self.vocab_size if self.config.token_range.enabled else 0
         if vocab and not _all_in_range(waves, vocab):
             for wave, req_ids, tokens in waves:
@@ -549,9 +565,12 @@ class DetectorSuite:
         ]
 
     def screen_ready(self) -> None:
-        """Streamer thread, with each batch: screen the queued token waves once they make a
-        full batch. The kernel holds no GIL; the engine thread waits for the lock only when
-        its wave ends during the screen."""
+        """Streamer thread, with each batch: take the waves the engine thread logged since
+        the last batch (token_range checks them, token_repeat queues them), then screen the
+        queued token waves once they make a full batch. The kernel holds no GIL; the engine
+        thread waits for the lock only when its wave ends during the screen."""
+        if self._batches_tokens and self._token_log:
+            self._hand_over(None)
         repeat = self.repeat
         if repeat is None or not repeat.batch_ready:
             return
@@ -589,6 +608,12 @@ class DetectorSuite:
         self.resolve_ready(force=True)
         self.read_host_stats(with_torch=True)
         self._flush_batches(wait=True)
+
+
+def _overdue_waves(rows: int) -> int:
+    """Logged waves of `rows` requests past which a worker's engine thread hands them over
+    itself, the streamer thread not having come for `OVERDUE_BATCHES` batches' worth."""
+    return batch_waves(rows) * OVERDUE_BATCHES
 
 
 def _all_in_range(waves: list[LoggedWave], vocab: int) -> bool:

@@ -621,15 +621,17 @@ def test_waves_checked_with_torch_while_the_kernels_load_are_read_when_they_come
     assert [(i.type, i.wave) for i in sent] == [("logits_finite", 1), ("logits_finite", 3)]
 
 
-def test_host_stats_waves_are_read_off_the_engine_thread_from_their_own_rows(tmp_path):
-    """A host engine's stats wave keeps a copy of its rows; the streamer thread reads it
-    (with the next batch), and a reading past the limit names the stats wave."""
+@pytest.mark.parametrize("rows", [1, checks.STATS_ROWS + 4])
+def test_host_stats_waves_are_read_off_the_engine_thread_from_their_own_rows(tmp_path, rows):
+    """A host engine's stats wave keeps a copy of its first `STATS_ROWS` rows (made from
+    the row check's read of them); the streamer thread reads it (with the next batch), and a
+    reading past the limit names the stats wave."""
     stats = LogitsStatsConfig(max_abs_limit=5.0)
     suite, sent, probes = make_suite(tmp_path, logits_stats=stats)
-    runner = Runner(["a"])
-    suite.on_logits(1, runner, torch.randn(1, 50), None)  # the first wave: the host way on
-    # clamped (a draw past 3 sigma came out at 9.05 once), so the spike below is the row's max
-    logits = (torch.randn(1, 50) * 3).clamp(-8.9, 8.9)
+    runner = Runner([f"r{i}" for i in range(rows)])
+    suite.on_logits(1, runner, torch.randn(rows, 50), None)  # the first wave: the host way on
+    # clamped (a draw past 3 sigma came out at 9.05 once), so the spike below is the max
+    logits = (torch.randn(rows, 50) * 3).clamp(-8.9, 8.9)
     logits[0, 7] = 9.0
     max_abs, entropy = checks.health_summary(checks.health_rows(logits).tolist())
     suite.on_logits(16, runner, logits, None)

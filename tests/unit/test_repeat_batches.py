@@ -240,6 +240,8 @@ def test_the_detector_host_screens_an_idle_batch_with_the_heartbeat(tmp_path):
         host.wave_delegate().on_output(
             wave, runner, types.SimpleNamespace(req_ids=["a"], sampled_token_ids=[[11] * 8])
         )
+    host.fill_batch(guard_pb2.Batch(), with_heartbeat=False)  # hands the five waves over
+    assert sent == [] and host.suite.repeat.pending  # less than a batch: not screened yet
     host.suite._last_tokens -= 2 * IDLE_FLUSH_S  # as if the engine had been idle since
     host.fill_batch(guard_pb2.Batch(), with_heartbeat=False)
     assert sent == []
@@ -275,13 +277,14 @@ def _loop_waves(host: DetectorHost, waves: range) -> None:
 
 
 def test_a_workers_full_token_batches_are_screened_by_the_streamer_thread(tmp_path):
-    """In a worker the engine thread only queues: the streamer thread's next batch (any
-    batch, not only a heartbeat) screens a full one, and the finding names its own wave."""
+    """In a worker the engine thread only logs: the streamer thread's next batch (any
+    batch, not only a heartbeat) hands the waves over and screens a full batch, and the
+    finding names its own wave."""
     sent: list = []
     host = _worker_host(tmp_path, sent)
     full = batch_waves(1)
     _loop_waves(host, range(1, full + 1))
-    assert sent == [] and host.suite.repeat.batch_ready  # left for the streamer
+    assert sent == [] and not host.suite.repeat.pending  # logged, left for the streamer
     host.fill_batch(guard_pb2.Batch(), with_heartbeat=False)
     # a loop is looked for at the batch's end: it names the batch's last wave
     assert [(i.type, i.wave) for i in sent] == [("token_repeat", full)]
@@ -328,21 +331,36 @@ def _wave(host: DetectorHost, wave: int, sampled: dict[str, list[int]], finished
     suite.on_output(wave, _Runner(req_ids), output)
 
 
-def test_a_worker_hands_its_tokens_to_the_detectors_once_a_batch(tmp_path):
-    """The engine thread only logs a wave's tokens; a batch's worth of waves later it hands
-    them over together, and an id out of the vocabulary is reported then, at its own wave,
-    with its request and ids."""
+def test_a_workers_logged_tokens_are_handed_over_by_the_streamer_thread(tmp_path):
+    """The engine thread only logs a wave's tokens, however many waves come; the streamer
+    thread's next batch hands them over together, and an id out of the vocabulary is
+    reported then, at its own wave, with its request and ids."""
     sent: list = []
     host = _worker_host(tmp_path, sent)
     full = batch_waves(2)
-    for wave in range(1, full):
+    for wave in range(1, full + 1):
         _wave(host, wave, {"a": [5], "b": [150 if wave == 3 else 6]})
     assert sent == [] and not host.suite.repeat.pending  # logged, not handed over yet
-    _wave(host, full, {"a": [5], "b": [6]})
-    (incident,) = sent
-    assert (incident.type, incident.wave, incident.request_id) == ("token_range", 3, "b")
+    host.fill_batch(guard_pb2.Batch(), with_heartbeat=False)
+    (incident,) = [i for i in sent if i.type == "token_range"]  # and token_repeat's loops
+    assert (incident.wave, incident.request_id) == (3, "b")
     assert json.loads(incident.evidence_json) == {"ids": [150], "vocab_size": 100}
-    assert host.suite.repeat.batch_ready  # the full batch waits for the streamer thread
+    assert not host.suite._token_log and not host.suite.repeat.pending  # and screened
+
+
+def test_a_streamer_that_does_not_come_leaves_the_hand_over_to_the_engine_thread(tmp_path):
+    """With `OVERDUE_BATCHES` batches' worth logged and no streamer batch, the engine thread
+    hands them over itself at the wave that fills them: the log stays bounded, and a finding
+    still names its own wave."""
+    sent: list = []
+    host = _worker_host(tmp_path, sent)
+    overdue = OVERDUE_BATCHES * batch_waves(2)
+    for wave in range(1, overdue):
+        _wave(host, wave, {"a": [5], "b": [150 if wave == 7 else 6]})
+    assert sent == [] and len(host.suite._token_log) == overdue - 1
+    _wave(host, overdue, {"a": [5], "b": [6]})
+    ranges = [(i.wave, i.request_id) for i in sent if i.type == "token_range"]
+    assert ranges == [(7, "b")] and not host.suite._token_log
 
 
 def test_a_request_that_finished_between_logged_waves_is_screened_under_its_own_id(tmp_path):
@@ -369,10 +387,11 @@ def test_a_hand_over_whose_repeat_screen_fails_still_checks_the_range(tmp_path, 
     monkeypatch.setattr(compiled, "_kernels", None)
     monkeypatch.setattr(compiled, "_error", ImportError("no numba"))
     full = batch_waves(1)
-    for wave in range(1, full):  # 16 tokens a wave: the 17th passes a batch's bound, a screen
+    for wave in range(1, full + 1):  # 16 tokens a wave: the 17th passes a batch's bound
         _wave(host, wave, {"a": [5] * 15 + [150 if wave == 20 else 5]})
+    assert sent == []  # logged, for the streamer thread
     with pytest.raises(RuntimeError, match="did not load"):
-        _wave(host, full, {"a": [5] * 16})
+        host.suite.screen_ready()  # its hand-over screens at the bound
     assert [(i.type, i.wave) for i in sent] == [("token_range", 20)]
     assert host.suite.repeat.off
 
