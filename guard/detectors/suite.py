@@ -362,9 +362,11 @@ class DetectorSuite:
 
     def _hand_over(self, runner: Any) -> None:
         """Give the logged waves to token_range and token_repeat, in order, and report what
-        they find (each finding names its own wave). The engine thread calls this, and the
-        streamer thread when the engine idles; `runner` is read only by a dump's evidence,
-        whose waves are handed over as they come."""
+        they find (each finding names its own wave). In a worker the streamer thread calls
+        this with each batch and when the engine idles, and the engine thread only when the
+        log is overdue; elsewhere, or with `action: dump`, the engine thread calls it every
+        wave. `runner` is read only by a dump's evidence, whose waves are handed over as they
+        come."""
         log = self._token_log
         repeats: list = []
         failed: Exception | None = None
