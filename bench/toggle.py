@@ -17,7 +17,8 @@ Besides throughput, it reports where the guard's cost lands: its time on the eng
 timed in place, less the timers' own cost (the unguarded rounds run the bare methods through
 the same timers), in the guarded rounds without the detectors' timers (every other guarded
 round carries them, for the detectors' own figure), with the garbage collections it adds (on
-against off) in place of any that ran inside it; the verdict line reads that against the
+against off) in place of any that ran inside it, and each entry's median call against its
+mean (a mean well above the median is a few long calls: work done once every so many waves); the verdict line reads that against the
 1% goal, and says whether any other guard wrapper (the worker's device time, the scheduler's
 config stamp) stayed on the engine thread: those step aside here, and one that did not would
 be guard time the figure misses. Then the sidecar's CPU; the engine process's CPU by thread,
@@ -130,7 +131,7 @@ def _time_guard() -> dict:
 
     acc: dict[str, Any] = {
         "ns": 0, "timer_ns": 0, "gc_ns": 0, "gc_timer_ns": 0, "measuring": False,
-        "in_guard": False,
+        "in_guard": False, "calls": {},
     }  # fmt: skip
 
     def counting(fn):
@@ -151,6 +152,8 @@ def _time_guard() -> dict:
         return timed_fn, inner
 
     def own_time(original, key="ns"):
+        calls = acc["calls"].setdefault(original.__name__, [])  # each call's figure, in order
+
         def timed(self, fn, runner, args, kwargs):
             timed_fn, inner = counting(fn)
             outer = acc["in_guard"]
@@ -160,12 +163,16 @@ def _time_guard() -> dict:
                 return original(self, timed_fn, runner, args, kwargs)
             finally:
                 if acc["measuring"]:
-                    acc[key] += time.perf_counter_ns() - start - inner[0]
+                    took = time.perf_counter_ns() - start - inner[0]
+                    acc[key] += took
+                    calls.append(took)
                 acc["in_guard"] = outer
 
         return timed
 
     def whole_time(original, key="ns"):
+        calls = acc["calls"].setdefault(f"{key}:{original.__name__}", [])
+
         def timed(self, *a, **kw):
             outer = acc["in_guard"]
             acc["in_guard"] = True
@@ -174,7 +181,9 @@ def _time_guard() -> dict:
                 return original(self, *a, **kw)
             finally:
                 if acc["measuring"]:
-                    acc[key] += time.perf_counter_ns() - start
+                    took = time.perf_counter_ns() - start
+                    acc[key] += took
+                    calls.append(took)
                 acc["in_guard"] = outer
 
         return timed
@@ -436,6 +445,7 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
         f"bare methods in unguarded rounds): {net_us:.1f} us per wave = "
         f"{net_us / wave_us * 100:.2f}% of the wave"
     )
+    _print_per_call(guard_time["calls"], waves_guard)
     # collections that ran inside the timed code, and the ones the guard adds (on against off)
     gc_inside_us = guard_time["gc_ns"] / 1e3 / waves_guard
     gc_timers_us = guard_time["gc_timer_ns"] / 1e3 / waves_measured
@@ -532,6 +542,30 @@ def _pin_engine_thread() -> None:
     _pin_process(os.getpid(), {1})
     os.sched_setaffinity(0, {0})  # on Linux, 0 names the calling thread alone
     print(f"engine thread {threading.get_native_id()} pinned to core 0; every other to core 1")
+
+
+def _print_per_call(calls: dict[str, list[int]], waves: float) -> None:
+    """Each guarded entry's figure per call, median against mean (timers included): a mean
+    well above its median is a few long calls, such as a batch's work done once every so
+    many waves (issue 10, session 23 found the token log's hand-over that way)."""
+    timed = {
+        name.removeprefix("ns:"): took
+        for name, took in calls.items()
+        if took and not name.startswith("timer_ns:")  # the bare methods' timers: not the guard
+    }
+    if not timed or not waves:
+        return
+    parts = [
+        f"{name} median {statistics.median(took) / 1e3:.1f} mean {statistics.fmean(took) / 1e3:.1f}"
+        for name, took in timed.items()
+    ]
+    above = sum(
+        (statistics.fmean(took) - statistics.median(took)) * len(took) for took in timed.values()
+    )
+    print(
+        f"  per call, us (timers included): {'; '.join(parts)}; the calls above their "
+        f"medians add {above / 1e3 / waves:.1f} us per wave"
+    )
 
 
 def _time_collections(guard_time: dict) -> dict:
