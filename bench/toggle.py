@@ -342,6 +342,7 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
         tokens_on += tokens if mode == "on" else 0
         reference = reference or ids
     untimed = _untimed_guard_wrappers()
+    _wait_for_kernels()
     if args.engine_core:
         _pin_engine_thread()
     times: dict[str, list[float]] = {"off": [], "on": []}
@@ -542,6 +543,19 @@ def _pin_engine_thread() -> None:
     _pin_process(os.getpid(), {1})
     os.sched_setaffinity(0, {0})  # on Linux, 0 names the calling thread alone
     print(f"engine thread {threading.get_native_id()} pinned to core 0; every other to core 1")
+
+
+def _wait_for_kernels() -> None:
+    """The detectors' compiled kernels load on a thread of their own from the first guarded
+    wave; with no numba cache (a fresh checkout) they compile for seconds, and rounds measured
+    meanwhile time the compiler's hold of the GIL (125 us a wave once, against 25). Wait for
+    that load before the measured rounds."""
+    from guard.detectors import compiled
+
+    if compiled.loading():
+        print("waiting for the detectors' kernels to compile (no numba cache yet)", flush=True)
+        with contextlib.suppress(Exception):  # a failed load is the guard's to report
+            compiled.load()
 
 
 def _print_per_call(calls: dict[str, list[int]], waves: float) -> None:
