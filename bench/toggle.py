@@ -18,15 +18,17 @@ timed in place, less the timers' own cost (the unguarded rounds run the bare met
 the same timers), in the guarded rounds without the detectors' timers (every other guarded
 round carries them, for the detectors' own figure), with the garbage collections it adds (on
 against off) in place of any that ran inside it, and each entry's median call against its
-mean (a mean well above the median is a few long calls: work done once every so many waves); the verdict line reads that against the
-1% goal, and says whether any other guard wrapper (the worker's device time, the scheduler's
-config stamp) stayed on the engine thread: those step aside here, and one that did not would
-be guard time the figure misses. Then the sidecar's CPU; the engine process's CPU by thread,
-to the nanosecond (the scheduler's own count), on against off (the engine thread's added CPU
-beyond the guard's in-place time is the runner's own code running slower in guarded rounds);
-and garbage collection. `--engine-core` gives the engine thread core 0 alone, with one torch thread, and
-moves everything else to core 1: the layout of a host whose model does not share cores with
-the guard's threads and sidecar.
+mean (a mean well above the median is a few long calls: work done once every so many waves);
+the verdict line reads that against the 1% goal, and says whether any other guard wrapper
+(the worker's device time, the scheduler's config stamp) stayed on the engine thread: those
+step aside here, and one that did not would be guard time the figure misses. Then the
+sidecar's CPU; the engine process's CPU by thread, to the nanosecond (the scheduler's own
+count), on against off (the engine thread's added CPU beyond the guard's in-place time is the
+runner's own code running slower in guarded rounds); and garbage collection. `--engine-core`
+gives the engine thread core 0 alone, with one torch thread, and moves everything else to
+core 1: the layout of a host whose model does not share cores with the guard's threads and
+sidecar. The measured rounds start once the detectors' kernels are in (with no numba cache
+they compile on a thread of their own for seconds).
 
     python bench/toggle.py [--rounds 12] [--requests 16] [--max-tokens 128]
                            [--detectors all|none|NAME] [--engine-core]
