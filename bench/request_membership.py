@@ -156,8 +156,9 @@ def run_waves(proc: GuardProcessor, waves: list[tuple], runner) -> tuple[int, in
 
 
 def call_alone(alone: RequestMembership, waves: list[tuple], counted: list, number: int) -> int:
-    """ns of the engine thread's call alone (`on_step`, with the schedule's read) over `waves` (numbered from `number` + 1),
-    the queued steps worked out every FLUSH_WAVES waves, untimed."""
+    """ns of the engine thread's call alone (`on_step`, with the schedule's read) over `waves`
+    (numbered from `number` + 1), the queued steps worked out every FLUSH_WAVES waves,
+    untimed."""
     took = 0
     for at in range(0, len(waves), FLUSH_WAVES):
         t0 = time.perf_counter_ns()

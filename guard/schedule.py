@@ -99,7 +99,7 @@ class PrefillTracker:
     def summarize_fields(self, fields: ScheduleFields, scheduler_output: Any) -> ScheduleSummary:
         """`summarize` from the fields already read; `scheduler_output` is read further only
         for a resumed request's tokens."""
-        scheduled, new_reqs, finished, preempted_ids, resumed, total, _ = fields
+        scheduled, new_reqs, _, preempted_ids, resumed, total, _ = fields
         scheduled = scheduled or {}
         if self._remaining or self._preempted or new_reqs or preempted_ids or resumed:
             prefill_reqs, prefill_tokens, recompute_tokens = self._prefill_work(
