@@ -28,7 +28,8 @@ runner's own code running slower in guarded rounds); and garbage collection. `--
 gives the engine thread core 0 alone, with one torch thread, and moves everything else to
 core 1: the layout of a host whose model does not share cores with the guard's threads and
 sidecar. The measured rounds start once the detectors' kernels are in (with no numba cache
-they compile on a thread of their own for seconds).
+they compile on a thread of their own for seconds) and a full collection has swept up what
+start-up left.
 
     python bench/toggle.py [--rounds 12] [--requests 16] [--max-tokens 128]
                            [--detectors all|none|NAME] [--engine-core]
@@ -344,7 +345,7 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
         tokens_on += tokens if mode == "on" else 0
         reference = reference or ids
     untimed = _untimed_guard_wrappers()
-    _wait_for_kernels()
+    _settle_start_up()
     if args.engine_core:
         _pin_engine_thread()
     times: dict[str, list[float]] = {"off": [], "on": []}
@@ -547,17 +548,26 @@ def _pin_engine_thread() -> None:
     print(f"engine thread {threading.get_native_id()} pinned to core 0; every other to core 1")
 
 
-def _wait_for_kernels() -> None:
-    """The detectors' compiled kernels load on a thread of their own from the first guarded
-    wave; with no numba cache (a fresh checkout) they compile for seconds, and rounds measured
+def _settle_start_up() -> None:
+    """Let start-up finish before the measured rounds, so that what it leaves behind is not
+    charged to either mode's waves.
+
+    The detectors' compiled kernels load on a thread of their own from the first guarded wave;
+    with no numba cache (a fresh checkout) they compile for seconds, and rounds measured
     meanwhile time the compiler's hold of the GIL (125 us a wave once, against 25). Wait for
-    that load before the measured rounds."""
+    that load. The compile also leaves enough long-lived objects that a full collection came
+    due in a measured round: in a fresh checkout at 256 requests one ran in a guarded round
+    (about 60 ms, 320 us a wave charged to the guard, against 65-100 with a cache). Run it now.
+    """
+    import gc
+
     from guard.detectors import compiled
 
     if compiled.loading():
         print("waiting for the detectors' kernels to compile (no numba cache yet)", flush=True)
         with contextlib.suppress(Exception):  # a failed load is the guard's to report
             compiled.load()
+    gc.collect()
 
 
 def _print_per_call(calls: dict[str, list[int]], waves: float) -> None:
