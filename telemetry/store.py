@@ -119,6 +119,7 @@ CREATE TABLE IF NOT EXISTS wave_blocks (
     rank_hist    BLOB,
     execute_hist BLOB,
     sample_hist  BLOB,
+    dropped_before INTEGER,
     UNIQUE (rank, first_wave)
 );
 CREATE INDEX IF NOT EXISTS wave_blocks_start ON wave_blocks (start_ns);
@@ -162,6 +163,7 @@ _ADDED_COLUMNS = (
     ("wave_blocks", "rank_hist", "BLOB"),
     ("wave_blocks", "execute_hist", "BLOB"),
     ("wave_blocks", "sample_hist", "BLOB"),
+    ("wave_blocks", "dropped_before", "INTEGER"),
     ("collective_blocks", "end_ns", "INTEGER"),
     ("collective_blocks", "max_host_ns", "INTEGER"),
 )
@@ -416,8 +418,11 @@ def collective_block_row(rank_id: int, cols: guard_pb2.CollectiveColumns) -> tup
     )
 
 
-def wave_block_row(rank_id: int, cols: guard_pb2.WaveColumns) -> tuple:
-    """The `wave_blocks` row of one batch's waves (columns must be validated and non-empty)."""
+def wave_block_row(rank_id: int, cols: guard_pb2.WaveColumns, dropped_before: int = 0) -> tuple:
+    """The `wave_blocks` row of one batch's waves (columns must be validated and non-empty).
+
+    `dropped_before` is the worker's cumulative drop count when it made the batch (the batch's
+    `dropped_total`): what a restarted sidecar subtracts from a gap after this block."""
     n = len(cols.wave)
     starts = np.array(cols.start_unix_nano, np.int64)
     execute_end = starts + np.array(cols.execute_ns, np.int64)
@@ -440,12 +445,14 @@ def wave_block_row(rank_id: int, cols: guard_pb2.WaveColumns) -> tuple:
         block_summary.encode(ends - starts),
         block_summary.encode(execute_end - starts),
         block_summary.encode(np.array(cols.sample_ns, np.int64)[sampled]),
+        dropped_before,
     )
 
 
 _INSERT_WAVE_BLOCK = (
     "INSERT OR IGNORE INTO wave_blocks (rank, first_wave, last_wave, start_ns, end_ns, waves, "
-    "max_step_ns, columns, rank_hist, execute_hist, sample_hist) VALUES (?,?,?,?,?,?,?,?,?,?,?)"
+    "max_step_ns, columns, rank_hist, execute_hist, sample_hist, dropped_before) "
+    "VALUES (?,?,?,?,?,?,?,?,?,?,?,?)"
 )
 _INSERT_COLLECTIVE_BLOCK = (
     "INSERT OR IGNORE INTO collective_blocks (rank, first_wave, last_wave, start_ns, waves, "
@@ -549,7 +556,9 @@ class Store:
                     continue
                 rank_id = self.rank_id(item.source.rank, item.source.engine)
                 if item.records:
-                    wave_rows.append(wave_block_row(rank_id, batch.wave_columns))
+                    wave_rows.append(
+                        wave_block_row(rank_id, batch.wave_columns, batch.dropped_total)
+                    )
                 if len(cols.wave):
                     coll_rows.append(collective_block_row(rank_id, cols))
                     numbers = cols.wave
@@ -595,8 +604,12 @@ class Store:
 
     def _check_restart_gap(self, item: Item) -> None:
         """Once per rank and process: count the waves between the last one the store holds and
-        the first this sidecar receives. A sidecar that was killed loses what it had accepted
-        and not yet written (the worker thinks it delivered it); this makes that loss seen."""
+        the first this sidecar receives that the worker has not counted as dropped. A sidecar
+        that was killed loses what it had accepted and not yet written (the worker thinks it
+        delivered it); this makes that loss seen. The worker's own drops in the gap (its buffer
+        overflowing through a long outage, the batch in flight) are the growth of its cumulative
+        drop count between the stored block and this batch: those are already in
+        ascend_guard_records_dropped_total, and counting them here too would count them twice."""
         rank = item.source.rank
         key = (rank.run_id, item.source.engine, rank.dp_rank, rank.tp_rank, rank.pp_rank)
         if key in self._gap_checked:
@@ -607,18 +620,27 @@ class Store:
                 # the block with the highest first wave, found through the (rank, first_wave)
                 # index: no scan of the rank's day of blocks
                 row = self._conn.execute(
-                    "SELECT b.last_wave FROM ranks r JOIN runs u ON u.id = r.run "
+                    "SELECT b.last_wave, b.dropped_before FROM ranks r JOIN runs u ON u.id = r.run "
                     "JOIN wave_blocks b ON b.rank = r.id WHERE u.run_id = ? AND r.engine = ? "
                     "AND r.dp = ? AND r.tp = ? AND r.pp = ? ORDER BY b.first_wave DESC LIMIT 1",
                     key,
                 ).fetchone()
         except sqlite3.Error:
             return  # the write itself will find and count what is wrong
-        last_stored = row[0] if row else None
-        first = min(item.batch.wave_columns.wave)
-        if last_stored is None or first <= last_stored + 1:
+        if row is None:
             return
-        gap = first - last_stored - 1
+        last_stored, dropped_before = row
+        first = min(item.batch.wave_columns.wave)
+        if first <= last_stored + 1:
+            return
+        worker_dropped = 0  # a block written before the column existed (NULL): none known
+        if dropped_before is not None:
+            worker_dropped = max(0, item.batch.dropped_total - dropped_before)
+        # a stored batch that the worker also counted (in flight at the kill) can make this
+        # negative: then nothing is missing past what the worker counted
+        gap = max(0, first - last_stored - 1 - worker_dropped)
+        if gap == 0:
+            return
         self.restart_gap_waves += gap
         log.warning(
             "store_restart_gap",
@@ -629,7 +651,8 @@ class Store:
             last_stored_wave=last_stored,
             first_received_wave=first,
             missing_waves=gap,
-            why="lost with a sidecar that stopped before writing them, or dropped by the worker",
+            dropped_by_worker=worker_dropped,
+            why="lost with a sidecar that stopped before writing them",
         )
 
     def write_failed(self, exc: BaseException, records: int) -> str:
@@ -746,9 +769,9 @@ class StoreMetrics(Collector):
         yield committed
         gap = CounterMetricFamily(
             "ascend_guard_store_restart_gap_records",
-            "Waves missing between a rank's last stored wave and the first this sidecar received: "
-            "lost with a previous sidecar that was killed before writing them, or dropped by the "
-            "worker (those are in ascend_guard_records_dropped_total too).",
+            "Waves missing between a rank's last stored wave and the first this sidecar received, "
+            "less those the worker counted in ascend_guard_records_dropped_total: lost with a "
+            "previous sidecar that was killed before writing them.",
         )
         gap.add_metric([], float(store.restart_gap_waves if store is not None else 0))
         yield gap

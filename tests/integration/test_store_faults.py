@@ -373,37 +373,69 @@ def test_kill_9_during_writes_loses_no_committed_row(tmp_path, sock_dir) -> None
 def test_a_restarted_sidecar_counts_the_waves_missing_after_a_ranks_last_stored_wave(
     tmp_path, sock_dir
 ) -> None:
-    """Waves 1-40 stored by one sidecar; a second one, on the same store, first receives wave 71
-    from the same rank: 30 waves are counted in ascend_guard_store_restart_gap_records_total and
-    named in a `store_restart_gap` line. A rank that simply goes on counts nothing."""
+    """Waves 1-40 of tp0 and tp2 stored by one sidecar (each worker had dropped 5 records by
+    then); a second one, on the same store, first receives wave 71 of tp0: 30 waves are counted
+    in ascend_guard_store_restart_gap_records_total and named in a `store_restart_gap` line.
+    tp2's worker overflowed its 16-record buffer with waves 51-90 before the second sidecar was
+    up: it dropped 51-74 and counted them, so of the 34 waves between 40 and 75 only 41-50 (lost
+    with the first sidecar) are the gap's: a long outage's worker drops are not counted twice.
+    A rank that simply goes on (tp1, new to the store) counts nothing."""
     store = tmp_path / "store.db"
     address = f"unix://{sock_dir / 'guard.sock'}"
+    sizes = (1, 3, 1)
     first = SidecarProcess.start(tmp_path, address=address, store_path=store, extra_args=JSON_LOG)
     try:
-        send_waves(first.address, engine="gap", ranks=((0, 0, 0),), waves=40, run_id="run-gap")
-        first.wait_for(lambda t: value(t, "ascend_guard_store_committed_records_total") == 40)
+        send_waves(
+            first.address,
+            engine="gap",
+            ranks=((0, 0, 0), (0, 2, 0)),
+            waves=40,
+            drop=5,
+            run_id="run-gap",
+        )
+        first.wait_for(lambda t: value(t, "ascend_guard_store_committed_records_total") == 80)
     finally:
         first.stop()
     second = SidecarProcess.start(tmp_path, address=address, store_path=store, extra_args=JSON_LOG)
     try:
         streamers = [
-            make_streamer(address, engine="gap", rank=(0, tp, 0), run_id="run-gap", pid=4000 + tp)
-            for tp in range(2)
+            make_streamer(
+                address,
+                engine="gap",
+                rank=(0, tp, 0),
+                sizes=sizes,
+                run_id="run-gap",
+                pid=4000 + tp,
+                buffer_size=16 if tp == 2 else 8192,
+            )
+            for tp in range(3)
         ]
+        for streamer in (streamers[0], streamers[2]):
+            streamer.dropped = 5  # the same workers: their counts go on from the first sidecar's
         for n in range(71, 81):  # tp0 lost 41-70; tp1 is new to the store
             streamers[0].offer(wave_tuple(n))
             streamers[1].offer(wave_tuple(n - 70))
+        for n in range(51, 91):  # tp2 lost 41-50 with the first sidecar, then dropped 51-74
+            streamers[2].offer(wave_tuple(n))
+        assert streamers[2].dropped == 5 + 24
         for streamer in streamers:
             streamer.start()
         text = second.wait_for(
-            lambda t: value(t, "ascend_guard_store_committed_records_total") == 20
+            lambda t: value(t, "ascend_guard_store_committed_records_total") == 10 + 10 + 16
         )
         for streamer in streamers:
             streamer.stop()
-        assert value(text, "ascend_guard_store_restart_gap_records_total") == 30
-        gaps = log_events(second, "store_restart_gap")
-        assert [(g["tp"], g["last_stored_wave"], g["first_received_wave"]) for g in gaps] == [
-            (0, 40, 71)
-        ], gaps
+        assert value(text, "ascend_guard_store_restart_gap_records_total") == 30 + 10
+        gaps = sorted(log_events(second, "store_restart_gap"), key=lambda g: g["tp"])
+        assert [
+            (
+                g["tp"],
+                g["last_stored_wave"],
+                g["first_received_wave"],
+                g["missing_waves"],
+                g["dropped_by_worker"],
+            )
+            for g in gaps
+        ] == [(0, 40, 71, 30, 0), (2, 40, 75, 10, 24)], gaps
     finally:
         second.stop()

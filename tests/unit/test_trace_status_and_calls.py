@@ -195,9 +195,21 @@ def test_range_queries_read_block_histograms_for_whole_blocks(conn, monkeypatch)
         assert sum(v for _, v in got.samples) == WAVES - 11
 
 
+OLD_STORE_LACKS = (
+    "rank_hist",
+    "execute_hist",
+    "sample_hist",
+    "dropped_before",
+    "end_ns",
+    "max_host_ns",
+)
+
+
 def test_a_store_written_before_the_block_summaries_is_brought_up_and_read(tmp_path, path):
-    """A store whose block tables lack the histogram and collective columns (an earlier
-    version's): the writer adds them, old rows read as before (decoded, no histogram)."""
+    """A store whose block tables lack the histogram, drop-count and collective columns (an
+    earlier version's): the writer adds them, old rows read as before (decoded, no histogram),
+    and a restart gap after an old block is counted whole (the worker's drops before it are not
+    known, so none are subtracted)."""
     old = tmp_path / "old.db"
     src = sqlite3.connect(path)
     dst = sqlite3.connect(old)
@@ -205,7 +217,7 @@ def test_a_store_written_before_the_block_summaries_is_brought_up_and_read(tmp_p
         "SELECT sql FROM sqlite_master WHERE type = 'table' AND name IN "
         "('runs', 'ranks', 'wave_blocks', 'collective_blocks', 'slow_calls')"
     ):
-        for column in ("rank_hist", "execute_hist", "sample_hist", "end_ns", "max_host_ns"):
+        for column in OLD_STORE_LACKS:
             sql = "\n".join(line for line in sql.split("\n") if column not in line or "NOT NULL" in line)  # fmt: skip
         dst.execute(sql)
     for table, columns in (
@@ -222,10 +234,16 @@ def test_a_store_written_before_the_block_summaries_is_brought_up_and_read(tmp_p
     assert "rank_hist" not in {
         r[1] for r in sqlite3.connect(old).execute("PRAGMA table_info(wave_blocks)")
     }
-    store.Store(old).close()  # the sidecar opening it
+    sink = store.Store(old)  # the sidecar opening it
+    resumed = batch_item(rank_info(0), [wave_record(WAVES + 11, _start(WAVES + 11), 2 * MS)])
+    resumed.batch.dropped_total = 7
+    sink.write_started([resumed])
+    assert sink.restart_gap_waves == 10  # waves WAVES+1 .. WAVES+10, nothing subtracted
+    sink.close()
     conn = store.connect(old, readonly=True)
     columns = {r[1] for r in conn.execute("PRAGMA table_info(collective_blocks)")}
     assert {"end_ns", "max_host_ns"} <= columns
+    assert "dropped_before" in {r[1] for r in conn.execute("PRAGMA table_info(wave_blocks)")}
     new = store.connect(path, readonly=True)
     for wave in (1, SLOW_CALL_WAVE, WAVES):
         assert load_trace(conn, _tid(wave)) == [
