@@ -639,10 +639,10 @@ class Store:
         # a stored batch that the worker also counted (in flight at the kill) can make this
         # negative: then nothing is missing past what the worker counted
         gap = max(0, first - last_stored - 1 - worker_dropped)
-        if gap == 0:
-            return
         self.restart_gap_waves += gap
-        log.warning(
+        # logged also when the worker counted every missing wave: the line says where the
+        # restart left its hole in the rank's waves
+        (log.warning if gap else log.info)(
             "store_restart_gap",
             engine=item.source.engine,
             dp=rank.dp_rank,
@@ -652,7 +652,11 @@ class Store:
             first_received_wave=first,
             missing_waves=gap,
             dropped_by_worker=worker_dropped,
-            why="lost with a sidecar that stopped before writing them",
+            why=(
+                "lost with a sidecar that stopped before writing them"
+                if gap
+                else "all dropped by the worker, and counted there"
+            ),
         )
 
     def write_failed(self, exc: BaseException, records: int) -> str:

@@ -294,8 +294,15 @@ def test_sigkill_of_the_sidecar_under_load_loses_no_incident_and_accounting_clos
         # it whether or not it arrived, may be counted for a wave that is stored
         assert missing <= worker + gap, f"tp{tp}: {missing - worker - gap} waves lost uncounted"
         assert worker + gap - missing <= BATCH_MAX, f"tp{tp}: drops counted for waves stored"
+        # no hole while the first sidecar was up: what is missing starts after the last wave
+        # it stored (a worker whose buffer overflowed through a slow restart may go on dropping,
+        # and counting, while the restarted sidecar catches up: later runs are allowed)
         runs = gaps(numbers, emitted)
-        assert len(runs) <= 1, f"tp{tp}: waves missing outside the outage: {runs[:8]}"
+        last_stored = gap_lines.get(tp, {}).get("last_stored_wave", emitted)
+        assert all(start > last_stored for start, _ in runs), (
+            f"tp{tp}: waves missing before the kill: {runs[:8]}"
+        )
+        print(f"tp{tp}: missing runs {runs[:4]}{' ...' if len(runs) > 4 else ''}")
     committed_old = value(old_text, "ascend_guard_store_committed_records_total")
     print(
         f"killed sidecar just before the kill ({'scraped' if old_text else 'no answer in 0.8 s'}): received {value(old_text, 'ascend_guard_waves_total'):.0f}"
