@@ -418,7 +418,7 @@ def collective_block_row(rank_id: int, cols: guard_pb2.CollectiveColumns) -> tup
     )
 
 
-def wave_block_row(rank_id: int, cols: guard_pb2.WaveColumns, dropped_before: int = 0) -> tuple:
+def wave_block_row(rank_id: int, cols: guard_pb2.WaveColumns, dropped_before: int) -> tuple:
     """The `wave_blocks` row of one batch's waves (columns must be validated and non-empty).
 
     `dropped_before` is the worker's cumulative drop count when it made the batch (the batch's
