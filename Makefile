@@ -82,7 +82,7 @@ bench: $(STAMP)
 	$(PY) bench/overhead.py $(BENCH_ARGS)
 	$(PY) bench/toggle.py
 
-# regenerate the gRPC code after editing telemetry/proto/guard.proto. The generator is pinned
+# regenerate the gRPC code after editing telemetry/wire/proto/guard.proto. The generator is pinned
 # old on purpose: grpcio-tools 1.63.2 writes code that needs only grpcio>=1.63.2 and carries no
 # protobuf runtime-version check, so the install floors stay low enough for vLLM images
 # (docs/compatibility.md; tests/unit/test_install.py fails on newer generated code).
@@ -90,8 +90,8 @@ PROTOC_VENV := .cache/protoc-venv
 proto:
 	test -x $(PROTOC_VENV)/bin/python || $(PYTHON) -m venv $(PROTOC_VENV)
 	$(PROTOC_VENV)/bin/python -m pip install --quiet 'grpcio-tools==1.63.2'
-	cd telemetry/proto && ../../$(PROTOC_VENV)/bin/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. guard.proto
-	sed -i 's/^import guard_pb2 as guard__pb2/from telemetry.proto import guard_pb2 as guard__pb2/' telemetry/proto/guard_pb2_grpc.py
+	cd telemetry/wire/proto && ../../../$(PROTOC_VENV)/bin/python -m grpc_tools.protoc -I. --python_out=. --grpc_python_out=. --pyi_out=. guard.proto
+	sed -i 's/^import guard_pb2 as guard__pb2/from telemetry.wire.proto import guard_pb2 as guard__pb2/' telemetry/wire/proto/guard_pb2_grpc.py
 
 clean:
 	rm -rf $(VENV) .cache .demo .pytest_cache .ruff_cache *.egg-info

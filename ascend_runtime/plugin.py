@@ -19,7 +19,8 @@ from typing import Any
 
 import structlog
 
-from guard.config import (
+from guard.config.reload import INLINE_ENV
+from guard.config.runtime_guard import (
     CONFIG_KEY,
     RESOLVED_ENV,
     RUN_ID_ENV,
@@ -28,7 +29,6 @@ from guard.config import (
     config_from_env,
     resolve_config,
 )
-from guard.reload import INLINE_ENV
 
 log = structlog.get_logger("ascend_guard.plugin")
 
@@ -101,11 +101,11 @@ def publish(config: GuardConfig | None, vllm_config: Any = None) -> None:
 
 def shared_run_id(config: GuardConfig, vllm_config: Any = None) -> str:
     """The run id every process of this engine uses: configured, inherited, derived from the
-    rendezvous all nodes of a multi-node engine share (ascend_runtime/ranks.py), or made here
+    rendezvous all nodes of a multi-node engine share (ascend_runtime/attach/ranks.py), or made here
     once (one node: every process is spawned from this one and inherits it)."""
     run_id = config.run_id or os.environ.get(RUN_ID_ENV)
     if not run_id and vllm_config is not None:
-        from ascend_runtime.ranks import engine_label, rendezvous_run_id, shared_rendezvous
+        from ascend_runtime.attach.ranks import engine_label, rendezvous_run_id, shared_rendezvous
 
         rendezvous = shared_rendezvous(getattr(vllm_config, "parallel_config", None))
         if rendezvous:
@@ -120,11 +120,11 @@ def activate(config: GuardConfig) -> None:
     """Turn the guard on in this process: a processor, and bindings as runner modules load."""
     if _state["bound"]:
         return
-    from ascend_runtime.bindings import bind_all, bind_sampling
-    from ascend_runtime.ranks import describe_rank
+    from ascend_runtime.attach.binder import bind_all, bind_sampling
+    from ascend_runtime.attach.ranks import describe_rank
     from guard.decorators import install
-    from guard.processor import GuardProcessor
-    from telemetry import logs
+    from guard.wave.processor import GuardProcessor
+    from telemetry.wire import logs
 
     logs.configure()
     run_id = shared_run_id(config)
@@ -135,11 +135,11 @@ def activate(config: GuardConfig) -> None:
     atexit.register(processor.close)
     bind_all()
     bind_sampling()
-    from ascend_runtime.collective_binding import install_collective_guard
+    from ascend_runtime.attach.collectives import install_collective_guard
 
     install_collective_guard(config, processor)
-    from ascend_runtime.bindings import attach_point_readings
-    from guard import identity
+    from ascend_runtime.attach.binder import attach_point_readings
+    from guard.stream import identity
 
     identity.add_source(attach_point_readings)
     _state["bound"] = True

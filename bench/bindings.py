@@ -14,13 +14,13 @@ import argparse
 import statistics
 import time
 
-from ascend_runtime import actions
-from ascend_runtime.attach_points import AttachPoint
+from ascend_runtime.attach import actions
+from ascend_runtime.attach.points import AttachPoint
 from ascend_runtime.probes import speculators
-from guard.config import GuardConfig
+from guard.config.runtime_guard import GuardConfig
 from guard.decorators import install
-from guard.processor import GuardProcessor
-from telemetry.proto import guard_pb2
+from guard.wave.processor import GuardProcessor
+from telemetry.wire.proto import guard_pb2
 
 
 class Worker:

@@ -52,7 +52,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from telemetry.table import render_table  # noqa: E402
+from telemetry.cli.table import render_table  # noqa: E402
 
 CALLS_PER_WAVE = 6  # tiny model at TP=2: 5 all-reduces + 1 all-gather per step
 COMPILED_CALLS = 6  # collectives per compiled call (a wave's worth)
@@ -61,7 +61,7 @@ COMPILED_CALLS = 6  # collectives per compiled call (a wave's worth)
 def _timed_round(tracker, wave: dict, on: bool, calls: int, per_wave: int, fn, *args) -> float:
     """One round of `calls` calls of `fn(*args)`, a new wave every `per_wave` of them, with the
     tracker installed when `on` (guard on) and none otherwise: ns per call."""
-    from guard.collectives import install_tracker
+    from guard.collectives.tracker import install_tracker
 
     install_tracker(tracker if on else None)
     start = time.perf_counter_ns()
@@ -79,8 +79,8 @@ def _micro(calls: int, rounds: int, entry: str) -> dict[str, dict[str, list[floa
     import torch
     import torch.distributed as dist
 
-    from guard.collectives import CollectivesConfig, CollectiveTracker
-    from guard.collectives import wrap_collective as wrap
+    from guard.collectives.tracker import CollectivesConfig, CollectiveTracker
+    from guard.collectives.tracker import wrap_collective as wrap
 
     store = tempfile.NamedTemporaryFile(prefix="ag-bench-", delete=False)  # noqa: SIM115
     dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)
@@ -172,7 +172,7 @@ def _compiled_fns(step, example, reset: bool = True, entry: str = "bytecode") ->
     import torch
     from torch._inductor.compile_fx import compile_fx
 
-    from ascend_runtime import compiled_collectives
+    from ascend_runtime.attach import compiled_collectives
 
     def counted_backend(gm, example_inputs):
         return compiled_collectives.counted(gm, compile_fx(gm, example_inputs))
@@ -230,7 +230,7 @@ def _compiled(
     import torch.distributed as dist
     from vllm.distributed import parallel_state
 
-    from ascend_runtime import compiled_collectives
+    from ascend_runtime.attach import compiled_collectives
 
     lib = torch.library.Library("ag_bench", "FRAGMENT")
     lib.define("noop_allreduce(int handle, Tensor(a!) data) -> ()")
@@ -297,7 +297,7 @@ def _compiled_custom_op(
     import torch
     from vllm.distributed import parallel_state
 
-    from ascend_runtime.collective_binding import collective_wrapper
+    from ascend_runtime.attach.collectives import collective_wrapper
 
     def out_place(self, input_):
         return torch.empty_like(input_)  # a new tensor, as a device communicator returns

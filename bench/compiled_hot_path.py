@@ -34,19 +34,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from telemetry.table import render_table  # noqa: E402
+from telemetry.cli.table import render_table  # noqa: E402
 
 # The engine thread's per-wave path with the default settings: the decorators, the processor
 # and what it calls in each wave (schedule reads, the record's hand-over, the liveness record,
 # request membership), and the detectors' suite with the state it touches.
 HOT_MODULES = (
     "guard/decorators.py",
-    "guard/processor.py",
-    "guard/observers.py",
-    "guard/schedule.py",
-    "guard/streamer.py",
-    "guard/liveness_record.py",
-    "guard/request_membership.py",
+    "guard/wave/processor.py",
+    "guard/wave/observers.py",
+    "guard/wave/schedule.py",
+    "guard/stream/streamer.py",
+    "telemetry/wire/liveness_record.py",
+    "guard/wave/request_membership.py",
     "guard/detectors/host.py",
     "guard/detectors/suite.py",
     "guard/detectors/tokens.py",

@@ -41,7 +41,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from guard.config import IncidentsConfig  # noqa: E402
+from guard.config.runtime_guard import IncidentsConfig  # noqa: E402
 from guard.detectors import logits as logit_checks  # noqa: E402
 from guard.detectors.config import (  # noqa: E402
     DetectorsConfig,
@@ -53,8 +53,8 @@ from guard.detectors.config import (  # noqa: E402
 )
 from guard.detectors.evidence import EvidenceDumper  # noqa: E402
 from guard.detectors.suite import DetectorSuite  # noqa: E402
-from guard.reporter import IncidentReporter  # noqa: E402
-from telemetry.table import render_table  # noqa: E402
+from guard.stream.reporter import IncidentReporter  # noqa: E402
+from telemetry.cli.table import render_table  # noqa: E402
 
 NAMES = ("logits_finite", "token_repeat", "spec_acceptance", "logits_stats", "token_range")
 SECTIONS = {

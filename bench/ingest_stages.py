@@ -22,12 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from telemetry.crossrank import CrossRankView  # noqa: E402
-from telemetry.metrics import SidecarMetrics  # noqa: E402
-from telemetry.pipeline import Item, RankSource  # noqa: E402
-from telemetry.proto import guard_pb2  # noqa: E402
-from telemetry.store import Store  # noqa: E402
-from telemetry.validation import validate_batch  # noqa: E402
+from telemetry.crossrank.view import CrossRankView  # noqa: E402
+from telemetry.ingest.validation import validate_batch  # noqa: E402
+from telemetry.metrics.waves import SidecarMetrics  # noqa: E402
+from telemetry.pipeline.writer import Item, RankSource  # noqa: E402
+from telemetry.store.records import Store  # noqa: E402
+from telemetry.wire.proto import guard_pb2  # noqa: E402
 from tests.support import flood  # noqa: E402
 
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
 def worker_fill_cost() -> tuple[float, float]:
     """The worker's streamer-thread cost of handing 256 finished waves to a batch (the
     collective tracker's `add_waves`) and serializing it, per wave."""
-    from guard.collectives import FinishedWave, add_waves
+    from guard.collectives.tracker import FinishedWave, add_waves
 
     items = []
     for wave in range(1, 257):

@@ -1,4 +1,4 @@
-"""What the shared-memory liveness record (guard/liveness_record.py) and heartbeats cost.
+"""What the shared-memory liveness record (telemetry/wire/liveness_record.py) and heartbeats cost.
 
 In-process, side by side in one run, interleaved rounds (best round and median reported):
 
@@ -27,11 +27,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from guard.collectives import CollectivesConfig, CollectiveTracker  # noqa: E402
-from guard.liveness_record import LivenessRecord, RecordReader  # noqa: E402
-from guard.streamer import HeartbeatState, Streamer  # noqa: E402
-from telemetry.proto import guard_pb2  # noqa: E402
-from telemetry.table import render_table  # noqa: E402
+from guard.collectives.tracker import CollectivesConfig, CollectiveTracker  # noqa: E402
+from guard.stream.streamer import HeartbeatState, Streamer  # noqa: E402
+from telemetry.cli.table import render_table  # noqa: E402
+from telemetry.wire.liveness_record import LivenessRecord, RecordReader  # noqa: E402
+from telemetry.wire.proto import guard_pb2  # noqa: E402
 from tests.support.feed import FixedHeartbeat  # noqa: E402
 
 CALLS_PER_WAVE = 6  # tiny model at TP=2: 5 all-reduces + 1 all-gather per step

@@ -41,7 +41,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run as a script: make the repo's tests.support importable
 
-from telemetry.table import render_table  # noqa: E402
+from telemetry.cli.table import render_table  # noqa: E402
 from tests.support.metrics import value  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.ready import wait_http_ok  # noqa: E402
@@ -473,9 +473,9 @@ def _runner_classes() -> tuple[type, type]:
 
 
 def _processor(address: str, engine: str):
-    from guard.config import GuardConfig
-    from guard.processor import GuardProcessor
-    from telemetry.proto import guard_pb2
+    from guard.config.runtime_guard import GuardConfig
+    from guard.wave.processor import GuardProcessor
+    from telemetry.wire.proto import guard_pb2
 
     rank = guard_pb2.RankInfo(
         run_id="bench-micro", engine=engine, dp_rank=0, tp_rank=0, pp_rank=0, dp_size=1,

@@ -1,6 +1,6 @@
 """TraceQL on a big store: search, trace by id and query_range latencies, and bytes per rank-wave.
 
-The store is written through the real writer sink (telemetry/store.py `Store.write`, wire v2
+The store is written through the real writer sink (telemetry/store/records.py `Store.write`, wire v2
 columns validated as ingest validates them): `--waves` waves x `--ranks` TP ranks spread over
 `--span` seconds ending now, batches of `--batch` waves per rank, each rank-wave with 2
 collective stats (all_reduce, all_gather). Every 997th wave tp3's all_reduce takes 60 ms (its
@@ -9,11 +9,11 @@ execute_model 65 ms): the rare slowness on-call searches look for. Then, over th
 - five typical searches (limit 20, spss 3), `--repeat` times each: p50 and p95 of each, and
   the p95 over all of them;
 - trace by id of random waves: `telemetry.traceql.trace_spans` (the summary's figure) and the
-  CLI's `telemetry.query.load_trace`, which builds the same spans;
+  CLI's `telemetry.spans.query.load_trace`, which builds the same spans;
 - `query_range` of `quantile_over_time(duration, .99) by (.tp)` with a 60 s step;
 - store bytes per rank-wave (used pages / rank-waves).
 
-- one request trace (`telemetry.request_store.request_traces` by request id, as `ascend-guard
+- one request trace (`telemetry.store.requests.request_traces` by request id, as `ascend-guard
   request ID` does): tp0 sends request membership, `REQ_LIVE` requests at a time, each running
   `REQ_WAVES` waves (one joins every REQ_WAVES / REQ_LIVE waves).
 
@@ -34,15 +34,15 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from telemetry import block_summary  # noqa: E402
-from telemetry import store as store_mod  # noqa: E402
-from telemetry.pipeline import Item, RankSource  # noqa: E402
-from telemetry.proto import guard_pb2  # noqa: E402
-from telemetry.query import load_trace  # noqa: E402
-from telemetry.request_store import request_traces  # noqa: E402
+from telemetry.ingest.validation import validate_batch  # noqa: E402
+from telemetry.pipeline.writer import Item, RankSource  # noqa: E402
+from telemetry.spans.query import load_trace  # noqa: E402
+from telemetry.store import block_summary  # noqa: E402
+from telemetry.store import records as store_mod  # noqa: E402
+from telemetry.store.requests import request_traces  # noqa: E402
 from telemetry.traceql import metrics_range, parse, search, trace_spans  # noqa: E402
-from telemetry.traces import format_trace_id, wave_trace_id  # noqa: E402
-from telemetry.validation import validate_batch  # noqa: E402
+from telemetry.wire.proto import guard_pb2  # noqa: E402
+from telemetry.wire.trace_ids import format_trace_id, wave_trace_id  # noqa: E402
 
 MS = 1_000_000
 RUN = "bench-run"

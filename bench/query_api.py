@@ -1,6 +1,6 @@
 """Latency of the sidecar's Tempo-compatible query API over real HTTP, on a store of many waves.
 
-Writes a store with the sidecar's own writer (telemetry/store.py): TP ranks of one replica,
+Writes a store with the sidecar's own writer (telemetry/store/records.py): TP ranks of one replica,
 WAVES waves each at 200 steps/s, one wave slow on one rank (the needle), then serves it with
 `TempoApiServer` (in this process, real HTTP on loopback) and times the requests Grafana sends:
 trace by id (protobuf), newest-20 search, the needle by `minDuration`, a `maxDuration` search,
@@ -23,12 +23,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
-from telemetry import schema  # noqa: E402
-from telemetry.pipeline import Item, RankSource  # noqa: E402
-from telemetry.proto import guard_pb2  # noqa: E402
-from telemetry.store import Store  # noqa: E402
+from telemetry.pipeline.writer import Item, RankSource  # noqa: E402
+from telemetry.store.records import Store  # noqa: E402
 from telemetry.tempo_api import TempoApiServer  # noqa: E402
-from telemetry.traces import format_trace_id, wave_trace_id  # noqa: E402
+from telemetry.wire import schema  # noqa: E402
+from telemetry.wire.proto import guard_pb2  # noqa: E402
+from telemetry.wire.trace_ids import format_trace_id, wave_trace_id  # noqa: E402
 
 RUN, ENGINE = "bench-run", "bench"
 STEP_NS = 5_000_000  # 200 steps/s

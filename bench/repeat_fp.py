@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from telemetry.table import render_table  # noqa: E402
+from telemetry.cli.table import render_table  # noqa: E402
 from tests.support.sidecar import SidecarProcess  # noqa: E402
 from tests.support.vllm_server import VllmServer, token_ids  # noqa: E402
 from tools.make_tiny_model import build_tiny_model  # noqa: E402

@@ -34,8 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from telemetry import store as store_mod  # noqa: E402
-from telemetry.table import render_table  # noqa: E402
+from telemetry.cli.table import render_table  # noqa: E402
+from telemetry.store import records as store_mod  # noqa: E402
 from tests.support.metrics import samples, value  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.sidecar import SidecarProcess  # noqa: E402
@@ -207,9 +207,9 @@ def run_sdk(args) -> dict:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
     from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-    from telemetry.collective_columns import to_waves
-    from telemetry.spans import collective_spans, wave_spans
-    from telemetry.store import RankRow
+    from telemetry.spans.builders import collective_spans, wave_spans
+    from telemetry.store.records import RankRow
+    from telemetry.wire.collective_columns import to_waves
     from tests.support.flood import batches, make_streamer
 
     port = free_port()
@@ -222,7 +222,7 @@ def run_sdk(args) -> dict:
     assert receiver.stdout.readline().strip() == "ready"
     flood_args = argparse.Namespace(run_id="run-sdk", engine="sdk", tp=0, tp_size=args.clients)
     streamer = make_streamer(f"127.0.0.1:{port}", flood_args)
-    from telemetry.proto import guard_pb2
+    from telemetry.wire.proto import guard_pb2
 
     data = [guard_pb2.Batch.FromString(b) for b in batches(streamer, args.sdk_records, 0.0, 0)]
     # each wave's collectives as a `CollectiveWave`, made before the SDK's CPU is counted

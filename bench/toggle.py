@@ -52,7 +52,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from telemetry.table import render_table  # noqa: E402
+from telemetry.cli.table import render_table  # noqa: E402
 from tests.support.metrics import value  # noqa: E402
 from tests.support.sidecar import SidecarProcess  # noqa: E402
 from tools.make_tiny_model import build_tiny_model  # noqa: E402
@@ -130,7 +130,7 @@ def _time_guard() -> dict:
     so `_time_collections` can tell the collections that ran inside it (`gc_ns`, and
     `gc_timer_ns` in unguarded rounds); the report charges the guard the collections it adds
     (on against off) in their place."""
-    from guard.processor import GuardProcessor
+    from guard.wave.processor import GuardProcessor
 
     acc: dict[str, Any] = {
         "ns": 0, "timer_ns": 0, "gc_ns": 0, "gc_timer_ns": 0, "measuring": False,

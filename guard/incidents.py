@@ -1,7 +1,7 @@
 """The public façade for code that reports from inside a worker: `report_incident`, `report_probe`.
 
 Detectors, probes and watchdogs call these from any thread. They hand the report to this
-process's processor (caps and backoff: `guard/reporter.py`), never raise, and do nothing while
+process's processor (caps and backoff: `guard/stream/reporter.py`), never raise, and do nothing while
 the guard is off. This module imports only the decorators' leaf module, so anything may import
 it without pulling in the processor.
 """

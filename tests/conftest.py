@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from telemetry import paths
+from telemetry.wire import paths
 
 _SCRATCH = tempfile.mkdtemp(prefix="ascend-guard-test-")
 os.environ.setdefault(paths.RUNTIME_DIR_ENV, os.path.join(_SCRATCH, "run"))

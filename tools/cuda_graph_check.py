@@ -4,7 +4,7 @@ Run on a machine with a CUDA device (no vLLM needed): `python tools/cuda_graph_c
 It exits 0 with a SKIP line where there is no CUDA device, 0 with an OK line when every check
 passes, 1 otherwise; it takes seconds (well under the 5-minute budget).
 
-What it does, with the guard's own code (`guard.collectives`, `ascend_runtime.graph_collectives`)
+What it does, with the guard's own code (`guard.collectives.tracker`, `ascend_runtime.attach.graph_collectives`)
 bound to the real `torch.cuda.CUDAGraph` exactly as the binder does:
 1. an NCCL process group of world size 1; a GroupCoordinator-shaped object whose
    `_all_reduce_out_place` calls `torch.distributed.all_reduce`. vLLM does not communicate in a
@@ -50,8 +50,8 @@ def main() -> int:
         return 1
     import torch.distributed as dist
 
-    from ascend_runtime.graph_collectives import captured, graph_wrapper
-    from guard.collectives import (
+    from ascend_runtime.attach.graph_collectives import captured, graph_wrapper
+    from guard.collectives.tracker import (
         CollectivesConfig,
         CollectiveTracker,
         GroupMeta,
@@ -133,8 +133,8 @@ def main() -> int:
     saved = (torch.cuda.Event.synchronize, torch.cuda.synchronize)
     ours = []
     seen_in_graph = 0
-    from telemetry.collective_columns import to_waves
-    from telemetry.proto import guard_pb2
+    from telemetry.wire.collective_columns import to_waves
+    from telemetry.wire.proto import guard_pb2
 
     for n in range(1, WAVES + 1):
         wave["n"] = n

@@ -33,7 +33,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
-from telemetry.proto import guard_pb2  # noqa: E402
+from telemetry.wire.proto import guard_pb2  # noqa: E402
 from tests.support.sidecar import SidecarProcess  # noqa: E402
 from tests.unit.test_fuzz_ingest import batches, valid_with_hostile_numbers  # noqa: E402
 

@@ -3,10 +3,10 @@
     python tools/gen_docs.py          # rewrite the generated blocks
     python tools/gen_docs.py --check  # exit 1 when a block differs (tests/unit/test_docs.py)
 
-- configuration: every `runtime_guard` key from the config dataclasses (guard/config.py and its
+- configuration: every `runtime_guard` key from the config dataclasses (guard/config/runtime_guard.py and its
   sections): type, default, allowed range or choices, and the comment above the field;
-- metrics: every family the sidecar registers (telemetry/metrics.py, the probe table
-  telemetry/probes.py, telemetry/collective_metrics.py), read from a live registry;
+- metrics: every family the sidecar registers (telemetry/metrics/waves.py, the probe table
+  telemetry/metrics/probes.py, telemetry/metrics/collectives.py), read from a live registry;
 - compatibility: the versions the test suite records as tested (tests/compat_record.py).
 
 A block sits between `<!-- generated: NAME -->` and `<!-- end generated: NAME -->`.
@@ -71,7 +71,7 @@ def _default(field: dataclasses.Field) -> object:
 
 
 def config_rows(cls: type | None = None, prefix: str = "") -> list[tuple[str, ...]]:
-    from guard.config import GuardConfig
+    from guard.config.runtime_guard import GuardConfig
 
     cls = cls or GuardConfig
     hints = typing.get_type_hints(cls)
@@ -92,7 +92,7 @@ def config_rows(cls: type | None = None, prefix: str = "") -> list[tuple[str, ..
             allowed = " \\| ".join(meta["choices"])
         default = _default(field)
         if field.name == "sidecar":
-            from telemetry import paths
+            from telemetry.wire import paths
 
             default = paths.sidecar_address({})  # the documented default, not this shell's
         shown = json.dumps(list(default) if isinstance(default, tuple) else default)
@@ -114,24 +114,26 @@ def config_table() -> str:
 def metric_rows() -> list[tuple[str, ...]]:
     from prometheus_client import CollectorRegistry
 
-    from telemetry.crossrank import CrossRankView
-    from telemetry.export import ExportSettings, OtlpExporter
-    from telemetry.metrics import SidecarMetrics
-    from telemetry.pipeline import BoundedQueue, Drops
-    from telemetry.rank_gauges import RankGauges
-    from telemetry.store import StoreMetrics
+    from telemetry.crossrank.view import CrossRankView
+    from telemetry.export.otlp import ExportSettings, OtlpExporter
+    from telemetry.metrics.rank_gauges import RankGauges
+    from telemetry.metrics.waves import SidecarMetrics
+    from telemetry.pipeline.writer import BoundedQueue, Drops
+    from telemetry.store.records import StoreMetrics
     from telemetry.tempo_api.server import refused_counter
 
     registry = CollectorRegistry()
     SidecarMetrics(registry)
     CrossRankView(registry)
     registry.register(RankGauges(list))  # per-rank facts for the cross-node rules
-    drops = Drops(registry)  # the record path's own families (telemetry/pipeline.py, export.py)
+    drops = Drops(
+        registry
+    )  # the record path's own families (telemetry/pipeline/writer.py, export.py)
     BoundedQueue(1, drops, registry)
     OtlpExporter(ExportSettings("http://localhost:4317"), drops, registry, "docs").close()
     refused_counter(registry)  # the query API's (telemetry/tempo_api/server.py)
-    StoreMetrics(registry)  # the store's health (telemetry/store.py)
-    from telemetry.request_store import RequestMetrics
+    StoreMetrics(registry)  # the store's health (telemetry/store/records.py)
+    from telemetry.store.requests import RequestMetrics
 
     registry.register(RequestMetrics())  # request membership shed by the workers
     rows = []

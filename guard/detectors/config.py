@@ -2,14 +2,14 @@
 
 Every detector has `enabled` and `action` ("report", or "dump": report plus an evidence bundle).
 These sections, and `incidents`, may be changed on a live server by editing the config file
-(see `guard/reload.py`); the other keys need a restart.
+(see `guard/config/reload.py`); the other keys need a restart.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from guard.config_schema import ACTIONS, GuardConfigError, _choices, _range
+from guard.config.schema import ACTIONS, GuardConfigError, _choices, _range
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,7 +24,7 @@ log = structlog.get_logger("ascend_guard.evidence")
 
 
 def default_dump_dir() -> str:
-    from telemetry import paths
+    from telemetry.wire import paths
 
     return paths.dump_dir()
 

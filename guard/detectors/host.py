@@ -15,8 +15,8 @@ from collections.abc import Callable
 from guard.detectors.config import DetectorsConfig
 from guard.detectors.evidence import EvidenceDumper
 from guard.detectors.suite import DetectorSuite
-from guard.reporter import IncidentReporter
-from telemetry.proto import guard_pb2
+from guard.stream.reporter import IncidentReporter
+from telemetry.wire.proto import guard_pb2
 
 ProbeSink = Callable[[str, float, dict[str, str]], None]
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
-from guard.schedule import WaveTokens
+from guard.wave.schedule import WaveTokens
 
 INITIAL_SLOTS = 64
 # waves a batching detector screens together: about BATCH_IDS rows' worth, within

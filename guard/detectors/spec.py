@@ -39,7 +39,7 @@ from guard.detectors.slots import (
     power_of_two,
     rank_in_group,
 )
-from guard.schedule import WaveTokens
+from guard.wave.schedule import WaveTokens
 
 
 class Window:

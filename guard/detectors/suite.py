@@ -32,8 +32,8 @@ from guard.detectors.tokens import (
     out_of_range,
     rows_out_of_range,
 )
-from guard.reporter import IncidentReporter
-from guard.schedule import WaveTokens
+from guard.stream.reporter import IncidentReporter
+from guard.wave.schedule import WaveTokens
 
 # a token batch left queued this long with no new wave is screened by the streamer thread, so a
 # finding does not wait for the next request

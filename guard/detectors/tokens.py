@@ -33,7 +33,7 @@ from guard.detectors.slots import (
     packed_batch,
     power_of_two,
 )
-from guard.schedule import WaveTokens
+from guard.wave.schedule import WaveTokens
 
 CHECK_EVERY = 8  # new tokens of a request before its stream is looked at for loops again
 # batches left queued for another thread's screen before the engine thread screens them itself

@@ -5,7 +5,7 @@ Grafana's trace view takes a span's service from its resource (`service.name`, a
 belongs to one rank (or, for the wave root and sidecar-raised incidents, to one replica), so
 each rank gets its own resource: `service.name` ascend-guard (as the OTLP exporter's
 resource), the engine as `service.namespace`, the rank as `service.instance.id`, the node as
-`host.name`. The spans are the ones `ascend-guard trace` shows (telemetry/query.py
+`host.name`. The spans are the ones `ascend-guard trace` shows (telemetry/spans/query.py
 `load_trace`), converted with the exporter's `to_otlp`.
 """
 
@@ -18,11 +18,11 @@ from google.protobuf import json_format
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from telemetry import schema
-from telemetry.export import _attributes, to_otlp
-from telemetry.spans import Span
+from telemetry.export.otlp import _attributes, to_otlp
+from telemetry.spans.builders import Span
+from telemetry.wire import schema
 
-SERVICE_NAME = "ascend-guard"  # the OTLP exporter's service.name (telemetry/export.py)
+SERVICE_NAME = "ascend-guard"  # the OTLP exporter's service.name (telemetry/export/otlp.py)
 SCOPE_NAME = "ascend_guard.sidecar"
 RESOURCE_KEYS = ("service.name", "service.namespace", "service.instance.id", "host.name")
 _ID_KEYS = ("traceId", "spanId", "parentSpanId")

@@ -21,12 +21,19 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry, Counter
 
-from telemetry import build_info, request_store, store
-from telemetry.query import load_trace
+from telemetry.spans.query import load_trace
+from telemetry.store import records as store
+from telemetry.store import requests as request_store
 from telemetry.tempo_api import otlp, params, span_list_api, store_search, traceql_adapter
 from telemetry.tempo_api.params import BadParameter
 from telemetry.tempo_api.store_search import Hit
-from telemetry.transport import ServerSecurity, http_refusal, secure_http_server, send_unauthorized
+from telemetry.wire import build_info
+from telemetry.wire.transport import (
+    ServerSecurity,
+    http_refusal,
+    secure_http_server,
+    send_unauthorized,
+)
 
 log = structlog.get_logger("ascend_guard.tempo_api")
 

@@ -14,7 +14,7 @@ import sqlite3
 import time
 from typing import Any
 
-from telemetry.spans import STATUS_UNSET, Span
+from telemetry.spans.builders import STATUS_UNSET, Span
 from telemetry.tempo_api import params
 from telemetry.tempo_api.params import BadParameter
 

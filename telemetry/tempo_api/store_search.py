@@ -19,12 +19,13 @@ from typing import Any
 
 import numpy as np
 
-from telemetry import schema, store
-from telemetry.query import load_trace
-from telemetry.spans import Span
+from telemetry.spans.builders import Span
+from telemetry.spans.query import load_trace
+from telemetry.store import records as store
 from telemetry.tempo_api import otlp
 from telemetry.tempo_api.params import BadParameter
-from telemetry.traces import format_trace_id, wave_trace_key
+from telemetry.wire import schema
+from telemetry.wire.trace_ids import format_trace_id, wave_trace_key
 
 FIRST_WINDOW_NS = 2 * 10**9
 MAX_TRACES_INSPECTED = 5000  # exact-pass cap per search (reported as inspectedTraces)
@@ -44,9 +45,9 @@ _BASE_SPAN_NAMES = ("wave", "rank", "execute_model", "sample_tokens")
 
 
 def span_attribute_keys() -> list[str]:
-    """Every span attribute key the span builders emit (telemetry/spans.py for waves,
-    telemetry/request_store.py for requests), from the schema."""
-    from telemetry.request_store import REQUEST_ATTRIBUTE_KEYS  # it imports the query layer
+    """Every span attribute key the span builders emit (telemetry/spans/builders.py for waves,
+    telemetry/store/requests.py for requests), from the schema."""
+    from telemetry.store.requests import REQUEST_ATTRIBUTE_KEYS  # it imports the query layer
 
     keys = set(REQUEST_ATTRIBUTE_KEYS)
     keys |= {schema.ATTR_RUN, schema.ATTR_ENGINE, schema.ATTR_WAVE, schema.ATTR_DP, schema.ATTR_TP,
@@ -174,7 +175,7 @@ def _windows(conn, ranks, start_ns, end_ns, min_ns, result) -> Iterator[list[tup
 
 
 def _rank_durations(cols, starts: np.ndarray) -> np.ndarray:
-    """Rank span durations of a block (telemetry/spans.py `rank_end_ns`, column-wise)."""
+    """Rank span durations of a block (telemetry/spans/builders.py `rank_end_ns`, column-wise)."""
     execute = starts + np.array(cols.execute_ns, np.int64)
     sample = (starts + np.array(cols.sample_offset_ns, np.int64)
               + np.array(cols.sample_ns, np.int64))  # fmt: skip

@@ -1,6 +1,6 @@
 """What a TraceQL field names on our spans: intrinsics, span attributes and resource attributes.
 
-Span attribute keys are read off telemetry/spans.py itself (the builder is run once on a sample
+Span attribute keys are read off telemetry/spans/builders.py itself (the builder is run once on a sample
 rank, wave, collective and incident), so a field it starts to emit is queryable without a change
 here. A query may name a key in full (`span.ascend_guard.tp`) or by its short name (`.tp`): the
 key without the `ascend_guard.` prefix, and collective stats without `collective.` too.
@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import functools
 
-from telemetry import schema
-from telemetry.proto import guard_pb2
-from telemetry.spans import (
+from telemetry.spans.builders import (
     SLOW_CALL_PREFIX,
     Span,
     collective_spans,
@@ -20,9 +18,11 @@ from telemetry.spans import (
     slow_call_spans,
     wave_spans,
 )
-from telemetry.store import RankRow
+from telemetry.store.records import RankRow
+from telemetry.wire import schema
+from telemetry.wire.proto import guard_pb2
 
-# the OTLP exporter's resource (telemetry/export.py): what `resource.` fields see
+# the OTLP exporter's resource (telemetry/export/otlp.py): what `resource.` fields see
 SERVICE_NAME = "ascend-guard"
 RESOURCE_SERVICE = "service.name"
 RESOURCE_HOST = "host.name"
@@ -33,7 +33,7 @@ ATTR_REQUEST = schema.attr("request_id")
 ALIASES = {
     "run": schema.ATTR_RUN,
     "request": ATTR_REQUEST,
-    "ascend_guard.request": ATTR_REQUEST,  # request traces' spans (telemetry/request_store.py)
+    "ascend_guard.request": ATTR_REQUEST,  # request traces' spans (telemetry/store/requests.py)
     "incident": schema.attr("incident_type"),
 }
 SPAN_STATUS = "unset"  # every span but incidents and the rank / wave spans that raised one
@@ -83,7 +83,7 @@ def kind_keys() -> dict[str, frozenset[str]]:
     """Span kind -> the attribute keys its spans carry (incidents: with the request id)."""
     keys = {kind: frozenset(spans[0].attributes) for kind, spans in _sample_spans().items()}
     keys["incident"] = keys["incident"] | {ATTR_REQUEST}
-    from telemetry.request_store import REQUEST_ATTRIBUTE_KEYS  # request traces' spans
+    from telemetry.store.requests import REQUEST_ATTRIBUTE_KEYS  # request traces' spans
 
     keys["request"] = frozenset(REQUEST_ATTRIBUTE_KEYS)
     return keys

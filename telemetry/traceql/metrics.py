@@ -10,7 +10,7 @@ A query whose spanset is one `{ }` filter on span fields (the usual metrics quer
 from block columns without building a span; any other shape runs the search's exact pass on
 each candidate trace. In the first shape, rate, count_over_time and
 quantile_over_time(duration) read a wave block's stored duration histogram
-(telemetry/block_summary.py) instead of its columns where the whole block answers alike: every
+(telemetry/store/block_summary.py) instead of its columns where the whole block answers alike: every
 span of the phase on that rank matches the filter whatever its values (`{ name =
 "execute_model" }`, `{ .tp = 1 }`), the `by()` labels are the rank's own, and the block lies
 inside the range and inside one step. Only the blocks at the range's ends and those across a
@@ -28,7 +28,8 @@ import sqlite3
 
 import numpy as np
 
-from telemetry import block_summary, store
+from telemetry.store import block_summary
+from telemetry.store import records as store
 from telemetry.traceql import ast
 from telemetry.traceql.columns import ABSENT, UNKNOWN, Prefixed, mask_of, maybe, value_of
 from telemetry.traceql.parser import TraceQLError, parse

@@ -5,7 +5,7 @@ that hold at least one span matching it: it reads only the ranks, span kinds and
 plan allows (telemetry/traceql/plan.py) and evaluates the filter over a block's columns without
 building spans. The filters' trace sets are combined the way the spanset expression combines
 them (`||` unites, `&&` and structural operators need both sides). The exact pass then builds
-each candidate trace with the CLI's own builder (telemetry/query.py `load_trace`) and runs the
+each candidate trace with the CLI's own builder (telemetry/spans/query.py `load_trace`) and runs the
 whole query on its spans, newest first, until `limit` traces match. The candidate pass walks
 back from `end_ns` in windows that grow fourfold, so a broad query stops after the first
 window while a narrow one scans the range.
@@ -19,9 +19,10 @@ from collections.abc import Iterable
 
 import numpy as np
 
-from telemetry import request_traceql, store
-from telemetry.spans import Span
+from telemetry.spans.builders import Span
+from telemetry.store import records as store
 from telemetry.traceql import ast, fields
+from telemetry.traceql import requests as request_traceql
 from telemetry.traceql.columns import _scalar_cmp, mask_of, value_of
 from telemetry.traceql.parser import TraceQLError, parse
 from telemetry.traceql.plan import LeafPlan, leaves, plan_leaf
@@ -38,7 +39,7 @@ from telemetry.traceql.source import (
     node_map,
     slow_call_spans_in,
 )
-from telemetry.traces import format_trace_id, wave_trace_key
+from telemetry.wire.trace_ids import format_trace_id, wave_trace_key
 
 DEFAULT_LIMIT = 20
 DEFAULT_SPSS = 3
@@ -474,7 +475,7 @@ def search(
     cache = BlockCache(conn)
     finder = CandidatePass(conn, parsed, cache)
     done: set[tuple[int, int]] = set()
-    # request traces (telemetry/request_traceql.py), when the query names request spans
+    # request traces (telemetry/traceql/requests.py), when the query names request spans
     out: list[TraceMatch] = request_traceql.search(
         conn, parsed, start_ns, end_ns, limit, spans_per_spanset, finder.nodes
     )

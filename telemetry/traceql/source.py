@@ -14,11 +14,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from telemetry import schema, store
-from telemetry.collective_columns import to_waves
-from telemetry.incidents import IncidentFilter, list_incidents
-from telemetry.query import finish_wave_trace
-from telemetry.spans import (
+from telemetry.spans.builders import (
     COLLECTIVE_WAVE_SPAN_FIELDS,
     STATUS_ERROR,
     STATUS_UNSET,
@@ -29,10 +25,15 @@ from telemetry.spans import (
     slow_call_spans,
     wave_spans,
 )
+from telemetry.spans.query import finish_wave_trace
+from telemetry.store import records as store
+from telemetry.store.incidents import IncidentFilter, list_incidents
 from telemetry.traceql import ast, fields
 from telemetry.traceql.columns import ABSENT, Coded
 from telemetry.traceql.parser import TraceQLError
-from telemetry.traces import split_trace_id, wave_trace_id
+from telemetry.wire import schema
+from telemetry.wire.collective_columns import to_waves
+from telemetry.wire.trace_ids import split_trace_id, wave_trace_id
 
 WAVE_KINDS = ("wave", "rank", "execute_model", "sample_tokens")
 ALL_KINDS = (*WAVE_KINDS, "collective", "slow_call", "incident")
@@ -84,7 +85,7 @@ def collective_blocks_in(
 
 class CollectiveTable:
     """The collective spans of some collective records as columns, one row per (wave, stat),
-    without building them (the same values telemetry/spans.py `collective_spans` gives:
+    without building them (the same values telemetry/spans/builders.py `collective_spans` gives:
     a unit test holds the two together)."""
 
     def __init__(self, rank: store.RankRow, waves: list | None = None, cols=None) -> None:
@@ -212,7 +213,7 @@ class BlockCache:
         return value
 
     def _holding(self, table: str, rank_id: int, wave: int) -> list[int]:
-        """Row ids of the rank's blocks holding `wave` (telemetry/store.py's block walk)."""
+        """Row ids of the rank's blocks holding `wave` (telemetry/store/records.py's block walk)."""
         directory = self._directories.get((table, rank_id))
         if directory is None:
             directory = store.BlockDirectory(self.conn, table, rank_id)
@@ -290,7 +291,7 @@ class BlockCache:
 
 
 def trace_spans(conn: sqlite3.Connection, trace_id: str) -> list[Span]:
-    """Every span of one trace by id (what telemetry/query.py `load_trace` returns; it reads
+    """Every span of one trace by id (what telemetry/spans/query.py `load_trace` returns; it reads
     each rank's block down the (rank, first_wave) key instead of scanning older blocks)."""
     text = trace_id.strip().lower()
     if not re.fullmatch(r"[0-9a-f]{32}", text):
@@ -299,7 +300,7 @@ def trace_spans(conn: sqlite3.Connection, trace_id: str) -> list[Span]:
 
 
 def load_trace_cached(conn: sqlite3.Connection, trace_id: str, cache: BlockCache) -> list[Span]:
-    """Every span of one wave trace, as telemetry/query.py `load_trace` builds them (same
+    """Every span of one wave trace, as telemetry/spans/query.py `load_trace` builds them (same
     builders, same filters; a unit test compares the two), with blocks shared through `cache`."""
     text = trace_id.strip().lower()
     key, wave = split_trace_id(int(text, 16))
@@ -453,7 +454,7 @@ def _pack(values: list):
 class BlockTable:
     """The spans of one kind (wave, rank, execute_model, sample_tokens) of one stored block,
     as columns, without building them. Attribute keys and constant values come from a span the
-    builder made for the block's first wave (so this follows telemetry/spans.py); without that
+    builder made for the block's first wave (so this follows telemetry/spans/builders.py); without that
     template the table gives only the spans' starts, ends and which rows are spans."""
 
     def __init__(

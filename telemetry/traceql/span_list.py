@@ -5,7 +5,7 @@ A trace search answers traces, newest first; an on-call engineer asking for "the
 spans of the last 15 minutes" wants spans ranked across traces instead. `top_spans` evaluates
 one `{ }` filter over every block the plan allows (telemetry/traceql/plan.py: ranks, span kinds,
 a `duration >= X` bound on a block's slowest step), keeps the best `limit` rows by the sort key
-without building a span, and builds only those with telemetry/spans.py.
+without building a span, and builds only those with telemetry/spans/builders.py.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import sqlite3
 
 import numpy as np
 
-from telemetry import schema, store
-from telemetry.spans import Span, collective_spans
+from telemetry.spans.builders import Span, collective_spans
+from telemetry.store import records as store
 from telemetry.traceql import ast
 from telemetry.traceql.columns import mask_of
 from telemetry.traceql.parser import TraceQLError, parse
@@ -31,6 +31,7 @@ from telemetry.traceql.source import (
     incident_spans,
     node_map,
 )
+from telemetry.wire import schema
 
 _GROUP = schema.attr("collective.group")
 SORT_KEYS = ("duration", "start", "wave")  # each descending: slowest, newest, latest wave first

@@ -28,7 +28,8 @@ import json
 
 import pytest
 
-from telemetry import request_store, store
+from telemetry.store import records as store
+from telemetry.store import requests as request_store
 from tests.support.accounting import ENGINE, GuardedServer, guard_lines, usage_sum
 from tests.support.request_checks import (
     membership_vs_wave_records,

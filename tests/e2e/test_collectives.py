@@ -60,7 +60,7 @@ class Deployment:
         self.health_port = free_port()
         self.query_port = free_port()  # the sidecar's Tempo-compatible query API
         sock = root / "guard.sock"
-        live = root / "live"  # the workers' liveness records (guard/liveness_record.py)
+        live = root / "live"  # the workers' liveness records (telemetry/wire/liveness_record.py)
         self.sidecar = SidecarProcess.start(
             root, address=f"unix://{sock}",
             extra_args=("--health-port", str(self.health_port), "--health-host", "127.0.0.1",
@@ -224,7 +224,7 @@ def test_fire_drill_shows_rank_1_as_straggler_by_the_injected_delay(dep: Deploym
 
 
 def test_timeline_of_the_drill_shows_rank_0_waiting_for_rank_1(dep: Deployment, tmp_path) -> None:
-    """`ascend-guard timeline` of the drilled waves (telemetry/timeline.py): the wait arrow
+    """`ascend-guard timeline` of the drilled waves (telemetry/spans/timeline.py): the wait arrow
     of the drill wave goes from the delayed rank 1 to rank 0, and rank 0's collective slice
     that the arrow ends on is longer than rank 1's by about the delay."""
     out = tmp_path / "drill.json"

@@ -13,7 +13,7 @@ killed and restarted in the middle, sidecar up again. What must hold:
   host one run of this drill measured 0.54 of its neighbours' rate with no stall at all;
 - no incident is lost: the incidents of a worker are numbered 1, 2, 3, ... by the worker
   (`<run>:<pid>:<n>`), and the store holds every number up to the last, each once, including
-  those raised while the sidecar was down (spooled by the worker, guard/spool.py);
+  those raised while the sidecar was down (spooled by the worker, guard/stream/spool.py);
 - the wave accounting closes, per rank: waves emitted (the worker's wave counter, reported as
   `ascend_guard_last_wave`) = waves in the store + records counted as dropped (the worker's own
   cumulative counter, `ascend_guard_records_dropped_total`, and the sidecars'
@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from telemetry.store import connect, decode_waves
+from telemetry.store.records import connect, decode_waves
 from tests.support.metrics import value
 from tests.support.sidecar import SidecarProcess
 from tests.support.vllm_server import VllmServer, completion_tokens

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from telemetry import cli, paths
-from telemetry.commands.source import ApiSource, StoreSource
-from telemetry.incidents import IncidentFilter, list_incidents
-from telemetry.query import load_trace
-from telemetry.store import connect
-from telemetry.traces import format_trace_id, wave_trace_id
+from telemetry.cli import main as cli
+from telemetry.cli.source import ApiSource, StoreSource
+from telemetry.spans.query import load_trace
+from telemetry.store.incidents import IncidentFilter, list_incidents
+from telemetry.store.records import connect
+from telemetry.wire import paths
+from telemetry.wire.trace_ids import format_trace_id, wave_trace_id
 from tests.support.certs import TestCA
 from tests.support.collective_feed import _filler as collective_filler
 from tests.support.feed import FillWith, attach_reporter, make_streamer, wave_tuple

@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from guard.spool import IncidentSpool
+from guard.stream.spool import IncidentSpool
 from tests.integration.test_sidecar_grpc import batch, raw_call, store_rows, wait_for
 from tests.support.feed import attach_reporter, make_streamer, wave_tuple
 from tests.support.metrics import value

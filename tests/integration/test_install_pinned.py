@@ -60,8 +60,8 @@ def test_floors_are_at_or_below_what_vllm_needs():
 
 
 def test_generated_code_needs_no_more_than_the_floors():
-    pb2 = (REPO / "telemetry/proto/guard_pb2.py").read_text()
-    grpc_py = (REPO / "telemetry/proto/guard_pb2_grpc.py").read_text()
+    pb2 = (REPO / "telemetry/wire/proto/guard_pb2.py").read_text()
+    grpc_py = (REPO / "telemetry/wire/proto/guard_pb2_grpc.py").read_text()
     made_by = Version(re.search(r"# Protobuf Python Version: (\S+)", pb2).group(1))
     assert made_by <= _floor(_ours(), "protobuf"), "regenerate with `make proto`"
     check = re.search(r"ValidateProtobufRuntimeVersion\([^)]*?(\d+),\s*(\d+),\s*(\d+),", pb2, re.S)
@@ -89,8 +89,8 @@ def test_pinned_environment_imports_the_pins_without_warnings(pinned):
         import json, warnings
         warnings.simplefilter("error")
         import grpc, google.protobuf
-        from telemetry.proto import guard_pb2, guard_pb2_grpc
-        from telemetry.build_info import build_labels
+        from telemetry.wire.proto import guard_pb2, guard_pb2_grpc
+        from telemetry.wire.build_info import build_labels
         batch = guard_pb2.Batch(seq=3)
         assert guard_pb2.Batch.FromString(batch.SerializeToString()).seq == 3
         print(json.dumps([grpc.__version__, google.protobuf.__version__, build_labels("sidecar")]))

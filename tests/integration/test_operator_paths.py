@@ -1,4 +1,4 @@
-"""A sidecar started the documented way (paths from telemetry/paths.py, pointed at a temporary
+"""A sidecar started the documented way (paths from telemetry/wire/paths.py, pointed at a temporary
 folder through the environment, as a non-root run must), and the operator's commands that find
 it without flags: the README's on-call block, `doctor --live`, `ready`, socket permissions,
 build_info on both sides, engines forgotten after they leave, and unique engine labels.
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 
-from guard import identity
-from guard.streamer import HeartbeatState, Streamer
-from telemetry import paths
-from telemetry.proto import guard_pb2
+from guard.stream import identity
+from guard.stream.streamer import HeartbeatState, Streamer
+from telemetry.wire import paths
+from telemetry.wire.proto import guard_pb2
 from tests.support.feed import FixedHeartbeat, send_waves, wave_tuple
 from tests.support.metrics import samples, value
 from tests.support.ports import free_port

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from telemetry.export import sampled
-from telemetry.traces import format_trace_id, wave_trace_id
+from telemetry.export.otlp import sampled
+from telemetry.wire.trace_ids import format_trace_id, wave_trace_id
 from tests.support.feed import attach_reporter, make_streamer, send_waves, wave_tuple
 from tests.support.otlp_receiver import otlp_receiver
 from tests.support.sidecar import SidecarProcess

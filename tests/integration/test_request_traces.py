@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from telemetry import request_store
-from telemetry.store import connect
-from telemetry.traces import format_trace_id, request_trace_id, wave_trace_id
+from telemetry.store import requests as request_store
+from telemetry.store.records import connect
+from telemetry.wire.trace_ids import format_trace_id, request_trace_id, wave_trace_id
 from tests.support.metrics import value
 from tests.support.ports import free_port
 from tests.support.request_sim import RANK, Sim, SimRequest, drive, guarded

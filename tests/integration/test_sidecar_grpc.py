@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from telemetry.proto import guard_pb2
+from telemetry.wire.proto import guard_pb2
 from tests.support.feed import make_streamer, send_waves, wave_tuple
 from tests.support.metrics import value
 from tests.support.ports import free_port

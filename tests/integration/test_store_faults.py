@@ -3,7 +3,7 @@ truncated store file, and kill -9 in the middle of writes.
 
 The full disk is a real one: a tmpfs of a few MiB that the test mounts (root is needed; where
 `mount` is not allowed the test is skipped and says why). Records come from the real worker-side
-client (`guard.streamer.Streamer`), the store is read back with SQLite from the test.
+client (`guard.stream.streamer.Streamer`), the store is read back with SQLite from the test.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from telemetry.store import connect, count_waves
+from telemetry.store.records import connect, count_waves
 from tests.support.feed import make_streamer, send_waves, wave_tuple
 from tests.support.metrics import value
 from tests.support.ports import free_port

@@ -25,10 +25,10 @@ import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, json_format, message_factory
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from telemetry import build_info, schema
-from telemetry.query import load_trace
-from telemetry.store import connect
+from telemetry.spans.query import load_trace
+from telemetry.store.records import connect
 from telemetry.tempo_api import traceql_adapter
+from telemetry.wire import build_info, schema
 from tests.support.collective_feed import send_collective_waves
 from tests.support.feed import make_streamer, wave_tuple
 from tests.support.ports import free_port
@@ -177,7 +177,7 @@ def _stored(api: Api, trace_id: str):
 
 def _slow_trace_id(api: Api) -> str:
     conn = connect(api.sidecar.store_path, readonly=True)
-    from telemetry.traces import format_trace_id, wave_trace_id
+    from telemetry.wire.trace_ids import format_trace_id, wave_trace_id
 
     trace_id = format_trace_id(wave_trace_id("run-tempo", SLOW_WAVE, 0))
     assert load_trace(conn, trace_id), "the slow wave is not stored"

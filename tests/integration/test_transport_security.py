@@ -18,10 +18,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from guard.streamer import Streamer
-from telemetry import paths
-from telemetry.proto import guard_pb2
-from telemetry.transport import ClientSecurity
+from guard.stream.streamer import Streamer
+from telemetry.wire import paths
+from telemetry.wire.proto import guard_pb2
+from telemetry.wire.transport import ClientSecurity
 from tests.support.certs import TestCA
 from tests.support.feed import make_streamer, wave_tuple
 from tests.support.metrics import value
@@ -310,7 +310,7 @@ def test_bad_security_flags_are_named(tmp_path, ca):
 
 
 def test_the_worker_config_names_an_unusable_transport_file(tmp_path):
-    from guard.config import GuardConfigError, parse_config
+    from guard.config.runtime_guard import GuardConfigError, parse_config
 
     with pytest.raises(GuardConfigError, match="runtime_guard.transport: token_file .*missing"):
         parse_config({"transport": {"token_file": str(tmp_path / "missing")}})

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from telemetry import schema
-from telemetry.traces import wave_trace_id
+from telemetry.wire import schema
+from telemetry.wire.trace_ids import wave_trace_id
 from tests.support.cluster_feed import LiveRank
 from tests.support.collective_feed import send_collective_waves
 from tests.support.dashboard import load_dashboard, panel_queries, render_expr

@@ -1,6 +1,6 @@
 """A rank that keeps its stream open: waves, the same waves' collectives, probes and incidents
 through the real client, then heartbeats saying it waits inside the next all_reduce, until
-`stop()`. The rank gauges (telemetry/rank_gauges.py) exist only while a rank's stream is live,
+`stop()`. The rank gauges (telemetry/metrics/rank_gauges.py) exist only while a rank's stream is live,
 so the two-node dashboard test feeds through these rather than through the helpers of
 tests.support.feed, which close their streams once the records are handed over.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
-from guard.streamer import HeartbeatState, Streamer
-from telemetry.proto import guard_pb2
+from guard.stream.streamer import HeartbeatState, Streamer
+from telemetry.wire.proto import guard_pb2
 from tests.support.feed import DASHBOARD_PROBES, FixedHeartbeat, attach_reporter, wave_tuple
 
 CALLS_PER_WAVE = 6  # 5 all_reduce + 1 all_gather on tp

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import time
 
-from guard.streamer import HeartbeatState, Streamer
-from telemetry.proto import guard_pb2
+from guard.stream.streamer import HeartbeatState, Streamer
+from telemetry.wire.proto import guard_pb2
 from tests.support.feed import FixedHeartbeat
 
 

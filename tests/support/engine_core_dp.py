@@ -4,7 +4,7 @@ For each scenario (command-line arguments as `vllm serve` takes them, and the en
 the launcher would start), this parses them with vLLM's own argument parser and builds the real
 `VllmConfig` with `EngineArgs.create_engine_config`
 and runs vLLM's real `EngineCoreProc.run_engine_core` for each rank, with the engine-core class
-replaced by a stub that records `ascend_runtime.ranks.dp_identity` of the parallel config it was
+replaced by a stub that records `ascend_runtime.attach.ranks.dp_identity` of the parallel config it was
 handed and stops there (the config an engine core builds its executor and workers from).
 
 Run as `python -m tests.support.engine_core_dp SCENARIOS_JSON`: a JSON list of
@@ -32,7 +32,7 @@ def run(scenarios: list[dict[str, Any]]) -> list[Any]:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
     from vllm.v1.engine import core
 
-    from ascend_runtime.ranks import dp_identity
+    from ascend_runtime.attach.ranks import dp_identity
 
     seen: list[Any] = []
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import time
 
-from guard import identity
-from guard.streamer import HeartbeatState, Streamer, WaveTuple
-from telemetry.proto import guard_pb2
+from guard.stream import identity
+from guard.stream.streamer import HeartbeatState, Streamer, WaveTuple
+from telemetry.wire.proto import guard_pb2
 
 
 def make_streamer(
@@ -110,8 +110,8 @@ def send_waves(
 
 def attach_reporter(streamer: Streamer, run_id: str, *, wave: int = 7, **config):
     """An IncidentReporter wired to `streamer` the way GuardProcessor wires them."""
-    from guard.config import IncidentsConfig
-    from guard.reporter import IncidentReporter
+    from guard.config.runtime_guard import IncidentsConfig
+    from guard.stream.reporter import IncidentReporter
 
     reporter = IncidentReporter(
         IncidentsConfig(**config), run_id=run_id, current_wave=lambda: wave,

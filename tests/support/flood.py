@@ -1,7 +1,7 @@
 """A client process that streams wave records of one TP rank at full speed (or a set rate).
 
 Batches are made by the real worker streamer (`Streamer._make_batch`, wire v2 columns, the rank
-in the first batch only), with what `guard/collectives.py` adds for a TP rank of a small model:
+in the first batch only), with what `guard/collectives/tracker.py` adds for a TP rank of a small model:
 per wave 2 collective stats (all_reduce and all_gather on group tp), as wire v3 collective
 columns built by the tracker's own `add_waves`. They go
 over one real gRPC client stream, as the worker's streamer sends them.
@@ -23,9 +23,9 @@ import time
 
 import grpc
 
-from guard.collectives import FinishedWave, add_waves
-from guard.streamer import HeartbeatState, Streamer, WaveTuple
-from telemetry.proto import guard_pb2
+from guard.collectives.tracker import FinishedWave, add_waves
+from guard.stream.streamer import HeartbeatState, Streamer, WaveTuple
+from telemetry.wire.proto import guard_pb2
 from tests.support.feed import FixedHeartbeat
 
 METHOD = "/ascend_guard.v1.GuardIngest/Stream"

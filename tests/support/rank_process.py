@@ -27,9 +27,9 @@ import signal
 import threading
 import time
 
-from guard.liveness_record import LivenessRecord
-from guard.streamer import HeartbeatState, Streamer
-from telemetry.proto import guard_pb2
+from guard.stream.streamer import HeartbeatState, Streamer
+from telemetry.wire.liveness_record import LivenessRecord
+from telemetry.wire.proto import guard_pb2
 from tests.support.feed import FixedHeartbeat
 
 WAVE = 5

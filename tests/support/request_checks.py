@@ -9,8 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from telemetry import request_store, store
-from telemetry.request_columns import entries
+from telemetry.store import records as store
+from telemetry.store import requests as request_store
+from telemetry.wire.request_columns import entries
 
 
 def wait_stored(path: Path, engine: str, last_wave: float, timeout: float = 30.0) -> None:

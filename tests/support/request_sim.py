@@ -26,10 +26,10 @@ import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
-from guard.config import GuardConfig
-from guard.processor import GuardProcessor
-from guard.streamer import Streamer
-from telemetry.proto import guard_pb2
+from guard.config.runtime_guard import GuardConfig
+from guard.stream.streamer import Streamer
+from guard.wave.processor import GuardProcessor
+from telemetry.wire.proto import guard_pb2
 
 
 def _fresh(text: str) -> str:

@@ -11,7 +11,7 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
-from telemetry import paths
+from telemetry.wire import paths
 from tests.support.ports import free_port
 from tests.support.ready import wait_http_ok
 

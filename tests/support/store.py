@@ -5,9 +5,9 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from telemetry.query import SpanQuery, load_trace, search
-from telemetry.spans import Span
-from telemetry.store import connect
+from telemetry.spans.builders import Span
+from telemetry.spans.query import SpanQuery, load_trace, search
+from telemetry.store.records import connect
 
 
 def stored_spans(path: Path, **filters) -> list[Span]:

@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from telemetry.incidents import IncidentLedger
-from telemetry.pipeline import Item, RankSource
-from telemetry.proto import guard_pb2
-from telemetry.store import Store
-from telemetry.validation import to_columns, validate_batch
+from telemetry.ingest.validation import to_columns, validate_batch
+from telemetry.pipeline.writer import Item, RankSource
+from telemetry.store.incidents import IncidentLedger
+from telemetry.store.records import Store
+from telemetry.wire.proto import guard_pb2
 
 MS = 1_000_000
 

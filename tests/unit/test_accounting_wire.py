@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from guard.streamer import WaveTuple
-from telemetry.metrics import SidecarMetrics
+from guard.stream.streamer import WaveTuple
+from telemetry.metrics.waves import SidecarMetrics
 from tests.support.feed import make_streamer, wave_tuple
 from tests.support.metrics import value
 

@@ -15,8 +15,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from ascend_runtime import actions
-from ascend_runtime.attach_points import (
+from ascend_runtime.attach import actions
+from ascend_runtime.attach.binder import BINDINGS, bind_point
+from ascend_runtime.attach.points import (
     ACTIONS,
     ATTACH_POINTS,
     COMPONENTS,
@@ -24,11 +25,10 @@ from ascend_runtime.attach_points import (
     AttachPoint,
     points_for,
 )
-from ascend_runtime.bindings import BINDINGS, bind_point
-from guard.config import GuardConfig
+from guard.config.runtime_guard import GuardConfig
 from guard.decorators import install, is_guarded, unwrap
-from guard.processor import GuardProcessor
-from telemetry.proto import guard_pb2
+from guard.wave.processor import GuardProcessor
+from telemetry.wire.proto import guard_pb2
 from tests.support.side_by_side import side_by_side
 
 REPO = Path(__file__).resolve().parents[2]
@@ -67,8 +67,8 @@ def test_every_ascend_speculator_method_has_a_point():
 LIVE_CHECK = textwrap.dedent(
     """
     import importlib, inspect, json, sys
-    from ascend_runtime.attach_points import points_for
-    from ascend_runtime.doctor import live_rows
+    from ascend_runtime.attach.points import points_for
+    from ascend_runtime.doctor.coverage import live_rows
     from guard.decorators import is_guarded, unwrap
 
     runtime = sys.argv[1]

@@ -10,13 +10,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from ascend_runtime import import_hooks
-from ascend_runtime.attach_points import AttachPoint
-from ascend_runtime.bindings import BINDINGS, bind_all, bind_runner_class
-from guard.config import GuardConfig
+from ascend_runtime.attach import import_hooks
+from ascend_runtime.attach.binder import BINDINGS, bind_all, bind_runner_class
+from ascend_runtime.attach.points import AttachPoint
+from guard.config.runtime_guard import GuardConfig
 from guard.decorators import install, is_guarded, unwrap
-from guard.processor import GuardProcessor
-from telemetry.proto import guard_pb2
+from guard.wave.processor import GuardProcessor
+from telemetry.wire.proto import guard_pb2
 
 METHODS = ("execute_model", "sample_tokens")
 
@@ -175,7 +175,7 @@ def test_subclass_without_own_methods_is_left_alone(upstream):
 
 
 def test_runner_attach_points_name_the_installed_classes():
-    from ascend_runtime.attach_points import ATTACH_POINTS
+    from ascend_runtime.attach.points import ATTACH_POINTS
 
     pytest.importorskip("vllm")
     import vllm.v1.worker.cpu.shm  # noqa: F401

@@ -1,11 +1,11 @@
-"""Per-block duration histograms (telemetry/block_summary.py) against numpy on the raw values."""
+"""Per-block duration histograms (telemetry/store/block_summary.py) against numpy on the raw values."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from telemetry import block_summary as bs
+from telemetry.store import block_summary as bs
 
 
 def _samples(rng, kind: str, n: int) -> np.ndarray:

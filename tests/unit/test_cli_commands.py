@@ -1,4 +1,4 @@
-"""telemetry/cli.py assembles one module per subcommand: each module's add_parser(sub) and
+"""telemetry/cli/main.py assembles one module per subcommand: each module's add_parser(sub) and
 run(args), one line of COMMANDS each; `python -m telemetry.cli` and the console script work."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 import types
 from pathlib import Path
 
-from telemetry import cli
+from telemetry.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPECTED = {
@@ -37,10 +37,10 @@ def test_every_subcommand_runs_its_own_modules_handler():
     assert set(subs) == EXPECTED
     for name in cli.COMMANDS:
         module = importlib.import_module(name)
-        assert module.__name__.startswith("telemetry.commands."), name
+        assert module.__name__.startswith("telemetry.cli.commands."), name
         mine = [cmd for cmd, p in subs.items() if p.get_default("handler") is module.run]
         assert mine, f"{name} registered no subcommand"
-    assert len((ROOT / "telemetry" / "cli.py").read_text().splitlines()) < 120
+    assert len((ROOT / "telemetry" / "cli" / "main.py").read_text().splitlines()) < 120
 
 
 def test_a_new_subcommand_module_takes_one_line(monkeypatch, capsys):
@@ -62,7 +62,7 @@ def test_a_new_subcommand_module_takes_one_line(monkeypatch, capsys):
 
 def test_the_console_script_and_python_dash_m():
     pyproject = (ROOT / "pyproject.toml").read_text()
-    assert '\n[project.scripts]\nascend-guard = "telemetry.cli:main"\n' in pyproject
+    assert '\n[project.scripts]\nascend-guard = "telemetry.cli.main:main"\n' in pyproject
     out = subprocess.run(
         [sys.executable, "-m", "telemetry.cli", "--help"],
         cwd=ROOT,

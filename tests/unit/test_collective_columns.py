@@ -8,15 +8,15 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry
 
-from guard.collectives import FinishedWave, add_waves
-from telemetry import schema
-from telemetry.collective_columns import columns_of, from_waves, to_waves
-from telemetry.collective_metrics import CollectiveMetrics
-from telemetry.pipeline import Item, RankSource
-from telemetry.proto import guard_pb2
-from telemetry.ranksync import RankSync
-from telemetry.store import Store, collective_waves, connect, ranks
-from telemetry.validation import InvalidBatch, validate_batch
+from guard.collectives.tracker import FinishedWave, add_waves
+from telemetry.crossrank.ranksync import RankSync
+from telemetry.ingest.validation import InvalidBatch, validate_batch
+from telemetry.metrics.collectives import CollectiveMetrics
+from telemetry.pipeline.writer import Item, RankSource
+from telemetry.store.records import Store, collective_waves, connect, ranks
+from telemetry.wire import schema
+from telemetry.wire.collective_columns import columns_of, from_waves, to_waves
+from telemetry.wire.proto import guard_pb2
 
 
 def _fields(message) -> dict[str, int]:

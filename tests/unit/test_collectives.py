@@ -12,16 +12,16 @@ import time
 import pytest
 import torch
 
-from ascend_runtime.collective_binding import COLLECTIVE_METHODS, bind_group_coordinator
-from guard.collectives import (
+from ascend_runtime.attach.collectives import COLLECTIVE_METHODS, bind_group_coordinator
+from guard.collectives.tracker import (
     CollectivesConfig,
     CollectiveTracker,
     install_tracker,
     tensor_size,
     wrap_collective,
 )
-from telemetry.collective_columns import to_waves
-from telemetry.proto import guard_pb2
+from telemetry.wire.collective_columns import to_waves
+from telemetry.wire.proto import guard_pb2
 
 
 class Coordinator:
@@ -215,8 +215,8 @@ def test_tensor_size_reads_tensors_lists_and_dicts():
 
 def test_collective_rows_of_the_attach_point_table_match_the_wrapper_table():
     """One list of attach points: every GroupCoordinator row has a way to read its payload."""
-    from ascend_runtime.attach_points import ATTACH_POINTS
-    from ascend_runtime.attach_points import COLLECTIVE_METHODS as TABLE_METHODS
+    from ascend_runtime.attach.points import ATTACH_POINTS
+    from ascend_runtime.attach.points import COLLECTIVE_METHODS as TABLE_METHODS
 
     rows = [p for p in ATTACH_POINTS if p.action == "collective"]
     assert {p.method for p in rows} == set(TABLE_METHODS) == {m for m, _, _ in COLLECTIVE_METHODS}
@@ -226,7 +226,8 @@ def test_collective_rows_of_the_attach_point_table_match_the_wrapper_table():
 
 
 def test_collective_wrappers_carry_the_common_guard_marker():
-    from guard import collectives, decorators
+    from guard import decorators
+    from guard.collectives import tracker as collectives
 
     assert collectives.GUARD_WRAPPED_ATTR == decorators.WRAPPED_ATTR
 

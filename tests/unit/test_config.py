@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from guard.config import (
+from guard.config.runtime_guard import (
     CONFIG_FILE_ENV,
     RESOLVED_ENV,
     GuardConfig,
@@ -16,7 +16,7 @@ from guard.config import (
     parse_config,
     resolve_config,
 )
-from telemetry.addresses import default_sidecar_address
+from telemetry.wire.addresses import default_sidecar_address
 
 
 def test_defaults_fill_every_field():

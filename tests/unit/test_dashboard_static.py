@@ -67,7 +67,7 @@ WORKER_METRICS = {
     "ascend_guard_speculator_info",
     "ascend_guard_device_communicator_info",
     "ascend_guard_hccl_settings_info",
-    # collectives, skew, stragglers, hang verdicts (issue 4, telemetry/collective_metrics.py)
+    # collectives, skew, stragglers, hang verdicts (issue 4, telemetry/metrics/collectives.py)
     "ascend_guard_collective_calls_total",
     "ascend_guard_collective_bytes_total",
     "ascend_guard_collective_seconds_total",
@@ -83,7 +83,7 @@ WORKER_METRICS = {
     "ascend_guard_hang_recoveries_total",
     "ascend_guard_engine_wedged",
     "ascend_guard_hang_stall_seconds",
-    # what runs and where it attached (telemetry/build_info.py, guard/identity.py)
+    # what runs and where it attached (telemetry/wire/build_info.py, guard/stream/identity.py)
     "ascend_guard_build_info",
     "ascend_guard_attach_points",
 }

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from guard import decorators
-from guard.config import GuardConfig, parse_config
+from guard.config.runtime_guard import GuardConfig, parse_config
 from guard.decorators import (
     install,
     is_guarded,
@@ -17,9 +17,9 @@ from guard.decorators import (
     runtime_guard_step,
     unwrap,
 )
-from guard.processor import GuardProcessor
-from guard.streamer import WaveTuple
-from telemetry.proto import guard_pb2
+from guard.stream.streamer import WaveTuple
+from guard.wave.processor import GuardProcessor
+from telemetry.wire.proto import guard_pb2
 
 
 @pytest.fixture(autouse=True)
@@ -542,7 +542,7 @@ class Recorder:
 
 
 class CollectivesLike:
-    """Only the hooks the collectives observer has (guard/collective_guard.py), one raising."""
+    """Only the hooks the collectives observer has (guard/collectives/observer.py), one raising."""
 
     def __init__(self, calls):
         self.calls = calls

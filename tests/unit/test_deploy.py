@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from telemetry import paths
+from telemetry.wire import paths
 from tools import render_deploy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -258,7 +258,7 @@ def test_vllm_probes_never_kill_and_wait_for_a_long_load(overlay):
 
 
 def test_guard_config_in_the_configmap_is_valid():
-    from guard.config import parse_config
+    from guard.config.runtime_guard import parse_config
 
     config = parse_config(_guard_config(render("overlays/daemonset")))
     assert config.sidecar == paths.sidecar_address({})
@@ -266,8 +266,8 @@ def test_guard_config_in_the_configmap_is_valid():
 
 def test_configmap_directory_mount_is_hot_reloaded(tmp_path):
     """The kubelet's ConfigMap update (new ..data folder, one atomic symlink swap) is seen."""
-    from guard.config import parse_config
-    from guard.reload import ConfigWatcher
+    from guard.config.reload import ConfigWatcher
+    from guard.config.runtime_guard import parse_config
 
     def publish(version: str, body: dict) -> None:
         data = tmp_path / f"..{version}"
@@ -356,7 +356,7 @@ INCIDENT_TYPES = (
 def test_incident_type_list_is_the_codes():
     """Every type the code raises is in INCIDENT_TYPES (scanned from the sources)."""
     raised = set()
-    for path in [*ROOT.glob("guard/**/*.py"), *ROOT.glob("ascend_runtime/**/*.py"), ROOT / "telemetry/hangs.py"]:  # fmt: skip
+    for path in [*ROOT.glob("guard/**/*.py"), *ROOT.glob("ascend_runtime/**/*.py"), ROOT / "telemetry/crossrank/hangs.py"]:  # fmt: skip
         text = path.read_text()
         raised |= set(re.findall(r"(?:incident|_report|report)\(\s*\"([a-z_]+)\"", text))
         raised |= set(re.findall(r"^(?:VERDICT|RECOVERY) = \"([a-z_]+)\"", text, re.M))
@@ -421,7 +421,7 @@ def test_containerfile_installs_no_torch_or_vllm():
 def test_the_sidecar_imports_neither_torch_nor_vllm():
     """What the Containerfile's build step asserts, checked here where no image is built."""
     code = (
-        "import sys, telemetry.sidecar, telemetry.cli, telemetry.commands.doctor, telemetry.commands.ready; "
+        "import sys, telemetry.sidecar.app, telemetry.cli.main, telemetry.cli.commands.doctor, telemetry.cli.commands.ready; "
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'vllm', 'vllm_ascend')); "
         "assert not bad, bad"
     )

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from guard.config import IncidentsConfig, parse_config
+from guard.config.runtime_guard import IncidentsConfig, parse_config
 from guard.detectors import compiled
 from guard.detectors import logits as checks
 from guard.detectors.config import (
@@ -36,9 +36,9 @@ from guard.detectors.tokens import (
     out_of_range,
     rows_out_of_range,
 )
-from guard.reporter import IncidentReporter
-from guard.schedule import WaveTokens
-from telemetry.proto import guard_pb2
+from guard.stream.reporter import IncidentReporter
+from guard.wave.schedule import WaveTokens
+from telemetry.wire.proto import guard_pb2
 
 
 # -- logits checks --------------------------------------------------------------------------

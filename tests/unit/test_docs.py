@@ -18,7 +18,7 @@ def test_generated_tables_match_the_code():
 
 
 def test_config_table_has_every_key():
-    from guard.config import GuardConfig
+    from guard.config.runtime_guard import GuardConfig
 
     rows = {row[0].strip("`") for row in gen_docs.config_rows()}
     assert {"sidecar", "incidents.spool_dir", "detectors.dump.directory"} <= rows

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ascend_runtime.ranks import DpIdentity, dp_identity
+from ascend_runtime.attach.ranks import DpIdentity, dp_identity
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256"]

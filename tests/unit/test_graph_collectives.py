@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from ascend_runtime.collective_binding import bind_group_coordinator
-from ascend_runtime.graph_collectives import captured, graph_wrapper
-from guard.collectives import CollectivesConfig, CollectiveTracker, install_tracker
-from guard.watchdog import CollectiveWatchdog
-from telemetry.collective_columns import to_waves
-from telemetry.proto import guard_pb2
+from ascend_runtime.attach.collectives import bind_group_coordinator
+from ascend_runtime.attach.graph_collectives import captured, graph_wrapper
+from guard.collectives.tracker import CollectivesConfig, CollectiveTracker, install_tracker
+from guard.collectives.watchdog import CollectiveWatchdog
+from telemetry.wire.collective_columns import to_waves
+from telemetry.wire.proto import guard_pb2
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
 HIDDEN = 16
@@ -242,7 +242,7 @@ def test_a_wave_waits_for_its_replay_times_then_is_handed_over_without_them(part
     """Stand-in NPU whose device falls behind: a finished wave is held until its replays'
     events resolve (never waiting for them), and handed over without them once it is
     PARK_WAVES waves old, the late events counted."""
-    from guard.collectives import PARK_WAVES
+    from guard.collectives.tracker import PARK_WAVES
 
     coordinator_cls, graph_cls, tracker, wave = parts
     tp = coordinator_cls("tp:0")
@@ -275,8 +275,8 @@ def test_sidecar_verdict_names_the_replayed_graph_its_peer_waits_in():
     list."""
     from prometheus_client import CollectorRegistry
 
-    from telemetry.collective_metrics import CollectiveMetrics
-    from telemetry.hangs import HangDetector, HangSettings
+    from telemetry.crossrank.hangs import HangDetector, HangSettings
+    from telemetry.metrics.collectives import CollectiveMetrics
 
     clock = {"t": 100.0}
     det = HangDetector(
@@ -322,9 +322,9 @@ def time_ns() -> int:
 
 def test_doctor_says_per_call_per_replay_or_not_at_all_and_why():
     """No stand-in: the doctor's reading of attach-point rows (as bound or not) per runtime."""
-    from ascend_runtime.attach_points import points_for
-    from ascend_runtime.doctor import Row, collective_lines
-    from guard.config import GuardConfig, parse_config
+    from ascend_runtime.attach.points import points_for
+    from ascend_runtime.doctor.coverage import Row, collective_lines
+    from guard.config.runtime_guard import GuardConfig, parse_config
 
     def rows(runtime: str, failing: str = "") -> list[Row]:
         return [

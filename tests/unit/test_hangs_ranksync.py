@@ -8,10 +8,10 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from telemetry.collective_metrics import CollectiveMetrics
-from telemetry.hangs import HangDetector, HangSettings
-from telemetry.proto import guard_pb2
-from telemetry.ranksync import RankSync
+from telemetry.crossrank.hangs import HangDetector, HangSettings
+from telemetry.crossrank.ranksync import RankSync
+from telemetry.metrics.collectives import CollectiveMetrics
+from telemetry.wire.proto import guard_pb2
 
 
 class Clock:
@@ -213,8 +213,8 @@ def test_wire_label_values_are_bounded():
      ("--hang-wait", "soon", "--hang-wait: 'soon' is not a duration")],
 )  # fmt: skip
 def test_sidecar_refuses_bad_hang_thresholds(flag, value, message, capsys, monkeypatch):
-    from telemetry import logs
-    from telemetry.cli import main
+    from telemetry.cli.main import main
+    from telemetry.wire import logs
 
     # logs.configure() would bind structlog to capsys's stream, closed after this test
     monkeypatch.setattr(logs, "configure", lambda **_: None)

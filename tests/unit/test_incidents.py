@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from guard.config import GuardConfigError, IncidentsConfig, parse_config
-from guard.reporter import MAX_EVIDENCE_BYTES, IncidentReporter, encode_evidence
-from guard.spool import IncidentSpool
+from guard.config.runtime_guard import GuardConfigError, IncidentsConfig, parse_config
+from guard.stream.reporter import MAX_EVIDENCE_BYTES, IncidentReporter, encode_evidence
+from guard.stream.spool import IncidentSpool
 
 
 def make(cap=3, factor=4.0):
@@ -61,7 +61,7 @@ def test_forgetting_finished_requests_drops_every_type_of_theirs_and_only_theirs
 
 
 def test_keys_forgotten_past_the_bound_leave_no_trace_for_a_later_forget(monkeypatch):
-    monkeypatch.setattr("guard.reporter.MAX_TRACKED_KEYS", 3)
+    monkeypatch.setattr("guard.stream.reporter.MAX_TRACKED_KEYS", 3)
     reporter, _ = make(cap=1, factor=2.0)
     for request in ("a", "b", "c", "d"):  # a's key is the oldest, dropped by d's
         reporter.report("token_repeat", "warning", "x", request_id=request)

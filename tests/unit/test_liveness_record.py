@@ -11,7 +11,9 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry
 
-from guard.liveness_record import (
+from telemetry.crossrank.hangs import HangDetector, HangSettings
+from telemetry.metrics.collectives import CollectiveMetrics
+from telemetry.wire.liveness_record import (
     _COUNTER,
     LivenessRecord,
     RecordReader,
@@ -19,8 +21,6 @@ from guard.liveness_record import (
     proc_stat,
     record_path,
 )
-from telemetry.collective_metrics import CollectiveMetrics
-from telemetry.hangs import HangDetector, HangSettings
 from tests.unit.test_hangs_ranksync import Clock, batch
 
 
@@ -235,7 +235,7 @@ def test_a_gone_rank_lets_go_of_its_record(local):
 
 def test_the_collective_tracker_writes_the_call_it_is_in(tmp_path):
     """The wrapped call is seen from the record while it runs, and as returned afterwards."""
-    from guard.collectives import CollectivesConfig, CollectiveTracker
+    from guard.collectives.tracker import CollectivesConfig, CollectiveTracker
 
     class Group:
         unique_name, world_size, rank_in_group, backend = "tp:0", 2, 0, "shm"

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ascend_runtime.attach_points import AttachPoint
+from ascend_runtime.attach.points import AttachPoint
 from ascend_runtime.probes import graphs, hccl, report
 from ascend_runtime.probes.device_time import PhaseTimer, event_factory
 
@@ -20,9 +20,9 @@ FAKES = Path(__file__).resolve().parents[1] / "fakes"
 
 def guard_processor():
     """A real GuardProcessor (no sidecar yet: readings wait in its streamer until it starts)."""
-    from guard.config import GuardConfig
-    from guard.processor import GuardProcessor
-    from telemetry.proto import guard_pb2
+    from guard.config.runtime_guard import GuardConfig
+    from guard.wave.processor import GuardProcessor
+    from telemetry.wire.proto import guard_pb2
 
     return GuardProcessor(GuardConfig(sidecar="localhost:1"), lambda r: guard_pb2.RankInfo())
 
@@ -163,7 +163,7 @@ def test_a_workspace_that_survives_its_capture_is_a_leak(npu):
 
 def test_graph_capture_action_wraps_a_manager_capture(npu, monkeypatch):
     """Stand-in torch_npu: the binder's graph_capture wrapper around a manager's capture()."""
-    from ascend_runtime import actions
+    from ascend_runtime.attach import actions
     from guard.decorators import install
 
     monkeypatch.setitem(actions._state, "platform", "ascend")
@@ -216,7 +216,7 @@ def test_hccl_settings_info_and_the_hang_deadline_rule():
 
 def test_communicator_init_action_reports_hccl_for_the_npu_communicator(npu, monkeypatch):
     """Stand-in for vllm-ascend's NPUCommunicator (it needs torch_npu and HCCL to construct)."""
-    from ascend_runtime import actions
+    from ascend_runtime.attach import actions
     from guard.decorators import install
 
     class NPUCommunicator:

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from guard.config import RESOLVED_ENV, RUN_ID_ENV, GuardConfig
+from guard.config.runtime_guard import RESOLVED_ENV, RUN_ID_ENV, GuardConfig
 from tests.support.side_by_side import side_by_side
 
 pytestmark = pytest.mark.timeout(180)

@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from telemetry import cli
-from telemetry import store as store_mod
-from telemetry.pipeline import Item, RankSource
-from telemetry.proto import guard_pb2
-from telemetry.query import (
+from telemetry.cli import main as cli
+from telemetry.pipeline.writer import Item, RankSource
+from telemetry.spans.query import (
     QueryError,
     SpanQuery,
     load_trace,
@@ -23,8 +21,10 @@ from telemetry.query import (
     parse_time_ns,
     span_tree,
 )
-from telemetry.store import Store
-from telemetry.traces import (
+from telemetry.store import records as store_mod
+from telemetry.store.records import Store
+from telemetry.wire.proto import guard_pb2
+from telemetry.wire.trace_ids import (
     format_trace_id,
     rank_span_id,
     wave_span_id,
@@ -213,7 +213,7 @@ def item(rank: guard_pb2.RankInfo, *waves: guard_pb2.WaveRecord) -> Item:
     """One batch of `waves` from `rank`, as ingest hands it to the writer (wire v2 columns)."""
     batch = guard_pb2.Batch(rank=rank)
     batch.waves.extend(waves)
-    from telemetry.validation import to_columns, validate_batch
+    from telemetry.ingest.validation import to_columns, validate_batch
 
     to_columns(batch)
     records = validate_batch(batch)
@@ -232,7 +232,7 @@ def build_store(path: Path, waves, **store_kwargs) -> Store:
 
 def _spans(path) -> list:
     """Every span the store can build (all ranks, all blocks)."""
-    from telemetry.spans import wave_spans
+    from telemetry.spans.builders import wave_spans
 
     conn = store_mod.connect(path, readonly=True)
     try:
@@ -503,7 +503,7 @@ def test_wave_trace_id_is_deterministic_across_calls_and_processes():
     ]
     assert here == [wave_trace_id("run-a", 7, 0), wave_span_id("run-a", 7, 0), rank_span_id("run-a", 7, 0, 1, 0)]  # fmt: skip
     code = (
-        "from telemetry.traces import wave_trace_id, wave_span_id, rank_span_id\n"
+        "from telemetry.wire.trace_ids import wave_trace_id, wave_span_id, rank_span_id\n"
         "print(wave_trace_id('run-a', 7, 0), wave_span_id('run-a', 7, 0), rank_span_id('run-a', 7, 0, 1, 0))"
     )
     proc = subprocess.run(
@@ -565,7 +565,7 @@ def test_each_dp_replica_has_its_own_trace_and_root(tmp_path):
 
 
 def test_lockstep_links_name_the_other_dp_ranks_waves():
-    from telemetry.traces import lockstep_links
+    from telemetry.wire.trace_ids import lockstep_links
 
     links = lockstep_links("run-a", 5, 1, 3)
     assert links == [

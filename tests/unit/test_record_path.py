@@ -12,17 +12,17 @@ import pytest
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from guard.streamer import WAVE_COLUMNS, HeartbeatState, Streamer, WaveTuple
-from telemetry import schema
-from telemetry import store as store_mod
-from telemetry.collective_columns import from_waves
-from telemetry.crossrank import CrossRankView
-from telemetry.ingest import IngestService, _Refused
-from telemetry.metrics import SidecarMetrics
-from telemetry.pipeline import STAGE_QUEUE, BoundedQueue, Drops, Item, Writer
-from telemetry.proto import guard_pb2
-from telemetry.query import SpanQuery, search
-from telemetry.store import Store
+from guard.stream.streamer import WAVE_COLUMNS, HeartbeatState, Streamer, WaveTuple
+from telemetry.crossrank.view import CrossRankView
+from telemetry.ingest.service import IngestService, _Refused
+from telemetry.metrics.waves import SidecarMetrics
+from telemetry.pipeline.writer import STAGE_QUEUE, BoundedQueue, Drops, Item, Writer
+from telemetry.spans.query import SpanQuery, search
+from telemetry.store import records as store_mod
+from telemetry.store.records import Store
+from telemetry.wire import schema
+from telemetry.wire.collective_columns import from_waves
+from telemetry.wire.proto import guard_pb2
 from tests.support.feed import FixedHeartbeat, wave_tuple
 
 
@@ -83,7 +83,7 @@ class Path_:
     """ingest -> queue -> writer -> (metrics, store), wired as the sidecar wires them."""
 
     def __init__(self, tmp_path, queue_bytes: int = 1 << 24) -> None:
-        from telemetry.sidecar import _MetricsSink
+        from telemetry.sidecar.app import _MetricsSink
 
         self.metrics = SidecarMetrics(CollectorRegistry())
         self.drops = Drops(self.metrics.registry)
@@ -228,7 +228,9 @@ def test_refusals_are_all_counted_but_logged_at_a_bounded_rate(tmp_path):
             assert path.send([bad]).code == grpc.StatusCode.INVALID_ARGUMENT
     assert path.sample("ascend_guard_ingest_rejected_total", reason="invalid") == 500
     lines = [e for e in logs if e["event"] == "ingest_refused"]
-    assert 1 <= len(lines) <= 10, len(lines)  # telemetry/ratelimit.py: 10 a minute per reason
+    assert 1 <= len(lines) <= 10, len(
+        lines
+    )  # telemetry/ingest/ratelimit.py: 10 a minute per reason
 
 
 def test_rank_is_named_once_per_stream_and_may_not_change(tmp_path):
@@ -337,7 +339,7 @@ def test_wave_columns_mirror_the_wave_record():
 
 
 def _items(tp: int, waves: range) -> list[Item]:
-    from telemetry.ingest import RankView
+    from telemetry.ingest.service import RankView
 
     view = RankView(rank(tp), "rp")
     out = []
@@ -348,7 +350,7 @@ def _items(tp: int, waves: range) -> list[Item]:
 
 
 def test_otlp_export_counts_a_full_queue_and_a_failed_receiver():
-    from telemetry.export import ExportSettings, OtlpExporter
+    from telemetry.export.otlp import ExportSettings, OtlpExporter
     from tests.support.ports import free_port
 
     registry = CollectorRegistry()
@@ -373,7 +375,7 @@ def test_otlp_export_counts_a_full_queue_and_a_failed_receiver():
 
 
 def test_tail_sampling_is_the_same_for_every_rank_and_about_one_in_n():
-    from telemetry.export import sampled
+    from telemetry.export.otlp import sampled
 
     kept = [w for w in range(1, 100_001) if sampled(w, 100)]
     assert 800 <= len(kept) <= 1200

@@ -8,12 +8,12 @@ import subprocess
 import sys
 import types
 
-import guard.reload
-from guard.config import GuardConfig, parse_config
+import guard.config.reload
+from guard.config.reload import STAMP_ATTR, STAMP_WAVES, ConfigWatcher, guard_schedule
+from guard.config.runtime_guard import GuardConfig, parse_config
 from guard.decorators import is_guarded
-from guard.processor import GuardProcessor
-from guard.reload import STAMP_ATTR, STAMP_WAVES, ConfigWatcher, guard_schedule
-from telemetry.proto import guard_pb2
+from guard.wave.processor import GuardProcessor
+from telemetry.wire.proto import guard_pb2
 
 
 def write(path, obj) -> None:
@@ -54,7 +54,7 @@ def test_schedule_decorator_stamps_a_bounded_number_of_outputs(tmp_path, monkeyp
     path = tmp_path / "guard.json"
     write(path, {})
     watcher = ConfigWatcher(str(path), GuardConfig())
-    monkeypatch.setattr("guard.reload.engine_watcher", lambda: watcher)
+    monkeypatch.setattr("guard.config.reload.engine_watcher", lambda: watcher)
 
     class Scheduler:
         @guard_schedule
@@ -73,10 +73,10 @@ def test_schedule_decorator_stamps_a_bounded_number_of_outputs(tmp_path, monkeyp
 def test_a_stamp_wrapper_wrapped_again_stays_and_tries_to_step_aside_once(monkeypatch):
     """Another plugin wrapped the scheduler over ours: ours is not on the class, so it stays
     in the chain, and looks for itself there only once, not on every step."""
-    monkeypatch.setattr("guard.reload.engine_watcher", lambda: None)
+    monkeypatch.setattr("guard.config.reload.engine_watcher", lambda: None)
     looks = []
-    search = guard.reload.step_aside
-    monkeypatch.setattr("guard.reload.step_aside", lambda *a: looks.append(search(*a)))
+    search = guard.config.reload.step_aside
+    monkeypatch.setattr("guard.config.reload.step_aside", lambda *a: looks.append(search(*a)))
 
     class Scheduler:
         def schedule(self):
@@ -93,7 +93,7 @@ def test_a_stamp_wrapper_wrapped_again_stays_and_tries_to_step_aside_once(monkey
 def test_schedule_decorator_steps_aside_when_no_config_file_is_watched(monkeypatch):
     """No config file in this engine (the usual `vllm serve`): the first schedule() puts the
     bare method back on the class that holds it, so later steps pay no frame of the guard's."""
-    monkeypatch.setattr("guard.reload.engine_watcher", lambda: None)
+    monkeypatch.setattr("guard.config.reload.engine_watcher", lambda: None)
 
     class Scheduler:
         def schedule(self):

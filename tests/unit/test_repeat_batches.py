@@ -18,7 +18,7 @@ import types
 
 import pytest
 
-from guard.config import IncidentsConfig
+from guard.config.runtime_guard import IncidentsConfig
 from guard.detectors import compiled
 from guard.detectors.config import (
     DetectorsConfig,
@@ -30,9 +30,9 @@ from guard.detectors.host import DetectorHost
 from guard.detectors.slots import batch_waves
 from guard.detectors.suite import IDLE_FLUSH_S
 from guard.detectors.tokens import CHECK_EVERY, OVERDUE_BATCHES, RepeatDetector, find_loop
-from guard.reporter import IncidentReporter
-from guard.schedule import WaveTokens
-from telemetry.proto import guard_pb2
+from guard.stream.reporter import IncidentReporter
+from guard.wave.schedule import WaveTokens
+from telemetry.wire.proto import guard_pb2
 
 
 class Reference:

@@ -16,14 +16,14 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 
-from telemetry.collective_metrics import CollectiveMetrics
-from telemetry.crossrank import CrossRankView
-from telemetry.hangs import HangDetector, HangSettings
-from telemetry.liveness import LivenessServer
-from telemetry.metrics import SidecarMetrics
-from telemetry.proto import guard_pb2
-from telemetry.ranksync import RankSync
-from telemetry.replica import Replica, replica_of
+from telemetry.crossrank.hangs import HangDetector, HangSettings
+from telemetry.crossrank.liveness import LivenessServer
+from telemetry.crossrank.ranksync import RankSync
+from telemetry.crossrank.replica import Replica, replica_of
+from telemetry.crossrank.view import CrossRankView
+from telemetry.metrics.collectives import CollectiveMetrics
+from telemetry.metrics.waves import SidecarMetrics
+from telemetry.wire.proto import guard_pb2
 from tests.support.metrics import SIDECAR_WIDE
 
 RUN = "run-dp"
@@ -218,7 +218,7 @@ def wave(n: int, dummy: bool = False) -> guard_pb2.WaveRecord:
     )
 
 
-# Wave traces per replica are built from the store since issue 9 (telemetry/spans.py); their
+# Wave traces per replica are built from the store since issue 9 (telemetry/spans/builders.py); their
 # test is tests/unit/test_query.py::test_each_dp_replica_has_its_own_trace_and_root. Lockstep
 # span links (traces.lockstep_links) are not yet emitted by the span builder.
 

@@ -15,19 +15,20 @@ from types import SimpleNamespace
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from guard import request_membership
-from guard.request_membership import RequestMembership
-from telemetry import request_store, schema
-from telemetry.labels import EngineLabels
-from telemetry.pipeline import Item, RankSource
-from telemetry.proto import guard_pb2
-from telemetry.query import load_trace
-from telemetry.request_columns import entries
-from telemetry.store import Store, connect
+from guard.wave import request_membership
+from guard.wave.request_membership import RequestMembership
+from telemetry.ingest.labels import EngineLabels
+from telemetry.ingest.validation import InvalidBatch, validate_batch
+from telemetry.pipeline.writer import Item, RankSource
+from telemetry.spans.query import load_trace
+from telemetry.store import requests as request_store
+from telemetry.store.records import Store, connect
 from telemetry.tempo_api.server import PROTOBUF, Request, route
 from telemetry.traceql.search import search as traceql_search
-from telemetry.traces import format_trace_id, request_trace_id, wave_trace_id
-from telemetry.validation import InvalidBatch, validate_batch
+from telemetry.wire import schema
+from telemetry.wire.proto import guard_pb2
+from telemetry.wire.request_columns import entries
+from telemetry.wire.trace_ids import format_trace_id, request_trace_id, wave_trace_id
 from tests.support.metrics import samples, value
 from tests.support.request_sim import Sim, SimRequest, drive, guarded
 
@@ -322,7 +323,7 @@ def test_queued_steps_hold_no_vllm_object_and_one_each_rows_match_counted_rows()
     import gc
     import weakref
 
-    from guard.schedule import ONE_EACH, read_sampled
+    from guard.wave.schedule import ONE_EACH, read_sampled
 
     ids = ["a", "b", "c"]
     rows = []
@@ -354,7 +355,7 @@ def test_an_output_with_no_token_lists_leaves_its_rows_sampled_unknown() -> None
     """A pooling runner's output has request ids and an empty `sampled_token_ids`: the
     processor counts 0 tokens, one each of no list, and the row says the sampled tokens are
     not known rather than one each."""
-    from guard.schedule import read_sampled
+    from guard.wave.schedule import read_sampled
 
     ids = ["a", "b"]
     m = RequestMembership(capacity=100)
@@ -437,7 +438,7 @@ def test_a_request_joining_lists_only_its_own_tokens_and_drafts_list_every_membe
 
 
 def test_request_cli_tree_waves_and_json(simulated, capsys) -> None:
-    from telemetry import cli
+    from telemetry.cli import main as cli
 
     reqs, _, path, _ = simulated
     req = reqs[1]  # preempted once
@@ -461,7 +462,7 @@ def test_request_cli_tree_waves_and_json(simulated, capsys) -> None:
 
 
 def test_timeline_of_a_request_holds_exactly_its_waves(simulated, tmp_path, capsys) -> None:
-    from telemetry import cli
+    from telemetry.cli import main as cli
 
     reqs, _, path, _ = simulated
     req = reqs[3]
@@ -552,7 +553,7 @@ def test_membership_drop_series_go_when_their_engine_leaves() -> None:
     """The roster forgets an engine through each collector; the drop counts are one."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from telemetry.roster import forget_label
+    from telemetry.crossrank.roster import forget_label
 
     writer = request_store.RequestWriter()
     registry = CollectorRegistry()

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from ascend_runtime import plugin
-from ascend_runtime.ranks import rendezvous_run_id, shared_rendezvous
-from guard.config import RUN_ID_ENV, GuardConfig
+from ascend_runtime.attach.ranks import rendezvous_run_id, shared_rendezvous
+from guard.config.runtime_guard import RUN_ID_ENV, GuardConfig
 
 ParallelConfig = pytest.importorskip("vllm.config").ParallelConfig
 

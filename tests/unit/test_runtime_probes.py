@@ -88,7 +88,7 @@ def test_speculator_counts_from_mrv2_tensors():
 def test_v1_proposal_hook_reads_both_runner_signatures(monkeypatch):
     """Upstream V1 passes (scheduler_output, sampled_token_ids, ...); vllm-ascend's V1 runner
     passes (valid_sampled_token_ids, sampling_metadata, ...). Both count the same."""
-    from ascend_runtime import actions
+    from ascend_runtime.attach import actions
 
     for build_args in (
         lambda sampled: ((object(), sampled), {}),  # upstream V1

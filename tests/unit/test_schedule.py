@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guard.schedule import (
+from guard.wave.schedule import (
     EMPTY_SCHEDULE,
     PrefillTracker,
     ScheduleSummary,
@@ -405,7 +405,7 @@ def test_read_sampled_says_one_each_only_when_every_request_got_exactly_one_toke
     """`ONE_EACH` stands for the per-request counts only when no list is empty or longer;
     a wave with an empty list (a prefill chunk) or drafts gets its counts as an array. The
     tokens read are the detectors' too: every id, row by row, copied out of the lists."""
-    from guard.schedule import ONE_EACH
+    from guard.wave.schedule import ONE_EACH
 
     def counts(lists):
         total, kept, read = read_sampled(types.SimpleNamespace(req_ids=[], sampled_token_ids=lists))

@@ -6,7 +6,7 @@ import time
 
 from structlog.testing import capture_logs
 
-from telemetry.sidecar import Sidecar, SidecarSettings
+from telemetry.sidecar.app import Sidecar, SidecarSettings
 from tests.support.ports import free_port
 
 

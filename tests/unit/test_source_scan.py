@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from ascend_runtime.attach_points import ATTACH_POINTS
-from ascend_runtime.source_scan import scan_tree
-from telemetry.cli import main as cli_main
+from ascend_runtime.attach.points import ATTACH_POINTS
+from ascend_runtime.doctor.source_scan import scan_tree
+from telemetry.cli.main import main as cli_main
 
 ASCEND_POINTS = [p for p in ATTACH_POINTS if p.package == "vllm_ascend"]
 
@@ -22,7 +22,7 @@ ASCEND_POINTS = [p for p in ATTACH_POINTS if p.package == "vllm_ascend"]
 def keep_logging(monkeypatch):
     """The doctor CLI sets up logging for its process; in pytest that would bind structlog to
     this test's captured stderr, which later tests' loggers would then write to after it closed."""
-    from telemetry import logs
+    from telemetry.wire import logs
 
     monkeypatch.setattr(logs, "configure", lambda **kwargs: None)
 
@@ -153,7 +153,7 @@ def test_unparsable_module_is_missing_with_the_reason(tmp_path):
 def test_hang_deadline_is_read_from_the_watchdog_section_and_checked(monkeypatch):
     import dataclasses
 
-    from ascend_runtime import doctor
+    from ascend_runtime.doctor import coverage as doctor
 
     @dataclasses.dataclass(frozen=True)
     class Collectives:
@@ -176,7 +176,7 @@ def test_hang_deadline_is_read_from_the_watchdog_section_and_checked(monkeypatch
 
 
 def test_doctor_exits_1_when_the_hang_deadline_is_not_below_hccl(tmp_path, monkeypatch, capsys):
-    from ascend_runtime import doctor
+    from ascend_runtime.doctor import coverage as doctor
 
     tree = write_tree(tmp_path)
     monkeypatch.setattr(doctor, "hang_deadline", lambda config=None: (30.0, "runtime_guard.x"))

@@ -2,7 +2,7 @@
 `--spans` run, and the flags' mapping onto TraceQL.
 
 Two independent oracles: the flag search that `query` ran before it went through TraceQL
-(telemetry/query.py `search`, numpy over the wave columns), and a brute-force pass over every
+(telemetry/spans/query.py `search`, numpy over the wave columns), and a brute-force pass over every
 span the builder makes (each stored trace loaded whole), filtered by Python predicates.
 """
 
@@ -15,12 +15,12 @@ import time
 
 import pytest
 
-from telemetry import store as store_mod
-from telemetry.commands.query import flags_to_traceql
-from telemetry.query import SpanQuery, load_trace, parse_rank, search
+from telemetry.cli.commands.query import flags_to_traceql
+from telemetry.spans.query import SpanQuery, load_trace, parse_rank, search
+from telemetry.store import records as store_mod
 from telemetry.traceql import TraceQLError
 from telemetry.traceql.span_list import top_spans
-from telemetry.traces import format_trace_id, wave_trace_id
+from telemetry.wire.trace_ids import format_trace_id, wave_trace_id
 from tests.support.trace_store import (
     MS,
     add_incident,
@@ -185,9 +185,9 @@ FLAG_CASES = [
 @pytest.mark.parametrize("given", FLAG_CASES, ids=[str(c) for c in FLAG_CASES])
 @pytest.mark.parametrize("sort", ["duration", "start", "wave"])
 def test_the_flags_as_traceql_find_what_the_old_flag_search_found(store_path, given, sort):
-    """The flags' TraceQL filter, through the span list, against telemetry/query.py's own flag
+    """The flags' TraceQL filter, through the span list, against telemetry/spans/query.py's own flag
     search: the same spans, in the same order of the sort key."""
-    from telemetry.query import parse_duration_ns
+    from telemetry.spans.query import parse_duration_ns
 
     conn = store_mod.connect(store_path, readonly=True)
     text = flags_to_traceql(_flags(**given))

@@ -18,7 +18,7 @@ import pytest
 
 from guard.detectors.config import SpecAcceptanceConfig
 from guard.detectors.spec import AcceptanceTracker
-from guard.schedule import WaveTokens
+from guard.wave.schedule import WaveTokens
 
 
 class Sums:

@@ -10,10 +10,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from telemetry import cli, paths
+from telemetry.cli import main as cli
 from telemetry.tempo_api import otlp, params
 from telemetry.tempo_api.params import BadParameter
 from telemetry.tempo_api.server import tag_identifier
+from telemetry.wire import paths
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPO_YAML = ROOT / "dashboards" / "provisioning" / "datasources" / "ascend-guard-tempo.yaml"

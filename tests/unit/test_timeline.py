@@ -1,4 +1,4 @@
-"""The timeline export (telemetry/timeline.py, `ascend-guard timeline`) on a store written by the
+"""The timeline export (telemetry/spans/timeline.py, `ascend-guard timeline`) on a store written by the
 real writer sink: the JSON checked against the Trace Event Format's rules, its slices against
 the spans `ascend-guard trace` builds for the same waves, and its wait arrows against a store
 with one late rank.
@@ -18,16 +18,16 @@ from pathlib import Path
 
 import pytest
 
-from telemetry import cli
-from telemetry.incidents import IncidentLedger
-from telemetry.pipeline import Item, RankSource
-from telemetry.proto import guard_pb2
-from telemetry.query import QueryError, load_trace
-from telemetry.spans import incident_span
-from telemetry.store import Store, connect
-from telemetry.timeline import TimelineQuery, build_timeline, parse_wave_range
-from telemetry.traces import format_trace_id, wave_trace_id
-from telemetry.validation import to_columns, validate_batch
+from telemetry.cli import main as cli
+from telemetry.ingest.validation import to_columns, validate_batch
+from telemetry.pipeline.writer import Item, RankSource
+from telemetry.spans.builders import incident_span
+from telemetry.spans.query import QueryError, load_trace
+from telemetry.spans.timeline import TimelineQuery, build_timeline, parse_wave_range
+from telemetry.store.incidents import IncidentLedger
+from telemetry.store.records import Store, connect
+from telemetry.wire.proto import guard_pb2
+from telemetry.wire.trace_ids import format_trace_id, wave_trace_id
 
 MS = 1_000_000
 ENGINE = "eng"

@@ -9,13 +9,14 @@ import numpy as np
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from telemetry import block_summary, store
-from telemetry.export import to_otlp
-from telemetry.incidents import IncidentLedger
-from telemetry.proto import guard_pb2
-from telemetry.query import load_trace
+from telemetry.export.otlp import to_otlp
+from telemetry.spans.query import load_trace
+from telemetry.store import block_summary
+from telemetry.store import records as store
+from telemetry.store.incidents import IncidentLedger
 from telemetry.traceql import metrics_range, search, trace_spans
-from telemetry.traces import format_span_id, format_trace_id, phase_span_id, wave_trace_id
+from telemetry.wire.proto import guard_pb2
+from telemetry.wire.trace_ids import format_span_id, format_trace_id, phase_span_id, wave_trace_id
 from tests.support.trace_store import (
     MS,
     add_incident,

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from telemetry import cli
-from telemetry.traces import format_trace_id, wave_trace_id
+from telemetry.cli import main as cli
+from telemetry.wire.trace_ids import format_trace_id, wave_trace_id
 from tests.support.trace_store import (
     MS,
     batch_item,

@@ -12,15 +12,15 @@ import time
 import numpy as np
 import pytest
 
-from telemetry import store as store_mod
-from telemetry.query import load_trace
-from telemetry.spans import wave_spans
+from telemetry.spans.builders import wave_spans
+from telemetry.spans.query import load_trace
+from telemetry.store import records as store_mod
 from telemetry.traceql import TraceQLError, metrics_range, parse, search
 from telemetry.traceql.columns import value_of
 from telemetry.traceql.plan import plan_leaf
 from telemetry.traceql.search import CandidatePass
 from telemetry.traceql.source import BlockTable, SpanTable, block_template
-from telemetry.traces import format_trace_id, wave_trace_id
+from telemetry.wire.trace_ids import format_trace_id, wave_trace_id
 from tests.support.trace_store import (
     MS,
     add_incident,
@@ -387,7 +387,7 @@ def test_wrong_query_shapes_are_errors(conn):
 
 
 def test_collective_tables_agree_with_the_span_builder(conn):
-    from telemetry.spans import collective_spans
+    from telemetry.spans.builders import collective_spans
     from telemetry.traceql.source import (
         CollectiveTable,
         collective_blocks_in,
@@ -444,7 +444,7 @@ def test_cached_trace_loading_builds_what_load_trace_builds(conn):
 
 
 def test_block_walk_finds_exactly_the_overlapping_blocks(tmp_path):
-    """Walking back from the window's end (telemetry/store.py `blocks_by_time`) reads the same
+    """Walking back from the window's end (telemetry/store/records.py `blocks_by_time`) reads the same
     blocks as the plain (full scan) overlap filter, and the walk by waves (`blocks_by_wave`)
     the same as the plain wave filter, for ranks that run throughout, start late or stop
     early."""

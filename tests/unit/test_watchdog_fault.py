@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import time
 
-from guard.collective_guard import CollectiveGuard
-from guard.collectives import CollectivesConfig, CollectiveTracker, GroupMeta
-from guard.fault_injection import FaultInjectionConfig, FaultInjector
-from guard.watchdog import CollectiveWatchdog
+from guard.collectives.fault_injection import FaultInjectionConfig, FaultInjector
+from guard.collectives.observer import CollectiveGuard
+from guard.collectives.tracker import CollectivesConfig, CollectiveTracker, GroupMeta
+from guard.collectives.watchdog import CollectiveWatchdog
 
 
 def _watchdog(tracker, reports, deadline_s=1.0, arm=1):
@@ -131,7 +131,7 @@ def test_guard_logs_a_loud_warning_when_the_drill_is_on(capsys):
 
 
 def test_collective_guard_errors_reach_the_exported_error_count():
-    from telemetry.proto import guard_pb2
+    from telemetry.wire.proto import guard_pb2
 
     guard = CollectiveGuard(
         CollectivesConfig(watchdog=False), FaultInjectionConfig(),
@@ -152,7 +152,7 @@ class _Observers:
     """The processor's list of observers, counting how often a member said it changed."""
 
     def __init__(self, guard):
-        from guard.observers import Observers
+        from guard.wave.observers import Observers
 
         self.list = Observers(lambda where: None)
         self.list.add(guard)

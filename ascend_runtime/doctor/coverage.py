@@ -1,0 +1,352 @@
+"""`ascend-guard doctor`: where the guard attaches on this host, or in a source tree.
+
+Live mode (default) detects the platform, runner generation and versions, arms the same binder
+the vLLM plugin uses, imports each module of the runtime's attach points and reports, per
+attach point, whether it is bound, missing (and why) or not importable here. `--source PATH`
+reads a vllm-ascend (or vLLM) checkout instead, without importing it. Exit status: 0 when every
+attach point that applies is bound (or found), 1 when any is not, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ascend_runtime.attach.points import (
+    ATTACH_POINTS,
+    COMPONENTS,
+    RUNTIMES,
+    AttachPoint,
+    points_for,
+)
+from telemetry.cli.table import render_table
+
+OK_STATUSES = ("bound", "found")
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    point: AttachPoint
+    status: str
+    detail: str
+
+    def as_dict(self) -> dict[str, Any]:
+        p = self.point
+        return {
+            "component": p.component, "module": p.module, "class": p.qualname, "method": p.method,
+            "action": p.action, "runtimes": list(p.runtimes), "inherited": p.inherited,
+            "status": self.status, "detail": self.detail,
+        }  # fmt: skip
+
+
+def _sorted(points: Sequence[AttachPoint]) -> list[AttachPoint]:
+    return sorted(points, key=lambda p: (COMPONENTS.index(p.component), ATTACH_POINTS.index(p)))
+
+
+def _import(module: str) -> str | None:
+    """None when imported, else why not."""
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name and module.startswith(exc.name) and exc.name == module.split(".")[0]:
+            return f"not installed ({exc.name})"
+        return f"import failed: {exc}"
+    except Exception as exc:  # noqa: BLE001 - a module that cannot load here is reported, not fatal
+        return f"import failed: {type(exc).__name__}: {str(exc)[:120]}"
+    return None
+
+
+def live_rows(points: Sequence[AttachPoint], platform: str) -> list[Row]:
+    from ascend_runtime.attach.binder import bind_all, binding_of
+
+    if platform == "cpu":
+        _import("vllm.v1.worker.cpu.shm")  # as the CPU worker does: MRV2 imports after it
+    bind_all(points)
+    import_errors = {m: _import(m) for m in dict.fromkeys(p.module for p in points)}
+    rows = []
+    for point in _sorted(points):
+        error = import_errors[point.module]
+        if error is not None:
+            status = "not installed" if error.startswith("not installed") else "unavailable"
+            rows.append(Row(point, status, error))
+            continue
+        binding = binding_of(point)
+        rows.append(Row(point, binding.status, binding.reason))
+    return rows
+
+
+def source_rows(points: Sequence[AttachPoint], root: str) -> list[Row]:
+    from ascend_runtime.doctor.source_scan import scan_tree
+
+    return [Row(r.point, r.status, r.detail) for r in scan_tree(root, _sorted(points))]
+
+
+def _runtimes_label(point: AttachPoint) -> str:
+    if set(point.runtimes) == set(RUNTIMES):
+        return "all"
+    return ",".join(point.runtimes)
+
+
+def render(rows: Sequence[Row], *, show_runtimes: bool) -> str:
+    headers = ["component", "attach point", "action", "status", "detail"]
+    if show_runtimes:
+        headers.insert(1, "runtimes")
+    table = []
+    for row in rows:
+        p = row.point
+        cells = [
+            p.component,
+            f"{p.module}.{p.qualname}.{p.method}",
+            p.action,
+            row.status,
+            row.detail,
+        ]
+        if show_runtimes:
+            cells.insert(1, _runtimes_label(p))
+        table.append(cells)
+    return render_table(headers, table)
+
+
+def hang_deadline(config: Any = None) -> tuple[float | None, str]:
+    """The hang watchdog's deadline and the config key it comes from, if this build has one.
+
+    The watchdog's config section (issue 4's `collectives.deadline_s`) is found by its field
+    name, so the doctor works with or without it; `config` defaults to ASCEND_GUARD_CONFIG's
+    config, else the defaults."""
+    if config is None:
+        from guard.config.runtime_guard import GuardConfig, resolve_config
+
+        try:
+            config = resolve_config(None) or GuardConfig()
+        except Exception:  # noqa: BLE001 - a bad config file is `config check`'s job
+            config = GuardConfig()
+    for field in dataclasses.fields(config):
+        section = getattr(config, field.name)
+        if not dataclasses.is_dataclass(section):
+            continue
+        for name in ("deadline_s", "hang_deadline_s"):
+            value = getattr(section, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value), f"runtime_guard.{field.name}.{name}"
+    return None, ""
+
+
+def hccl_lines(config: Any = None) -> tuple[dict[str, str], str | None]:
+    """Header lines on HCCL and the hang deadline, and the deadline problem (None if fine)."""
+    from ascend_runtime.probes.hccl import DEADLINE_FRACTION, check_hang_deadline, hccl_settings
+
+    lines = {"hccl": "  ".join(f"{k.upper()}={v}" for k, v in hccl_settings().items())}
+    deadline, key = hang_deadline(config)
+    if deadline is None:
+        lines["hang deadline"] = "no hang watchdog in this build"
+        return lines, None
+    problem = check_hang_deadline(deadline)
+    lines["hang deadline"] = problem or (
+        f"{deadline:g} s ({key}), below {DEADLINE_FRACTION:g} x HCCL_EXEC_TIMEOUT"
+    )
+    return lines, problem
+
+
+def _custom_op_collectives(platform: str) -> bool:
+    """Whether the platform routes collectives through vLLM's opaque custom ops
+    (`torch.ops.vllm.all_reduce`, ...), which torch.compile keeps out of its graph."""
+    try:
+        from vllm.platforms import current_platform
+
+        if platform == "cpu" or current_platform.device_type == platform:
+            return bool(current_platform.use_custom_op_collectives())
+    except Exception:  # noqa: BLE001 - no vLLM here: what vLLM's platforms declare
+        pass
+    return platform in ("cuda", "ascend")
+
+
+def collective_lines(rows: Sequence[Row], runtime: str, config: Any = None) -> dict[str, str]:
+    """How collectives are seen on `runtime`, per execution mode: per call, per replay, or not
+    at all, and why (from the bound rows and the platform)."""
+    if config is None:
+        from guard.config.runtime_guard import GuardConfig, resolve_config
+
+        try:
+            config = resolve_config(None) or GuardConfig()
+        except Exception:  # noqa: BLE001
+            config = GuardConfig()
+    section = getattr(config, "collectives", None)
+    if section is not None and not getattr(section, "enabled", True):
+        off = "not at all: runtime_guard.collectives.enabled is false"
+        return {"collectives eager": off, "collectives compiled": off, "collectives graphs": off}
+    if runtime == "all":
+        return {}
+    platform = runtime.split("-", 1)[0]
+
+    def unbound(action: str, component: str | None = None) -> list[Row]:
+        return [
+            r for r in rows
+            if r.point.action == action and (component is None or r.point.component == component)
+            and r.status not in OK_STATUSES
+        ]  # fmt: skip
+
+    def present(action: str) -> bool:
+        return any(r.point.action == action for r in rows)
+
+    def why_not(missing: list[Row]) -> str:
+        r = missing[0]
+        more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
+        return f"not at all: {r.point.qualname}.{r.point.method} {r.status}: {r.detail}{more}"
+
+    coordinator = unbound("collective")
+    eager = (
+        why_not(coordinator) if coordinator
+        else "per call: GroupCoordinator methods (host time, bytes, seq per group)"
+    )  # fmt: skip
+    if coordinator:
+        compiled = eager
+    elif present("compiled_graph"):
+        missing = unbound("compiled_graph")
+        kernels = (
+            "vLLM's collective custom ops"
+            if _custom_op_collectives(platform)
+            else "the communicator's kernels (torch.compile inlines it)"
+        )
+        compiled = (
+            why_not(missing)
+            if missing
+            else (
+                f"per compiled-graph call: {kernels} found in each compiled graph's FX graph (op, "
+                "group, bytes per batch size), all counted at each call of the graph as "
+                "graph_counted; no per-call host time; a hang names the graph and its list"
+            )
+        )
+    else:
+        compiled = "not at all: no compiled-graph attach point for this runtime"
+    if platform == "cpu":
+        graphs = "none captured: vLLM captures no device graph on CPU"
+    elif present("graph_collectives"):
+        missing = unbound("graph_collectives")
+        graphs = why_not(missing) if missing else (
+            "per replay: collectives noted at capture (op, group, bytes per batch size), "
+            "counted at each replay as replayed; device time from events around the replay; "
+            "no per-call host time"
+        )  # fmt: skip
+    else:
+        graphs = "not at all: no device graph attach point for this runtime"
+    return {
+        "collectives eager": eager,
+        "collectives compiled": compiled,
+        "collectives graphs": graphs,
+    }
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ascend-guard doctor",
+        description="Show where the guard attaches to vLLM / vllm-ascend and whether it is bound.",
+    )
+    parser.add_argument(
+        "--source", default=None, help="read a vllm-ascend (or vLLM) source tree, without import"
+    )
+    parser.add_argument(
+        "--runtime", default=None, choices=(*RUNTIMES, "all"),
+        help="check this runtime's attach points (default: the one detected here; "
+        "with --source: every runtime of the tree's packages)",
+    )  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    return parser
+
+
+def run(args: argparse.Namespace, out: Any = None) -> int:
+    out = out or sys.stdout
+    from telemetry.wire import logs
+
+    logs.configure(level="warning")  # the table is the output; skipped points are in it
+    from ascend_runtime.doctor.source_scan import SourceTreeError, tree_info
+
+    if args.source is not None:
+        from pathlib import Path
+
+        runtime = args.runtime or "all"
+        try:
+            rows = source_rows(points_for(runtime), args.source)
+        except SourceTreeError as exc:
+            print(f"ascend-guard doctor: {exc}", file=sys.stderr)
+            return 2
+        header = {
+            "source": str(Path(args.source).resolve()), "runtime": runtime,
+            "versions": tree_info(args.source),
+        }  # fmt: skip
+    else:
+        from ascend_runtime.detect import detect
+
+        # what vLLM and torch print while importing belongs on stderr, not in the table or JSON
+        with contextlib.redirect_stdout(sys.stderr):
+            info = detect()
+            runtime = args.runtime or info.runtime
+            rows = live_rows(points_for(runtime), info.platform)
+        header = {
+            "platform": info.platform, "runtime": runtime, "detected_runtime": info.runtime,
+            "why": info.reason, "versions": info.versions,
+        }  # fmt: skip
+    ok = [r for r in rows if r.status in OK_STATUSES]
+    not_ok = [r for r in rows if r.status not in OK_STATUSES]
+    hccl, problem = hccl_lines()
+    visibility = collective_lines(rows, runtime)
+    fully = not not_ok and bool(rows) and problem is None
+    if args.json:
+        document = {
+            **header, "ok": fully, "attach_points": [r.as_dict() for r in rows],
+            "hccl": hccl, "hang_deadline_problem": problem, "collectives": visibility,
+        }  # fmt: skip
+        print(json.dumps(document, indent=2, sort_keys=True), file=out)
+        return 0 if fully else 1
+    for key, value in {**header, **hccl, **visibility}.items():
+        if isinstance(value, dict):
+            value = "  ".join(f"{k} {v or '-'}" for k, v in value.items())
+        print(f"{key}: {value}", file=out)
+    print("", file=out)
+    print(render(rows, show_runtimes=runtime == "all"), file=out)
+    print("", file=out)
+    verb = "found" if args.source is not None else "bound"
+    print(
+        f"{len(ok)} of {len(rows)} attach points {verb} for runtime {runtime}; "
+        f"{len(not_ok)} not ({', '.join(sorted({r.status for r in not_ok})) or 'none'})",
+        file=out,
+    )
+    print("next: " + _next_step(not_ok, problem, args.source is not None), file=out)
+    return 0 if fully else 1
+
+
+def _next_step(not_ok: Sequence[Row], problem: str | None, source: bool) -> str:
+    if problem:
+        return "lower the hang deadline or raise HCCL_EXEC_TIMEOUT, then run doctor again"
+    if not not_ok:
+        return (
+            "this tree carries every attach point; deploy it with the guard enabled"
+            if source
+            else "the guard is fully bound; start vLLM with --additional-config runtime_guard"
+        )
+    statuses = {r.status for r in not_ok}
+    if statuses <= {"not installed"}:
+        return "install the missing package, or pass --runtime for the runtime you deploy"
+    first = next(r for r in not_ok if r.status not in ("not installed",))
+    return (
+        f"{first.point.module}.{first.point.qualname}.{first.point.method}: {first.detail}; "
+        "update ascend_runtime/attach/points.py for this version (the guard skips it until then)"
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0) if exc.code in (0, None) else 2
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

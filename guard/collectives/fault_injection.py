@@ -1,0 +1,112 @@
+"""Fire drill: delay one chosen rank at one chosen wave, so alerts and dashboards can be tested.
+
+OFF BY DEFAULT. When enabled, every process that turns the guard on logs a loud warning, and
+each injected delay is logged and reported with the wave's collective record
+(`injected_delay_ns`), so a drill is never mistaken for a real straggler afterwards.
+
+`where="execute_model"` sleeps at the start of the wave (before the model runs);
+`where="collective"` sleeps right before the first call of `op` on `group` in that wave.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from typing import Any
+
+import structlog
+
+from guard.collectives.tracker import CollectiveTracker
+
+log = structlog.get_logger("ascend_guard.fault_injection")
+
+ANY_RANK = -1
+
+
+def _range(low: float, high: float) -> dict[str, Any]:
+    return {"range": (low, high)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultInjectionConfig:
+    """`runtime_guard.fault_injection`: a fire drill. Never enable it in production serving."""
+
+    enabled: bool = False
+    # which rank sleeps; -1 = any value of that coordinate
+    tp_rank: int = dataclasses.field(default=1, metadata=_range(-1, 65_535))
+    dp_rank: int = dataclasses.field(default=-1, metadata=_range(-1, 65_535))
+    pp_rank: int = dataclasses.field(default=-1, metadata=_range(-1, 65_535))
+    at_wave: int = dataclasses.field(default=20, metadata=_range(1, 10**12))
+    # consecutive waves, starting at at_wave, that get the delay
+    waves: int = dataclasses.field(default=1, metadata=_range(1, 1_000_000))
+    delay_ms: float = dataclasses.field(default=300.0, metadata=_range(0.0, 3_600_000.0))
+    where: str = dataclasses.field(
+        default="execute_model", metadata={"choices": ("execute_model", "collective")}
+    )
+    op: str = "all_reduce"
+    group: str = "tp"
+
+
+RankSource = Callable[[], tuple[int, int, int]]  # (dp, tp, pp)
+
+
+class FaultInjector:
+    def __init__(
+        self,
+        config: FaultInjectionConfig,
+        tracker: CollectiveTracker,
+        rank_source: RankSource,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.config = config
+        self._tracker = tracker
+        self._rank_source = rank_source
+        self._sleep = sleep
+        self._targeted: bool | None = None  # resolved on the first wave (distributed is up)
+        self._armed_wave = 0  # wave whose first matching collective still gets the delay
+        self.injected = 0
+
+    def warn(self) -> None:
+        c = self.config
+        log.warning(
+            "FAULT_INJECTION_ENABLED",
+            message="fire drill: this server will be delayed on purpose; do not use in production",
+            tp_rank=c.tp_rank, dp_rank=c.dp_rank, pp_rank=c.pp_rank, at_wave=c.at_wave,
+            waves=c.waves, delay_ms=c.delay_ms, where=c.where, op=c.op, group=c.group,
+        )  # fmt: skip
+
+    def _is_target(self) -> bool:
+        if self._targeted is None:
+            dp, tp, pp = self._rank_source()
+            c = self.config
+            self._targeted = all(
+                want in (ANY_RANK, have)
+                for want, have in ((c.dp_rank, dp), (c.tp_rank, tp), (c.pp_rank, pp))
+            )
+        return self._targeted
+
+    def begin_wave(self, wave: int) -> None:
+        c = self.config
+        if not c.at_wave <= wave < c.at_wave + c.waves or not self._is_target():
+            return
+        if c.where == "execute_model":
+            self._delay(wave, "execute_model")
+        else:
+            self._armed_wave = wave
+            self._tracker.before_call = self.before_call
+
+    def before_call(self, op: str, group: str) -> None:
+        c = self.config
+        if op == c.op and group == c.group and self._tracker.wave == self._armed_wave:
+            self._armed_wave = 0
+            self._tracker.before_call = None
+            self._delay(self._tracker.wave, f"{op}/{group}")
+
+    def _delay(self, wave: int, where: str) -> None:
+        seconds = self.config.delay_ms / 1000.0
+        log.warning("fault_injected", wave=wave, where=where, delay_ms=self.config.delay_ms)
+        start = time.perf_counter_ns()
+        self._sleep(seconds)
+        self._tracker.injected_delay_ns += time.perf_counter_ns() - start
+        self.injected += 1

@@ -1,0 +1,177 @@
+"""`ascend-guard hangs`: hang verdicts, recoveries and watchdog reports, newest first.
+
+From the trace store (what every sidecar on the node recorded), or with `--live URL` from a
+running sidecar's liveness endpoint (verdicts standing right now).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from telemetry.cli.common import add_store_argument, clock
+from telemetry.cli.http_client import (
+    Unreachable,
+    add_token_argument,
+    get_json,
+    refusal_hint,
+    token_of,
+)
+from telemetry.cli.table import render_table
+from telemetry.crossrank.hangs import RECOVERY, VERDICT
+from telemetry.spans.query import QueryError, parse_time_ns
+from telemetry.store.incidents import IncidentFilter, list_incidents
+from telemetry.store.records import connect
+from telemetry.wire import paths
+
+HANG_TYPES = (VERDICT, RECOVERY, "hang_suspected")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    hangs = sub.add_parser("hangs", help="hang verdicts, recoveries and watchdog reports")
+    add_store_argument(hangs)
+    hangs.add_argument("--since", default="24h", help="age (15m), unix seconds or ISO time")
+    hangs.add_argument("--engine", default=None, help="engine label")
+    hangs.add_argument("--run", dest="run_id", default=None, help="run id")
+    hangs.add_argument("--limit", type=int, default=50)
+    hangs.add_argument(
+        "--live",
+        default=None,
+        nargs="?",
+        const=paths.cli_health_url(),
+        metavar="URL",
+        help="ask the running sidecar instead (without URL: the local one, from sidecar.json)",
+    )
+    hangs.add_argument("--json", action="store_true", help="one JSON object per line")
+    add_token_argument(hangs)
+
+
+def _ranks(ranks: list[dict]) -> str:
+    return ",".join(f"tp{r.get('tp')}/pid{r.get('pid')}" for r in ranks) or "-"
+
+
+def _where(ev: dict) -> str:
+    return f"{ev['op']} {ev['group']}#{ev['seq']}" if ev.get("op") else "-"
+
+
+def _row(time_ns: int, kind: str, ev: dict) -> tuple:
+    if kind == VERDICT:
+        return (
+            clock(time_ns),
+            "VERDICT " + ev.get("kind", ""),
+            ev.get("engine", ""),
+            ev.get("dp", ""),
+            _ranks(ev.get("stopped", [])),
+            _where(ev),
+            _ranks(ev.get("waiting", [])),
+            ev.get("wave", ""),
+            f"detect {ev.get('detect_s')}s",
+        )
+    if kind == RECOVERY:
+        v = ev.get("verdict", {})
+        return (
+            clock(time_ns),
+            "recovered",
+            ev.get("engine", ""),
+            ev.get("dp", ""),
+            _ranks(v.get("stopped", [])),
+            _where(v),
+            "-",
+            v.get("wave", ""),
+            f"stall {ev.get('stall_s')}s",
+        )
+    return (
+        clock(time_ns),
+        "watchdog",
+        ev.get("engine", ""),
+        ev.get("dp", ""),
+        f"tp{ev.get('tp')}/pid{ev.get('pid')} waits",
+        _where(ev),
+        "-",
+        ev.get("wave", ""),
+        f"age {ev.get('age_s')}s",
+    )
+
+
+HEADER = ("time (UTC)", "event", "engine", "dp", "stopped", "collective", "waiting", "wave", "")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.limit < 1:
+        raise QueryError(f"--limit: {args.limit} must be 1 or more")
+    if args.live:
+        return _live(args)
+    since = parse_time_ns(args.since, "--since")
+    conn = connect(args.store, readonly=True)
+    rows = []
+    for kind in HANG_TYPES:
+        flt = IncidentFilter(
+            since_ns=since, type=kind, run_id=args.run_id, engine=args.engine, limit=args.limit
+        )
+        rows.extend(list_incidents(conn, flt))
+    rows.sort(key=lambda r: r["time_ns"], reverse=True)
+    rows = rows[: args.limit]
+    if args.json:
+        for r in rows:
+            print(
+                json.dumps(
+                    {
+                        "type": r["type"],
+                        "time_ns": r["time_ns"],
+                        "engine": r["engine"],
+                        "dp": r["dp"],
+                        "tp": r["tp"],
+                        "pp": r["pp"],
+                        "pid": r["pid"],
+                        "wave": r["wave"],
+                        "summary": r["summary"],
+                        "evidence": json.loads(r["evidence"] or "{}"),
+                    },
+                    sort_keys=True,
+                )
+            )
+        return 0
+    if not rows:
+        print("no hangs recorded; widen --since")
+        return 0
+    table = []
+    for r in rows:
+        ev = json.loads(r["evidence"] or "{}")
+        if r["type"] == "hang_suspected":
+            ev = {**ev, "engine": r["engine"], "dp": r["dp"], "tp": r["tp"], "pid": r["pid"]}
+        table.append(_row(r["time_ns"], r["type"], ev))
+    print(render_table(HEADER, table))
+    print(f"\n{len(rows)} event(s); details: ascend-guard incidents --type hang_verdict --json")
+    return 0
+
+
+def _live(args: argparse.Namespace) -> int:
+    url = args.live.rstrip("/") + "/hangs"
+    try:
+        status, body = get_json(url, 5.0, token_of(args))
+    except Unreachable as exc:
+        print(f"ascend-guard hangs: {exc}")
+        return 1
+    if status != 200:
+        print(f"ascend-guard hangs: {url} answered {status}{refusal_hint(status)}")
+        return 1
+    standing = [
+        v for v in body.get("standing", []) if not args.engine or v["engine"] == args.engine
+    ]
+    if args.json:
+        for v in standing:
+            print(json.dumps(v, sort_keys=True))
+        return 0
+    partial = [p for p in body.get("partial", []) if not args.engine or p["engine"] == args.engine]
+    if not standing:
+        print("no hang verdict stands on the ranks this sidecar sees")
+    else:
+        rows = [_row(int(v["verdict_unix"] * 1e9), VERDICT, v) for v in standing]
+        print(render_table(HEADER, rows))
+    for p in partial:  # ranks on other nodes: no local verdict covers them (docs/cross-node.md)
+        ranks = ", ".join(f"tp{r['tp']}/pp{r['pp']}" for r in p["not_seen"])
+        print(
+            f"engine {p['engine']} dp{p['dp']}: {ranks} not seen by this sidecar (other nodes); "
+            "the cluster alerts judge them (AscendGuardClusterRankSilent, ...NotArrived)"
+        )
+    return 3 if standing else 0  # like a failed probe: an engine is wedged

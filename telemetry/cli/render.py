@@ -1,0 +1,131 @@
+"""How `ascend-guard query` prints what a source answers: table rows of trace-search hits
+(Tempo's `TraceSearchMetadata` dicts) and of spans, trees with matched spans marked, JSON."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from telemetry.cli.commands.trace import tree_rows
+from telemetry.cli.common import clock
+from telemetry.cli.table import format_duration_ns, render_table
+from telemetry.spans.builders import Span
+from telemetry.spans.query import rank_label
+from telemetry.wire import schema
+
+COORDINATES = ("dp", "tp", "pp")
+SEARCH_HEADER = ("start (UTC)", "root", "duration", "spans", "trace id", "matched")
+SEARCH_RIGHT = (2, 3)
+SPAN_HEADER = ("start (UTC)", "wave", "rank", "span", "duration", "reqs", "trace id")
+SPAN_RIGHT = (1, 4, 5)
+
+
+def _attr_value(value: dict[str, Any]) -> Any:
+    """An OTLP/JSON AnyValue's value."""
+    for key, item in value.items():
+        if key == "intValue":
+            return int(item)
+        if key == "arrayValue":
+            return [_attr_value(v) for v in item.get("values", [])]
+        return item
+    return None
+
+
+def _attributes(key_values: Iterable[dict]) -> dict[str, Any]:
+    return {kv["key"]: _attr_value(kv.get("value", {})) for kv in key_values}
+
+
+def _hit_rank(attrs: dict[str, Any]) -> str:
+    coords = [attrs.get(schema.attr(c)) for c in COORDINATES]
+    if coords[0] is None:
+        return "-"
+    return " ".join(f"{c}{v}" for c, v in zip(COORDINATES, coords, strict=True))
+
+
+def _spansets(hit: dict) -> list[dict]:
+    return hit.get("spanSets") or ([hit["spanSet"]] if hit.get("spanSet") else [])
+
+
+def search_row(hit: dict, shown_spans: int = 3) -> tuple:
+    """One matched trace as the table shows it: its first matched spans, each spanset's
+    `by()` / aggregate values in brackets."""
+    sets = _spansets(hit)
+    parts, left = [], shown_spans
+    for spanset in sets:
+        spans = spanset.get("spans", [])[:left]
+        left -= len(spans)
+        texts = []
+        for span in spans:
+            attrs = _attributes(span.get("attributes", []))
+            duration = format_duration_ns(int(span.get("durationNanos", 0)))
+            texts.append(f"{span['name']} {_hit_rank(attrs)} {duration}")
+        values = _attributes(spanset.get("attributes", []))
+        group = " ".join(f"{k}={v}" for k, v in values.items())
+        if group:
+            parts.append(f"[{group}] " + ", ".join(texts) if texts else f"[{group}]")
+        elif texts:
+            parts.append(", ".join(texts))
+    matched = sum(int(s.get("matched", 0)) for s in sets)
+    hidden = matched - (shown_spans - left)
+    ms = int(hit.get("durationMs", 0))
+    root = hit.get("rootTraceName", "?")
+    return (
+        clock(int(hit["startTimeUnixNano"])),
+        "?" if root.startswith("<") else root,
+        f"{ms} ms" if ms else "<1 ms",
+        matched,
+        hit["traceID"],
+        "; ".join(parts) + (f" (+{hidden})" if hidden > 0 else ""),
+    )
+
+
+def span_row(span: Span) -> tuple:
+    return (
+        clock(span.start_ns),
+        span.wave,
+        rank_label(span),
+        span.name,
+        format_duration_ns(span.duration_ns),
+        span.attributes.get(schema.attr("num_reqs"), ""),
+        span.trace_hex,
+    )
+
+
+def marked_spans(hit: dict) -> set[str]:
+    return {s["spanID"] for ss in _spansets(hit) for s in ss.get("spans", [])}
+
+
+def print_tree(source, trace_id: str, marked: set[str], title: str) -> None:
+    spans = source.trace(trace_id)
+    print(title)
+    if not spans:
+        print("  (no span of it is stored any more)")
+        return
+    rows = [("*" if s.span_hex in marked else "", *row) for s, row in tree_rows(spans)]
+    print(render_table(("", "span", "start", "duration", "detail"), rows, right=(2, 3)))
+
+
+def json_of(item, spans: bool) -> dict:
+    """A span list's span as one JSON object, or a search hit as it is."""
+    if spans:
+        from telemetry.tempo_api.span_list_api import span_json
+
+        return span_json(item)
+    return item
+
+
+def print_trees(source, spans: bool, found: list) -> None:
+    """Each trace of `found` as a tree: a span list's spans, or a hit's matched spans, marked."""
+    if spans:
+        groups: dict[str, set[str]] = {}
+        for span in found:
+            groups.setdefault(span.trace_hex, set()).add(span.span_hex)
+        for trace_id, marked in groups.items():
+            print_tree(source, trace_id, marked, f"trace {trace_id}  {len(marked)} listed span(s)")
+            print()
+        return
+    for hit in found:
+        row = search_row(hit)
+        title = f"trace {hit['traceID']}  root {row[1]}  start {row[0]}  {row[2]}  {row[3]} matched"
+        print_tree(source, hit["traceID"], marked_spans(hit), title)
+        print()
