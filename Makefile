@@ -64,6 +64,7 @@ MIN_PYTHON := $(shell sed -n 's/^requires-python = ">=\([0-9.]*\)"/\1/p' pyproje
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/vermin --quiet --no-tips --violations --eval-annotations -t=$(MIN_PYTHON)- \
 		ascend_runtime guard telemetry tools bench tests
 

@@ -123,7 +123,7 @@ def activate(config: GuardConfig) -> None:
     from ascend_runtime.attach.binder import bind_all, bind_sampling
     from ascend_runtime.attach.ranks import describe_rank
     from guard.decorators import install
-    from guard.wave.processor import GuardProcessor
+    from guard.processor import GuardProcessor
     from telemetry.wire import logs
 
     logs.configure()

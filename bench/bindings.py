@@ -14,12 +14,12 @@ import argparse
 import statistics
 import time
 
-from ascend_runtime.attach import actions
+from ascend_runtime.attach import actions, detect
 from ascend_runtime.attach.points import AttachPoint
 from ascend_runtime.probes import speculators
 from guard.config.runtime_guard import GuardConfig
 from guard.decorators import install
-from guard.wave.processor import GuardProcessor
+from guard.processor import GuardProcessor
 from telemetry.wire.proto import guard_pb2
 
 
@@ -64,7 +64,7 @@ def main() -> None:
     processor = GuardProcessor(GuardConfig(sidecar="localhost:1"), lambda r: guard_pb2.RankInfo())
     # its real Streamer, not started: probe readings land in its dict as in a streaming worker
     install(processor)
-    actions.platform()  # detected once per process, as in a worker
+    detect.platform()  # detected once per process, as in a worker
 
     step = AttachPoint("worker", __name__, "Worker", "execute_model", "device_time", ("cpu-v1",))
     worker = Worker()
@@ -82,7 +82,7 @@ def main() -> None:
     hooked_propose = actions.WRAPPERS["speculator_propose"](bare_propose, propose)
     speculators.STATS = speculators.SpeculatorStats()
 
-    print(f"platform {actions.platform()}; median of {args.rounds} rounds x {args.calls} calls")
+    print(f"platform {detect.platform()}; median of {args.rounds} rounds x {args.calls} calls")
     print(f"{'call':<44} {'bare ns':>9} {'bound ns':>9} {'added':>9} {'ratio':>7}")
     compare("worker execute_model (device_time)", lambda: bare_step(worker, None),
             lambda: timed_step(worker, None), args.calls, args.rounds)  # fmt: skip

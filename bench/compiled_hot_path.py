@@ -41,7 +41,7 @@ from telemetry.cli.table import render_table  # noqa: E402
 # request membership), and the detectors' suite with the state it touches.
 HOT_MODULES = (
     "guard/decorators.py",
-    "guard/wave/processor.py",
+    "guard/processor.py",
     "guard/wave/observers.py",
     "guard/wave/schedule.py",
     "guard/stream/streamer.py",

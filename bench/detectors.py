@@ -41,9 +41,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from guard.config.runtime_guard import IncidentsConfig  # noqa: E402
-from guard.detectors import logits as logit_checks  # noqa: E402
-from guard.detectors.config import (  # noqa: E402
+from guard.config.detectors import (  # noqa: E402
     DetectorsConfig,
     LogitsFiniteConfig,
     LogitsStatsConfig,
@@ -51,6 +49,8 @@ from guard.detectors.config import (  # noqa: E402
     TokenRangeConfig,
     TokenRepeatConfig,
 )
+from guard.config.runtime_guard import IncidentsConfig  # noqa: E402
+from guard.detectors import logits as logit_checks  # noqa: E402
 from guard.detectors.evidence import EvidenceDumper  # noqa: E402
 from guard.detectors.suite import DetectorSuite  # noqa: E402
 from guard.stream.reporter import IncidentReporter  # noqa: E402

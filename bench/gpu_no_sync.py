@@ -25,9 +25,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from guard.config.detectors import DetectorsConfig, LogitsStatsConfig  # noqa: E402
 from guard.config.runtime_guard import IncidentsConfig  # noqa: E402
 from guard.detectors import logits as logit_checks  # noqa: E402
-from guard.detectors.config import DetectorsConfig, LogitsStatsConfig  # noqa: E402
 from guard.detectors.evidence import EvidenceDumper  # noqa: E402
 from guard.detectors.suite import DetectorSuite  # noqa: E402
 from guard.stream.reporter import IncidentReporter  # noqa: E402

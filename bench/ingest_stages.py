@@ -26,7 +26,7 @@ from telemetry.crossrank.view import CrossRankView  # noqa: E402
 from telemetry.ingest.validation import validate_batch  # noqa: E402
 from telemetry.metrics.waves import SidecarMetrics  # noqa: E402
 from telemetry.pipeline.writer import Item, RankSource  # noqa: E402
-from telemetry.store.records import Store  # noqa: E402
+from telemetry.store import Store  # noqa: E402
 from telemetry.wire.proto import guard_pb2  # noqa: E402
 from tests.support import flood  # noqa: E402
 

@@ -474,7 +474,7 @@ def _runner_classes() -> tuple[type, type]:
 
 def _processor(address: str, engine: str):
     from guard.config.runtime_guard import GuardConfig
-    from guard.wave.processor import GuardProcessor
+    from guard.processor import GuardProcessor
     from telemetry.wire.proto import guard_pb2
 
     rank = guard_pb2.RankInfo(

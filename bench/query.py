@@ -13,7 +13,7 @@ execute_model 65 ms): the rare slowness on-call searches look for. Then, over th
 - `query_range` of `quantile_over_time(duration, .99) by (.tp)` with a 60 s step;
 - store bytes per rank-wave (used pages / rank-waves).
 
-- one request trace (`telemetry.store.requests.request_traces` by request id, as `ascend-guard
+- one request trace (`telemetry.spans.requests.request_traces` by request id, as `ascend-guard
   request ID` does): tp0 sends request membership, `REQ_LIVE` requests at a time, each running
   `REQ_WAVES` waves (one joins every REQ_WAVES / REQ_LIVE waves).
 
@@ -34,12 +34,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from telemetry import store as store_mod  # noqa: E402
 from telemetry.ingest.validation import validate_batch  # noqa: E402
 from telemetry.pipeline.writer import Item, RankSource  # noqa: E402
 from telemetry.spans.query import load_trace  # noqa: E402
+from telemetry.spans.requests import request_traces  # noqa: E402
 from telemetry.store import block_summary  # noqa: E402
-from telemetry.store import records as store_mod  # noqa: E402
-from telemetry.store.requests import request_traces  # noqa: E402
 from telemetry.traceql import metrics_range, parse, search, trace_spans  # noqa: E402
 from telemetry.wire.proto import guard_pb2  # noqa: E402
 from telemetry.wire.trace_ids import format_trace_id, wave_trace_id  # noqa: E402

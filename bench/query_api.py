@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from telemetry.pipeline.writer import Item, RankSource  # noqa: E402
-from telemetry.store.records import Store  # noqa: E402
+from telemetry.store import Store  # noqa: E402
 from telemetry.tempo_api import TempoApiServer  # noqa: E402
 from telemetry.wire import schema  # noqa: E402
 from telemetry.wire.proto import guard_pb2  # noqa: E402

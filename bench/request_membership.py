@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from guard.config.runtime_guard import GuardConfig  # noqa: E402
-from guard.wave.processor import GuardProcessor  # noqa: E402
+from guard.processor import GuardProcessor  # noqa: E402
 from guard.wave.request_membership import RETIRED_KEPT, RequestMembership  # noqa: E402
 from guard.wave.schedule import read_sampled, read_schedule  # noqa: E402
 from telemetry.wire.proto import guard_pb2  # noqa: E402

@@ -34,8 +34,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from telemetry import store as store_mod  # noqa: E402
 from telemetry.cli.table import render_table  # noqa: E402
-from telemetry.store import records as store_mod  # noqa: E402
 from tests.support.metrics import samples, value  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
 from tests.support.sidecar import SidecarProcess  # noqa: E402
@@ -208,7 +208,7 @@ def run_sdk(args) -> dict:
     from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
     from telemetry.spans.builders import collective_spans, wave_spans
-    from telemetry.store.records import RankRow
+    from telemetry.store import RankRow
     from telemetry.wire.collective_columns import to_waves
     from tests.support.flood import batches, make_streamer
 

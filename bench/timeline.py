@@ -1,6 +1,6 @@
 """What `ascend-guard timeline` costs: build time, file bytes and memory per rank-wave.
 
-Builds a store through the real writer sink (`telemetry.store.records.Store`): WAVES waves x RANKS
+Builds a store through the real writer sink (`telemetry.store.writer.Store`): WAVES waves x RANKS
 ranks of one TP group, in batches of 256 waves per rank, each wave with the collective record
 `guard/collectives/tracker.py` sends for a small model (2 stats: all_reduce and all_gather on tp), and
 one rank 2 ms late in every 50th wave (so there are wait arrows). Then times `build_timeline`
@@ -24,11 +24,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from telemetry.ingest.validation import to_columns, validate_batch  # noqa: E402
+from telemetry.ingest.validation import validate_batch  # noqa: E402
 from telemetry.pipeline.writer import Item, RankSource  # noqa: E402
 from telemetry.spans.timeline import TimelineQuery, build_timeline, write_timeline  # noqa: E402
-from telemetry.store.records import Store, connect  # noqa: E402
+from telemetry.store import Store, connect  # noqa: E402
 from telemetry.wire.proto import guard_pb2  # noqa: E402
+from telemetry.wire.wave_columns import to_columns  # noqa: E402
 
 MS = 1_000_000
 BATCH = 256

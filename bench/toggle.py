@@ -130,7 +130,7 @@ def _time_guard() -> dict:
     so `_time_collections` can tell the collections that ran inside it (`gc_ns`, and
     `gc_timer_ns` in unguarded rounds); the report charges the guard the collections it adds
     (on against off) in their place."""
-    from guard.wave.processor import GuardProcessor
+    from guard.processor import GuardProcessor
 
     acc: dict[str, Any] = {
         "ns": 0, "timer_ns": 0, "gc_ns": 0, "gc_timer_ns": 0, "measuring": False,

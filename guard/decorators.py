@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:  # for type checkers only: no import at run time
-    from guard.wave.processor import GuardProcessor
+    from guard.processor import GuardProcessor
 
 F = TypeVar("F", bound=Callable[..., Any])
 

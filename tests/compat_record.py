@@ -16,7 +16,7 @@ class Tested:
     vllm_ascend: str  # "" when not part of the run
     torch_npu: str  # "" when not part of the run
     torch: str
-    platform: str  # runtime as ascend_runtime.detect names it
+    platform: str  # runtime as ascend_runtime.attach.detect names it
     how: str
     # distribution names whose installed versions must equal the row, for the row that
     # describes the machine the suite runs on (empty: a row about something not installed here)

@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 
 from telemetry.cli import main as cli  # noqa: E402
 from telemetry.cli.table import format_duration_ns, render_table  # noqa: E402
-from telemetry.store.records import connect  # noqa: E402
+from telemetry.store import connect  # noqa: E402
 from telemetry.traceql.span_list import top_spans  # noqa: E402
 from telemetry.wire import paths  # noqa: E402
 from tests.support.metrics import value  # noqa: E402

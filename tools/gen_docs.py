@@ -6,7 +6,7 @@
 - configuration: every `runtime_guard` key from the config dataclasses (guard/config/runtime_guard.py and its
   sections): type, default, allowed range or choices, and the comment above the field;
 - metrics: every family the sidecar registers (telemetry/metrics/waves.py, the probe table
-  telemetry/metrics/probes.py, telemetry/metrics/collectives.py), read from a live registry;
+  telemetry/wire/probes.py, telemetry/metrics/collectives.py), read from a live registry;
 - compatibility: the versions the test suite records as tested (tests/compat_record.py).
 
 A block sits between `<!-- generated: NAME -->` and `<!-- end generated: NAME -->`.
@@ -114,12 +114,12 @@ def config_table() -> str:
 def metric_rows() -> list[tuple[str, ...]]:
     from prometheus_client import CollectorRegistry
 
+    from telemetry.crossrank.rank_gauges import RankGauges
     from telemetry.crossrank.view import CrossRankView
     from telemetry.export.otlp import ExportSettings, OtlpExporter
-    from telemetry.metrics.rank_gauges import RankGauges
+    from telemetry.metrics.store import StoreMetrics
     from telemetry.metrics.waves import SidecarMetrics
     from telemetry.pipeline.writer import BoundedQueue, Drops
-    from telemetry.store.records import StoreMetrics
     from telemetry.tempo_api.server import refused_counter
 
     registry = CollectorRegistry()
@@ -133,7 +133,7 @@ def metric_rows() -> list[tuple[str, ...]]:
     OtlpExporter(ExportSettings("http://localhost:4317"), drops, registry, "docs").close()
     refused_counter(registry)  # the query API's (telemetry/tempo_api/server.py)
     StoreMetrics(registry)  # the store's health (telemetry/store/records.py)
-    from telemetry.store.requests import RequestMetrics
+    from telemetry.metrics.requests import RequestMetrics
 
     registry.register(RequestMetrics())  # request membership shed by the workers
     rows = []

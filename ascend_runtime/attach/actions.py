@@ -15,6 +15,7 @@ from typing import Any
 
 import structlog
 
+from ascend_runtime.attach.detect import platform
 from ascend_runtime.attach.points import ACTIONS, AttachPoint
 from ascend_runtime.probes import device_time, speculators
 from guard import decorators
@@ -35,16 +36,6 @@ Wrapper = Callable[[Callable[..., Any], AttachPoint], Callable[..., Any]]
 _state: dict[str, Any] = {}
 _UNSET = object()
 _local = threading.local()
-
-
-def platform() -> str:
-    """This process's platform, detected once."""
-    found = _state.get("platform")
-    if found is None:
-        from ascend_runtime.detect import detect_platform
-
-        found = _state["platform"] = detect_platform()[0]
-    return found
 
 
 def _record_error(where: str) -> None:

@@ -144,7 +144,7 @@ def widest_group() -> int:
 def _replay_events() -> Callable[[], Any] | None:
     """Device timing events for graph replays (None on CPU, where nothing is captured)."""
     try:
-        from ascend_runtime.attach.actions import platform
+        from ascend_runtime.attach.detect import platform
         from ascend_runtime.probes.device_time import event_factory
 
         return event_factory(platform())

@@ -280,7 +280,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
             "versions": tree_info(args.source),
         }  # fmt: skip
     else:
-        from ascend_runtime.detect import detect
+        from ascend_runtime.attach.detect import detect
 
         # what vLLM and torch print while importing belongs on stderr, not in the table or JSON
         with contextlib.redirect_stdout(sys.stderr):

@@ -84,13 +84,11 @@ def incident(
 
 def probe(name: str, value: float, **labels: str) -> None:
     if _captures:  # under test: a name the sidecar would reject is a bug in the probe
-        from telemetry.metrics.probes import PROBE_METRICS
+        from telemetry.wire.probes import PROBE_METRICS
 
         labels = {k: str(v) for k, v in labels.items()}
         metric = PROBE_METRICS.get(name)
-        assert metric is not None, (
-            f"probe {name!r} is not registered in telemetry/metrics/probes.py"
-        )
+        assert metric is not None, f"probe {name!r} is not registered in telemetry/wire/probes.py"
         assert set(labels) == set(metric.labels), f"probe {name!r}: labels {sorted(labels)}"
         for captured in _captures:
             captured.probes.append((name, float(value), labels))

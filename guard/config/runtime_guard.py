@@ -18,6 +18,7 @@ from typing import Any
 
 from guard.collectives.fault_injection import FaultInjectionConfig
 from guard.collectives.tracker import CollectivesConfig
+from guard.config.detectors import DetectorsConfig
 from guard.config.schema import (  # noqa: F401 - re-exported for config sections
     ACTIONS,
     GuardConfigError,
@@ -25,7 +26,6 @@ from guard.config.schema import (  # noqa: F401 - re-exported for config section
     _range,
     parse_section,
 )
-from guard.detectors.config import DetectorsConfig
 from telemetry.wire.addresses import address_problem, default_sidecar_address
 
 CONFIG_KEY = "runtime_guard"

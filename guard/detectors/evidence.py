@@ -18,7 +18,7 @@ from typing import Any
 
 import structlog
 
-from guard.detectors.config import DumpConfig
+from guard.config.detectors import DumpConfig
 
 log = structlog.get_logger("ascend_guard.evidence")
 

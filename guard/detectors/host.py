@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from guard.detectors.config import DetectorsConfig
+from guard.config.detectors import DetectorsConfig
 from guard.detectors.evidence import EvidenceDumper
 from guard.detectors.suite import DetectorSuite
 from guard.stream.reporter import IncidentReporter

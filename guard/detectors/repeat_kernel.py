@@ -33,7 +33,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-from guard.detectors.tokens import FOUND_FIELDS, GRAM_ENTRY, KIND_LOOP, KIND_NGRAM
+from guard.detectors.repeat_layout import FOUND_FIELDS, GRAM_ENTRY, KIND_LOOP, KIND_NGRAM
 
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 _STEP = np.uint64(1_000_003)

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from guard.detectors.config import SpecAcceptanceConfig
+from guard.config.detectors import SpecAcceptanceConfig
 from guard.detectors.slots import (
     SlotMap,
     batch_waves,

@@ -20,18 +20,13 @@ import threading
 import time
 from typing import Any
 
+from guard.config.detectors import DetectorsConfig
 from guard.detectors import compiled
 from guard.detectors import logits as logit_checks
-from guard.detectors.config import DetectorsConfig
 from guard.detectors.evidence import EvidenceDumper, request_kv_blocks
 from guard.detectors.slots import batch_waves
 from guard.detectors.spec import AcceptanceTracker, Judged
-from guard.detectors.tokens import (
-    OVERDUE_BATCHES,
-    RepeatDetector,
-    out_of_range,
-    rows_out_of_range,
-)
+from guard.detectors.tokens import OVERDUE_BATCHES, RepeatDetector, out_of_range, rows_out_of_range
 from guard.stream.reporter import IncidentReporter
 from guard.wave.schedule import WaveTokens
 

@@ -13,8 +13,7 @@ it ("episodes"), not one per token. A finding names the wave its token arrived i
 is reported at the batch's end (at most `MAX_BATCH_WAVES - 1` waves later; when the engine goes
 idle, the streamer thread screens what is left, `DetectorSuite.flush_idle`). The batch rules
 (an episode open when a batch begins is judged at its end; loops are looked for at a batch's
-end in requests with `CHECK_EVERY` new tokens) are the kernel's docstring's.
-"""
+end in requests with `CHECK_EVERY` new tokens) are the kernel's docstring's."""
 
 from __future__ import annotations
 
@@ -24,8 +23,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from guard.config.detectors import TokenRepeatConfig
 from guard.detectors import compiled
-from guard.detectors.config import TokenRepeatConfig
+from guard.detectors.repeat_layout import GRAM_ENTRY, KIND_LOOP, KIND_NGRAM
 from guard.detectors.slots import (
     SlotMap,
     batch_waves,
@@ -36,26 +36,29 @@ from guard.detectors.slots import (
 from guard.wave.schedule import WaveTokens
 
 CHECK_EVERY = 8  # new tokens of a request before its stream is looked at for loops again
+
+
 # batches left queued for another thread's screen before the engine thread screens them itself
 OVERDUE_BATCHES = 4
+
+
 BATCH_TOKENS = 256  # most tokens of one request in one batch (a longer `add` is cut up)
+
 
 # (kind "loop" or "ngram", period or n, span or count, the repeated block)
 RepeatFinding = tuple[str, int, int, list[int]]
+
+
 # a finding with the wave it belongs to and its request
 WaveFinding = tuple[int, str, RepeatFinding]
 
-# the kernel's findings: a row of FOUND_FIELDS (kind, batch wave index, slot, period or n,
-# span or count) and the repeated block
-KIND_LOOP, KIND_NGRAM = 0, 1
-FOUND_FIELDS = 5
+
 _KINDS = {KIND_LOOP: "loop", KIND_NGRAM: "ngram"}
-# an entry of a request's n-gram table: the n-gram's 32-bit hash, where it last started (its
-# place in the history ring: it is in the window while it counts, and the ring holds the
-# window), and its count in the window (0: an empty entry). 8 bytes, so that a request's table
-# and ring stay in a few KiB of cache (the window is at most 4096 tokens: both fit 16 bits).
-GRAM_ENTRY = np.dtype([("key", np.uint32), ("start", np.uint16), ("count", np.uint16)])
+
+
 _ONE_EACH = np.zeros(0, dtype=np.int64)  # `screen`'s lengths when every row has one token
+
+
 # the kernel's parameters row, in order (the config's fields, and CHECK_EVERY)
 PARAMS = (
     "ngram_size",

@@ -6,11 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from telemetry.cli.commands.trace import tree_rows
 from telemetry.cli.common import clock
 from telemetry.cli.table import format_duration_ns, render_table
 from telemetry.spans.builders import Span
-from telemetry.spans.query import rank_label
+from telemetry.spans.query import rank_label, span_tree
 from telemetry.wire import schema
 
 COORDINATES = ("dp", "tp", "pp")
@@ -129,3 +128,40 @@ def print_trees(source, spans: bool, found: list) -> None:
         title = f"trace {hit['traceID']}  root {row[1]}  start {row[0]}  {row[2]}  {row[3]} matched"
         print_tree(source, hit["traceID"], marked_spans(hit), title)
         print()
+
+
+def _detail(span: Span) -> str:
+    attrs = span.attributes
+    detail = []
+    for key in schema.RANK_SPAN_FIELDS:
+        value = attrs.get(schema.attr(key))
+        if key == "dummy":
+            if value:
+                detail.append("dummy")
+        elif value is not None:
+            detail.append(f"{key}={value}")
+    if span.name.startswith("collective:"):
+        calls = attrs.get(schema.attr("collective.calls"))
+        group = attrs.get(schema.attr("collective.group"))
+        detail.append(f"group={group} calls={calls}")
+    return " ".join(detail)
+
+
+def tree_rows(spans: list[Span]) -> list[tuple[Span, tuple]]:
+    """(span, (tree label, start offset, duration, detail)) in depth-first order."""
+    origin = min(s.start_ns for s in spans)
+    out = []
+    for depth, span in span_tree(spans):
+        label = span.name if span.name != "rank" else f"rank {rank_label(span)}"
+        out.append(
+            (
+                span,
+                (
+                    "  " * depth + ("└─ " if depth else "") + label,
+                    f"+{format_duration_ns(span.start_ns - origin)}",
+                    format_duration_ns(span.duration_ns),
+                    _detail(span),
+                ),
+            )
+        )
+    return out

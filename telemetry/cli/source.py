@@ -74,7 +74,7 @@ class StoreSource:
     kind = "store"
 
     def __init__(self, path: str) -> None:
-        from telemetry.store.records import connect
+        from telemetry.store import connect
 
         self.path = path
         self.conn = connect(path, readonly=True)  # FileNotFoundError names the path

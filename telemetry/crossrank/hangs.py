@@ -36,17 +36,16 @@ from typing import Any
 import structlog
 
 from telemetry.crossrank.peers import NOT_SEEN, unseen_ranks
-from telemetry.crossrank.replica import RankKey, Replica, rank_key, replica_of
 from telemetry.metrics.collectives import CollectiveMetrics
+from telemetry.store.incidents import RECOVERY, VERDICT
 from telemetry.wire.collective_columns import columns_of, last_seq_by_group
 from telemetry.wire.liveness_record import RecordReader, RecordView
 from telemetry.wire.proto import guard_pb2
+from telemetry.wire.replica import RankKey, Replica, rank_key, replica_of
 
 log = structlog.get_logger("ascend_guard.hangs")
 
 KINDS = ("no_heartbeat", "not_arrived", "collective_stuck")
-VERDICT = "hang_verdict"
-RECOVERY = "hang_recovered"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -581,7 +580,7 @@ class HangDetector:
 
     def rank_facts(self) -> list[RankFacts]:
         """A copy of what this sidecar knows of each rank now, wall-clock times (read at
-        scrape time by telemetry/metrics/rank_gauges.py)."""
+        scrape time by telemetry/crossrank/rank_gauges.py)."""
         with self._lock:
             now, wall = self._clock(), time.time()
             facts = []

@@ -1,5 +1,5 @@
 """Cross-rank view of collectives: per-rank counters, and waves aligned across the ranks of
-one PP stage of one replica (`telemetry.crossrank.replica`: same run, engine and dp; and the same pp) to
+one PP stage of one replica (`telemetry.wire.replica`: same run, engine and dp; and the same pp) to
 measure skew and name stragglers. DP engines are never aligned with each other: each has its
 own scheduler and wave numbering.
 
@@ -30,10 +30,10 @@ from typing import NamedTuple
 
 import numpy as np
 
-from telemetry.crossrank.replica import Replica, replica_of
 from telemetry.metrics.collectives import CollectiveMetrics
 from telemetry.wire.collective_columns import columns_of
 from telemetry.wire.proto import guard_pb2
+from telemetry.wire.replica import Replica, replica_of
 
 StageKey = tuple[Replica, int]  # a replica and one of its PP stages
 

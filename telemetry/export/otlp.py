@@ -43,7 +43,7 @@ from telemetry.spans.builders import (
     slow_call_spans,
     wave_spans,
 )
-from telemetry.store.records import RankRow
+from telemetry.store import RankRow
 from telemetry.wire.collective_columns import columns_of, to_waves
 
 log = structlog.get_logger("ascend_guard.export")

@@ -20,13 +20,15 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from telemetry.crossrank.view import CrossRankView
-from telemetry.ingest.labels import EngineLabels
-from telemetry.ingest.ratelimit import RateLimitedLog
-from telemetry.ingest.validation import InvalidBatch, to_columns, validate_batch
+from telemetry.ingest.validation import validate_batch
 from telemetry.metrics.waves import SidecarMetrics
+from telemetry.pipeline.ratelimit import RateLimitedLog
 from telemetry.pipeline.writer import STAGE_INGEST, BoundedQueue, Drops, Item, RankSource
 from telemetry.store.incidents import IncidentLedger
+from telemetry.wire.labels import EngineLabels
 from telemetry.wire.proto import guard_pb2
+from telemetry.wire.schema import InvalidBatch
+from telemetry.wire.wave_columns import to_columns
 
 log = structlog.get_logger("ascend_guard.ingest")
 

@@ -23,6 +23,7 @@ from telemetry.wire.schema import (
     MAX_DURATION_NS,
     WAVE_FIELDS,
     WAVE_RANGES,
+    InvalidBatch,
 )
 
 MAX_RANK = 65_535
@@ -38,20 +39,6 @@ MAX_EVIDENCE = 64 * 1024
 MAX_INCIDENT_ID = 256
 SEVERITIES = ("info", "warning", "error", "critical")
 SUPPORTED_INCIDENT_SCHEMAS = (1,)
-
-
-class InvalidBatch(ValueError):
-    """A batch that parsed but makes no sense; the message says which field is wrong."""
-
-
-def to_columns(batch: guard_pb2.Batch) -> None:
-    """Move a v1 batch's `waves` messages into `wave_columns` (a v1 worker, or a raw client)."""
-    if not batch.waves:
-        return
-    cols = batch.wave_columns
-    for name in WAVE_FIELDS:
-        getattr(cols, name).extend([getattr(w, name) for w in batch.waves])
-    del batch.waves[:]
 
 
 def validate_batch(

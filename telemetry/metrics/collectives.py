@@ -13,10 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from telemetry.crossrank.replica import REPLICA_LABELS
-from telemetry.ingest.labels import MAX_LABEL_VALUES, OVERFLOW, BoundedValues  # noqa: F401
 from telemetry.metrics.waves import RANK_LABELS
 from telemetry.wire.collective_columns import array, key_rows, last_seq_by_group
+from telemetry.wire.labels import MAX_LABEL_VALUES, OVERFLOW, BoundedValues  # noqa: F401
+from telemetry.wire.replica import REPLICA_LABELS
 
 COLLECTIVE_LABELS = (*RANK_LABELS, "op", "group", "backend")
 STAGE_LABELS = (*REPLICA_LABELS, "pp")  # the ranks of one replica's PP stage align waves

@@ -20,10 +20,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, disable_created
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from telemetry.crossrank.replica import REPLICA_LABELS
-from telemetry.ingest.labels import BoundedValues
-from telemetry.metrics.probes import PROBE_METRICS
+from telemetry.wire.labels import BoundedValues
+from telemetry.wire.probes import PROBE_METRICS
 from telemetry.wire.proto import guard_pb2
+from telemetry.wire.replica import REPLICA_LABELS
+from telemetry.wire.wave_columns import to_columns
 
 RANK_LABELS = ("engine", "dp", "tp", "pp")
 PHASES = ("execute_model", "sample_tokens", "step")
@@ -98,8 +99,6 @@ class SidecarMetrics:
         """Count one validated batch from the worker process identified by `source` (the writer
         thread); return how many records the worker newly reported as dropped."""
         if batch.waves:  # a v1 batch handed over directly (ingest converts them first)
-            from telemetry.ingest.validation import to_columns
-
             to_columns(batch)
         with self._lock:
             seen_dropped, seen_errors = self._cumulative.get(source, (0, 0))

@@ -28,7 +28,7 @@ from typing import Protocol
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from telemetry.ingest.ratelimit import RateLimitedLog
+from telemetry.pipeline.ratelimit import RateLimitedLog
 from telemetry.wire.proto import guard_pb2
 
 log = structlog.get_logger("ascend_guard.pipeline")

@@ -27,11 +27,13 @@ from prometheus_client import Counter, start_http_server
 
 from telemetry.crossrank.hangs import HangSettings
 from telemetry.crossrank.liveness import LivenessServer
+from telemetry.crossrank.rank_gauges import RankGauges
 from telemetry.crossrank.roster import DEFAULT_LINGER_S, EngineRoster
 from telemetry.crossrank.view import CrossRankView
 from telemetry.export.otlp import ExportSettings, OtlpExporter
 from telemetry.ingest.service import DEFAULT_MAX_MESSAGE_BYTES, IngestService
-from telemetry.metrics.rank_gauges import RankGauges
+from telemetry.metrics.requests import RequestMetrics
+from telemetry.metrics.store import StoreMetrics
 from telemetry.metrics.waves import SidecarMetrics
 from telemetry.pipeline.writer import (
     DEFAULT_QUEUE_BYTES,
@@ -40,15 +42,8 @@ from telemetry.pipeline.writer import (
     Drops,
     Writer,
 )
+from telemetry.store import DEFAULT_MAX_BYTES, DEFAULT_RETENTION_S, Store, prepare_store
 from telemetry.store.incidents import IncidentLedger
-from telemetry.store.records import (
-    DEFAULT_MAX_BYTES,
-    DEFAULT_RETENTION_S,
-    Store,
-    StoreMetrics,
-    prepare_store,
-)
-from telemetry.store.requests import RequestMetrics
 from telemetry.tempo_api import TempoApiServer
 from telemetry.wire import build_info, paths
 from telemetry.wire.addresses import address_problem, unix_socket_path

@@ -18,7 +18,7 @@ import dataclasses
 import json
 from typing import Any
 
-from telemetry.store.records import RankRow
+from telemetry.store import RankRow
 from telemetry.wire import schema
 from telemetry.wire.proto import guard_pb2
 from telemetry.wire.trace_ids import (

@@ -17,6 +17,7 @@ from decimal import Decimal, InvalidOperation
 
 import numpy as np
 
+from telemetry import store
 from telemetry.spans.builders import (
     Span,
     collective_spans,
@@ -26,7 +27,6 @@ from telemetry.spans.builders import (
     slow_call_spans,
     wave_spans,
 )
-from telemetry.store import records as store
 from telemetry.store.incidents import incidents_of_wave
 from telemetry.wire.trace_ids import split_trace_id
 

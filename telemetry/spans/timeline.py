@@ -48,6 +48,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from telemetry import store
 from telemetry.spans.builders import (
     Span,
     collective_spans,
@@ -56,8 +57,7 @@ from telemetry.spans.builders import (
     wave_spans,
 )
 from telemetry.spans.query import QueryError
-from telemetry.store import records as store
-from telemetry.store.records import RankRow
+from telemetry.store import RankRow
 from telemetry.wire import build_info, schema
 from telemetry.wire.collective_columns import to_waves
 from telemetry.wire.trace_ids import format_span_id

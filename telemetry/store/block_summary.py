@@ -16,8 +16,10 @@ bucket's width (4.4 %) of the exact quantile. Counts are exact.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+import sqlite3
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -106,3 +108,46 @@ def _order_statistic(counts: np.ndarray, cumulative: np.ndarray, k: int) -> floa
     before = int(cumulative[b] - counts[b])
     inside = (k - before + 0.5) / counts[b] if counts[b] else 0.5
     return float(lower_edge(b)) * 2 ** (min(max(inside, 0.0), 1.0) / PER_OCTAVE)
+
+
+# -- block summaries (telemetry/store/block_summary.py) -------------------------------------------
+HIST_COLUMNS = {
+    "rank": "rank_hist",
+    "execute_model": "execute_hist",
+    "sample_tokens": "sample_hist",
+}
+
+
+@dataclasses.dataclass
+class BlockHistograms:
+    """One phase's stored histograms of the blocks that start in a window, as columns."""
+
+    rowid: np.ndarray
+    rank: np.ndarray
+    start_ns: np.ndarray
+    end_ns: np.ndarray
+    blobs: list  # bytes, or None where the block has no histogram
+
+
+def wave_histograms(
+    conn: sqlite3.Connection, rank_ids: Iterable[int], phase: str, lo: int, hi: int
+) -> BlockHistograms:
+    """The `phase` histograms ("rank", "execute_model", "sample_tokens") of the ranks' wave
+    blocks whose first span starts in [lo, hi); no block is decoded."""
+    column = HIST_COLUMNS[phase]
+    rows: list = []
+    for rank_id in rank_ids:
+        rows += conn.execute(
+            f"SELECT rowid, rank, start_ns, end_ns, {column} FROM wave_blocks "
+            "WHERE rank = ? AND start_ns >= ? AND start_ns < ?",
+            (rank_id, lo, hi),
+        ).fetchall()
+    n = len(rows)
+    columns = list(zip(*rows, strict=True)) if rows else [()] * 5
+    return BlockHistograms(
+        np.fromiter(columns[0], np.int64, n),
+        np.fromiter(columns[1], np.int64, n),
+        np.fromiter(columns[2], np.int64, n),
+        np.fromiter(columns[3], np.int64, n),
+        list(columns[4]),
+    )

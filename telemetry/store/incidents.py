@@ -20,9 +20,8 @@ from collections.abc import Callable
 
 import structlog
 
-from telemetry.crossrank.hangs import RECOVERY, VERDICT
-from telemetry.ingest.labels import BoundedValues
-from telemetry.store.records import connect
+from telemetry.store.files import connect
+from telemetry.wire.labels import BoundedValues
 from telemetry.wire.proto import guard_pb2
 from telemetry.wire.trace_ids import format_trace_id, wave_trace_id
 
@@ -90,6 +89,8 @@ def open_incident_table(path: str | os.PathLike) -> sqlite3.Connection:
     return conn
 
 
+VERDICT = "hang_verdict"  # raised by the sidecar's hang detector (telemetry/crossrank/hangs.py)
+RECOVERY = "hang_recovered"
 SIDECAR_TYPES = (VERDICT, RECOVERY)  # incidents the sidecar raises itself
 
 

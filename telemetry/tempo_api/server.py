@@ -21,9 +21,9 @@ from typing import Any
 import structlog
 from prometheus_client import CollectorRegistry, Counter
 
+from telemetry import store
+from telemetry.spans import requests as request_spans
 from telemetry.spans.query import load_trace
-from telemetry.store import records as store
-from telemetry.store import requests as request_store
 from telemetry.tempo_api import otlp, params, span_list_api, store_search, traceql_adapter
 from telemetry.tempo_api.params import BadParameter
 from telemetry.tempo_api.store_search import Hit
@@ -74,8 +74,8 @@ def _trace(conn: sqlite3.Connection, req: Request, raw_id: str, v2: bool) -> Rep
     trace_id = params.trace_id(urllib.parse.unquote(raw_id))
     params.search_window(req.get("start"), req.get("end"))  # validated; the id decides
     spans = load_trace(conn, trace_id)
-    request_store.link_wave_spans(conn, spans)  # a wave links to its requests' traces
-    spans = spans or request_store.load_request_trace(conn, trace_id)
+    request_spans.link_wave_spans(conn, spans)  # a wave links to its requests' traces
+    spans = spans or request_spans.load_request_trace(conn, trace_id)
     if not spans:
         return _text(
             404,

@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from telemetry import store
 from telemetry.spans.builders import Span
 from telemetry.spans.query import load_trace
-from telemetry.store import records as store
 from telemetry.tempo_api import otlp
 from telemetry.tempo_api.params import BadParameter
 from telemetry.wire import schema
@@ -47,7 +47,7 @@ _BASE_SPAN_NAMES = ("wave", "rank", "execute_model", "sample_tokens")
 def span_attribute_keys() -> list[str]:
     """Every span attribute key the span builders emit (telemetry/spans/builders.py for waves,
     telemetry/store/requests.py for requests), from the schema."""
-    from telemetry.store.requests import REQUEST_ATTRIBUTE_KEYS  # it imports the query layer
+    from telemetry.spans.requests import REQUEST_ATTRIBUTE_KEYS  # it imports the query layer
 
     keys = set(REQUEST_ATTRIBUTE_KEYS)
     keys |= {schema.ATTR_RUN, schema.ATTR_ENGINE, schema.ATTR_WAVE, schema.ATTR_DP, schema.ATTR_TP,

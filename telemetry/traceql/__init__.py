@@ -1,8 +1,9 @@
 """A TraceQL subset over the record store (docs/traceql.md): parse, search, metrics."""
 
+from telemetry.traceql.evaluate import SpanSet, TraceMatch
 from telemetry.traceql.metrics import Series, metrics_range
 from telemetry.traceql.parser import TraceQLError, TraceQLParseError, parse
-from telemetry.traceql.search import SpanSet, TraceMatch, search
+from telemetry.traceql.search import search
 from telemetry.traceql.source import trace_spans
 
 __all__ = [

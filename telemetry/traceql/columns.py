@@ -80,7 +80,7 @@ def static_category(static: ast.Static) -> str | None:
     return None
 
 
-def _scalar_cmp(op: str, left, right, pattern) -> bool:
+def scalar_cmp(op: str, left, right, pattern) -> bool:
     """One comparison; values of different types never match (as in Tempo)."""
     if pattern is not None:
         if not isinstance(left, str):
@@ -111,7 +111,7 @@ def compare(op: str, values, present, static: ast.Static, pattern=None):
     right = static.value
     if isinstance(values, Coded):
         hits = np.fromiter(
-            (_scalar_cmp(op, v, right, pattern) for v in values.levels), bool, len(values.levels)
+            (scalar_cmp(op, v, right, pattern) for v in values.levels), bool, len(values.levels)
         )
         return hits[values.codes] & present
     if isinstance(values, np.ndarray) and values.dtype != object:
@@ -119,10 +119,10 @@ def compare(op: str, values, present, static: ast.Static, pattern=None):
             return False
         return _NUMPY_OPS[op](values, right) & present
     if not isinstance(values, np.ndarray):
-        return bool(present) and _scalar_cmp(op, values, right, pattern)
+        return bool(present) and scalar_cmp(op, values, right, pattern)
     present = np.broadcast_to(present, values.shape)
     return np.fromiter(
-        (p and _scalar_cmp(op, v, right, pattern) for v, p in zip(values, present, strict=False)),
+        (p and scalar_cmp(op, v, right, pattern) for v, p in zip(values, present, strict=False)),
         bool,
         len(values),
     )
@@ -152,7 +152,7 @@ def evaluate(expr: ast.FieldExpr, table: Table):
             left, right, op = right, left, _FLIP[op]
         if isinstance(right, ast.Static):
             if isinstance(left, ast.Static):  # two statics: a constant
-                return _scalar_cmp(op, left.value, right.value, expr.pattern)
+                return scalar_cmp(op, left.value, right.value, expr.pattern)
             values, present = raw_value_of(left, table)
             return compare(op, values, present, right, expr.pattern)
         lv, lp = value_of(left, table)
@@ -161,7 +161,7 @@ def evaluate(expr: ast.FieldExpr, table: Table):
         lv, rv = _as_objects(lv, n), _as_objects(rv, n)
         both = np.broadcast_to(lp, (n,)) & np.broadcast_to(rp, (n,))
         return np.fromiter(
-            (b and _scalar_cmp(op, a, c, None) for a, c, b in zip(lv, rv, both, strict=False)),
+            (b and scalar_cmp(op, a, c, None) for a, c, b in zip(lv, rv, both, strict=False)),
             bool,
             n,
         )
@@ -235,7 +235,7 @@ def maybe(expr: ast.FieldExpr, known) -> bool | None:
         if isinstance(value, Prefixed):
             ruled_out = isinstance(right.value, str) and not right.value.startswith(value)
             return (op == "!=") if op in ("=", "!=") and ruled_out else None
-        return _scalar_cmp(op, value, right.value, expr.pattern)
+        return scalar_cmp(op, value, right.value, expr.pattern)
     return None
 
 

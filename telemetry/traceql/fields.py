@@ -18,7 +18,7 @@ from telemetry.spans.builders import (
     slow_call_spans,
     wave_spans,
 )
-from telemetry.store.records import RankRow
+from telemetry.store import RankRow
 from telemetry.wire import schema
 from telemetry.wire.proto import guard_pb2
 
@@ -83,7 +83,7 @@ def kind_keys() -> dict[str, frozenset[str]]:
     """Span kind -> the attribute keys its spans carry (incidents: with the request id)."""
     keys = {kind: frozenset(spans[0].attributes) for kind, spans in _sample_spans().items()}
     keys["incident"] = keys["incident"] | {ATTR_REQUEST}
-    from telemetry.store.requests import REQUEST_ATTRIBUTE_KEYS  # request traces' spans
+    from telemetry.spans.requests import REQUEST_ATTRIBUTE_KEYS  # request traces' spans
 
     keys["request"] = frozenset(REQUEST_ATTRIBUTE_KEYS)
     return keys

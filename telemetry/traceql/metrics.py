@@ -28,13 +28,14 @@ import sqlite3
 
 import numpy as np
 
+from telemetry import store
 from telemetry.store import block_summary
-from telemetry.store import records as store
 from telemetry.traceql import ast
 from telemetry.traceql.columns import ABSENT, UNKNOWN, Prefixed, mask_of, maybe, value_of
+from telemetry.traceql.evaluate import TraceView, run_pipeline
 from telemetry.traceql.parser import TraceQLError, parse
 from telemetry.traceql.plan import known_values, uses_trace_level
-from telemetry.traceql.search import CandidatePass, TraceView, _trace_id, run_pipeline
+from telemetry.traceql.search import CandidatePass, _trace_id
 from telemetry.traceql.source import (
     WAVE_KINDS,
     BlockCache,

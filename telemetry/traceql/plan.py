@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from telemetry import store
 from telemetry.spans.builders import SLOW_CALL_PREFIX, STATUS_ERROR, is_root_rank
-from telemetry.store import records as store
 from telemetry.traceql import ast, fields
 from telemetry.traceql.columns import ABSENT, UNKNOWN, Prefixed, lower_bounds, maybe
 from telemetry.traceql.source import ALL_KINDS, WAVE_KINDS

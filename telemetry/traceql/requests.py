@@ -12,12 +12,13 @@ from __future__ import annotations
 import dataclasses
 import sqlite3
 
-from telemetry.store import requests as request_store
+from telemetry.spans import requests as request_spans
 from telemetry.traceql import ast, fields
+from telemetry.traceql.evaluate import match_trace
 from telemetry.wire import schema
 from telemetry.wire.trace_ids import format_trace_id
 
-REQUEST_SPAN_NAMES = frozenset((request_store.REQUEST_SPAN, "prefill", "decode"))
+REQUEST_SPAN_NAMES = frozenset((request_spans.REQUEST_SPAN, "prefill", "decode"))
 MAX_INSPECTED = 2000  # request traces built per search
 _REQUEST_KEY = schema.attr("request")
 
@@ -61,7 +62,7 @@ def wanted_request(expr) -> str | None:
     if isinstance(expr, ast.Comparison) and expr.op == "=":
         for field, other in ((expr.left, expr.right), (expr.right, expr.left)):
             key = fields.attribute_key(field.name) if isinstance(field, ast.Attribute) else None
-            if key == request_store.ATTR_REQUEST and isinstance(other, ast.Static):
+            if key == request_spans.ATTR_REQUEST and isinstance(other, ast.Static):
                 return str(other.value)
     return None
 
@@ -78,11 +79,9 @@ def search(
     """The request traces in [start_ns, end_ns] that match, newest first, at most `limit`."""
     if not names_requests(query):
         return []
-    from telemetry.traceql.search import match_trace
-
     pinned = wanted_request(query.spanset)
     out = []
-    for spans in request_store.spans_in_range(conn, start_ns, end_ns, pinned, MAX_INSPECTED):
+    for spans in request_spans.spans_in_range(conn, start_ns, end_ns, pinned, MAX_INSPECTED):
         trace_id = format_trace_id(spans[0].trace_id)
         found = match_trace(query, spans, trace_id, spans_per_spanset, nodes)
         if found is not None:

@@ -14,6 +14,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
+from telemetry import store
 from telemetry.spans.builders import (
     COLLECTIVE_WAVE_SPAN_FIELDS,
     STATUS_ERROR,
@@ -26,7 +27,6 @@ from telemetry.spans.builders import (
     wave_spans,
 )
 from telemetry.spans.query import finish_wave_trace
-from telemetry.store import records as store
 from telemetry.store.incidents import IncidentFilter, list_incidents
 from telemetry.traceql import ast, fields
 from telemetry.traceql.columns import ABSENT, Coded

@@ -15,8 +15,8 @@ import sqlite3
 
 import numpy as np
 
+from telemetry import store
 from telemetry.spans.builders import Span, collective_spans
-from telemetry.store import records as store
 from telemetry.traceql import ast
 from telemetry.traceql.columns import mask_of
 from telemetry.traceql.parser import TraceQLError, parse

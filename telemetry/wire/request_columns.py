@@ -13,7 +13,7 @@ import dataclasses
 import numpy as np
 
 from telemetry.wire.proto import guard_pb2
-from telemetry.wire.schema import INT64_MAX
+from telemetry.wire.schema import INT64_MAX, InvalidBatch
 
 MAX_ROWS = 100_000
 MAX_ENTRIES = 10_000_000  # (wave, request) entries of one batch
@@ -35,8 +35,6 @@ FLAT = ("req_index", "scheduled_index", "scheduled_tokens", "sampled_index", "sa
 
 
 def _error(message: str) -> Exception:
-    from telemetry.ingest.validation import InvalidBatch
-
     return InvalidBatch(f"request_columns.{message}")
 
 

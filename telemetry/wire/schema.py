@@ -96,3 +96,7 @@ RANK_SPAN_FIELDS = (
 )
 WAVE_SPAN_FIELDS = ("num_reqs", "dummy")
 SPAN_NAMES = ("wave", "rank", "execute_model", "sample_tokens", "collective", "incident")
+
+
+class InvalidBatch(ValueError):
+    """A batch that parsed but makes no sense; the message says which field is wrong."""

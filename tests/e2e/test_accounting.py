@@ -28,8 +28,8 @@ import json
 
 import pytest
 
-from telemetry.store import records as store
-from telemetry.store import requests as request_store
+from telemetry import store
+from telemetry.spans import requests as request_spans
 from tests.support.accounting import ENGINE, GuardedServer, guard_lines, usage_sum
 from tests.support.request_checks import (
     membership_vs_wave_records,
@@ -452,7 +452,7 @@ def test_preempted_requests_recompute_without_counting_their_prompt_again(
     # each preemption shows in its request's trace (V1: the wave it resumed in)
     conn = store.connect(s.sidecar.store_path, readonly=True)
     try:
-        traces = [t for r in responses for t in request_store.request_traces(conn, r["id"])]
+        traces = [t for r in responses for t in request_spans.request_traces(conn, r["id"])]
     finally:
         conn.close()
     seen = sum(1 for t in traces for w in t.waves if w.preempted)

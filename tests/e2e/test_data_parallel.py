@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from telemetry import store as store_mod
 from telemetry.spans.builders import Span, wave_spans
-from telemetry.store import records as store_mod
 from tests.support.http import get_json
 from tests.support.metrics import samples, value
 from tests.support.ports import free_port

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import pytest
 
-from telemetry.store.records import connect, decode_waves
+from telemetry.store import connect, decode_waves
 from tests.support.metrics import value
 from tests.support.sidecar import SidecarProcess
 from tests.support.vllm_server import VllmServer, completion_tokens

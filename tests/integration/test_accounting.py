@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from telemetry.store import records as store_mod
+from telemetry import store as store_mod
 from tests.support.metrics import samples, value
 from tests.support.sidecar import SidecarProcess
 

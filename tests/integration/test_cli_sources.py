@@ -24,8 +24,8 @@ import pytest
 from telemetry.cli import main as cli
 from telemetry.cli.source import ApiSource, StoreSource
 from telemetry.spans.query import load_trace
+from telemetry.store import connect
 from telemetry.store.incidents import IncidentFilter, list_incidents
-from telemetry.store.records import connect
 from telemetry.wire import paths
 from telemetry.wire.trace_ids import format_trace_id, wave_trace_id
 from tests.support.certs import TestCA

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
 
+from telemetry.spans import requests as request_spans
+from telemetry.store import connect
 from telemetry.store import requests as request_store
-from telemetry.store.records import connect
 from telemetry.wire.trace_ids import format_trace_id, request_trace_id, wave_trace_id
 from tests.support.metrics import value
 from tests.support.ports import free_port
@@ -72,7 +73,7 @@ def test_each_request_trace_holds_its_waves_and_tokens(fed) -> None:
     sidecar, _, truth = fed
     conn = connect(sidecar.store_path, readonly=True)
     for req in truth:
-        (trace,) = request_store.request_traces(conn, req.req_id)
+        (trace,) = request_spans.request_traces(conn, req.req_id)
         assert {w.wave: (w.scheduled, w.sampled) for w in trace.waves} == req.waves
         assert trace.sampled_tokens() == req.max_tokens
         assert sum(w.preempted for w in trace.waves) == req.preemptions

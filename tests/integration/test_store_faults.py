@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from telemetry.store.records import connect, count_waves
+from telemetry.store import connect, count_waves
 from tests.support.feed import make_streamer, send_waves, wave_tuple
 from tests.support.metrics import value
 from tests.support.ports import free_port

@@ -26,7 +26,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, json_format, messag
 from opentelemetry.proto.trace.v1 import trace_pb2
 
 from telemetry.spans.query import load_trace
-from telemetry.store.records import connect
+from telemetry.store import connect
 from telemetry.tempo_api import traceql_adapter
 from telemetry.wire import build_info, schema
 from tests.support.collective_feed import send_collective_waves

@@ -1,6 +1,6 @@
 """A rank that keeps its stream open: waves, the same waves' collectives, probes and incidents
 through the real client, then heartbeats saying it waits inside the next all_reduce, until
-`stop()`. The rank gauges (telemetry/metrics/rank_gauges.py) exist only while a rank's stream is live,
+`stop()`. The rank gauges (telemetry/crossrank/rank_gauges.py) exist only while a rank's stream is live,
 so the two-node dashboard test feeds through these rather than through the helpers of
 tests.support.feed, which close their streams once the records are handed over.
 """

@@ -9,7 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from telemetry.store import records as store
+from telemetry import store
+from telemetry.spans import requests as request_spans
 from telemetry.store import requests as request_store
 from telemetry.wire.request_columns import entries
 
@@ -41,7 +42,7 @@ def sampled_per_response(path: Path, engine: str, responses: list[dict[str, Any]
     try:
         out = []
         for response in responses:
-            traces = request_store.request_traces(conn, response["id"], engine=engine)
+            traces = request_spans.request_traces(conn, response["id"], engine=engine)
             assert traces, f"no request trace for {response['id']}"
             out.append(sum(t.sampled_tokens() for t in traces))
         return out

@@ -27,8 +27,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from guard.config.runtime_guard import GuardConfig
+from guard.processor import GuardProcessor
 from guard.stream.streamer import Streamer
-from guard.wave.processor import GuardProcessor
 from telemetry.wire.proto import guard_pb2
 
 

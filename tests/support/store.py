@@ -7,7 +7,7 @@ from pathlib import Path
 
 from telemetry.spans.builders import Span
 from telemetry.spans.query import SpanQuery, load_trace, search
-from telemetry.store.records import connect
+from telemetry.store import connect
 
 
 def stored_spans(path: Path, **filters) -> list[Span]:

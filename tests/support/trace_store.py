@@ -6,11 +6,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 
-from telemetry.ingest.validation import to_columns, validate_batch
+from telemetry.ingest.validation import validate_batch
 from telemetry.pipeline.writer import Item, RankSource
+from telemetry.store import Store
 from telemetry.store.incidents import IncidentLedger
-from telemetry.store.records import Store
 from telemetry.wire.proto import guard_pb2
+from telemetry.wire.wave_columns import to_columns
 
 MS = 1_000_000
 

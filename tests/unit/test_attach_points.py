@@ -27,7 +27,7 @@ from ascend_runtime.attach.points import (
 )
 from guard.config.runtime_guard import GuardConfig
 from guard.decorators import install, is_guarded, unwrap
-from guard.wave.processor import GuardProcessor
+from guard.processor import GuardProcessor
 from telemetry.wire.proto import guard_pb2
 from tests.support.side_by_side import side_by_side
 

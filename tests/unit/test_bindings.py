@@ -15,7 +15,7 @@ from ascend_runtime.attach.binder import BINDINGS, bind_all, bind_runner_class
 from ascend_runtime.attach.points import AttachPoint
 from guard.config.runtime_guard import GuardConfig
 from guard.decorators import install, is_guarded, unwrap
-from guard.wave.processor import GuardProcessor
+from guard.processor import GuardProcessor
 from telemetry.wire.proto import guard_pb2
 
 METHODS = ("execute_model", "sample_tokens")

@@ -10,13 +10,14 @@ from prometheus_client import CollectorRegistry
 
 from guard.collectives.tracker import FinishedWave, add_waves
 from telemetry.crossrank.ranksync import RankSync
-from telemetry.ingest.validation import InvalidBatch, validate_batch
+from telemetry.ingest.validation import validate_batch
 from telemetry.metrics.collectives import CollectiveMetrics
 from telemetry.pipeline.writer import Item, RankSource
-from telemetry.store.records import Store, collective_waves, connect, ranks
+from telemetry.store import Store, collective_waves, connect, ranks
 from telemetry.wire import schema
 from telemetry.wire.collective_columns import columns_of, from_waves, to_waves
 from telemetry.wire.proto import guard_pb2
+from telemetry.wire.schema import InvalidBatch
 
 
 def _fields(message) -> dict[str, int]:

@@ -27,7 +27,7 @@ FILES = sorted(DASHBOARDS.glob("*.json"))
 PROVIDERS_YAML = DASHBOARDS / "provisioning" / "dashboards" / "ascend-guard.yaml"
 NAMES = {"overview", "waves", "collectives", "sampling", "incidents", "runtime"}
 
-# the cross-node rank gauges (telemetry/metrics/rank_gauges.py), shown on the focused dashboards
+# the cross-node rank gauges (telemetry/crossrank/rank_gauges.py), shown on the focused dashboards
 RANK_GAUGES = {
     "ascend_guard_rank_last_seen_timestamp_seconds",
     "ascend_guard_rank_collective_seq",

@@ -17,8 +17,8 @@ from guard.decorators import (
     runtime_guard_step,
     unwrap,
 )
+from guard.processor import GuardProcessor
 from guard.stream.streamer import WaveTuple
-from guard.wave.processor import GuardProcessor
 from telemetry.wire.proto import guard_pb2
 
 

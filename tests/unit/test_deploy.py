@@ -360,7 +360,7 @@ def test_incident_type_list_is_the_codes():
         text = path.read_text()
         raised |= set(re.findall(r"(?:incident|_report|report)\(\s*\"([a-z_]+)\"", text))
         raised |= set(re.findall(r"^(?:VERDICT|RECOVERY) = \"([a-z_]+)\"", text, re.M))
-    from guard.detectors.config import DetectorsConfig
+    from guard.config.detectors import DetectorsConfig
 
     detectors = {
         f.name for f in DetectorsConfig.__dataclass_fields__.values()

@@ -13,10 +13,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from guard.config.runtime_guard import IncidentsConfig, parse_config
-from guard.detectors import compiled
-from guard.detectors import logits as checks
-from guard.detectors.config import (
+from guard.config.detectors import (
     DetectorsConfig,
     DumpConfig,
     LogitsFiniteConfig,
@@ -24,6 +21,9 @@ from guard.detectors.config import (
     SpecAcceptanceConfig,
     TokenRepeatConfig,
 )
+from guard.config.runtime_guard import IncidentsConfig, parse_config
+from guard.detectors import compiled
+from guard.detectors import logits as checks
 from guard.detectors.evidence import EvidenceDumper
 from guard.detectors.host import DetectorHost
 from guard.detectors.slots import packed_batch

@@ -20,8 +20,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from telemetry.metrics.probes import PROBE_METRICS
 from telemetry.sidecar.app import Sidecar, SidecarSettings
+from telemetry.wire.probes import PROBE_METRICS
 from telemetry.wire.proto import guard_pb2
 
 U32, U64, I64 = 2**32 - 1, 2**64 - 1, 2**63 - 1
@@ -363,7 +363,7 @@ def test_refusal_logs_are_rate_limited(tmp_path):
 
 
 def test_the_rate_limiter_names_what_it_held_back():
-    from telemetry.ingest.ratelimit import RateLimitedLog
+    from telemetry.pipeline.ratelimit import RateLimitedLog
 
     now = [0.0]
     lines = []

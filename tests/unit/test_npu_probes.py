@@ -21,7 +21,7 @@ FAKES = Path(__file__).resolve().parents[1] / "fakes"
 def guard_processor():
     """A real GuardProcessor (no sidecar yet: readings wait in its streamer until it starts)."""
     from guard.config.runtime_guard import GuardConfig
-    from guard.wave.processor import GuardProcessor
+    from guard.processor import GuardProcessor
     from telemetry.wire.proto import guard_pb2
 
     return GuardProcessor(GuardConfig(sidecar="localhost:1"), lambda r: guard_pb2.RankInfo())
@@ -46,7 +46,7 @@ def npu(monkeypatch):
 
 def test_detection_says_ascend_when_torch_npu_sees_an_npu(npu):
     """Stand-in torch_npu: one simulated NPU, then none."""
-    from ascend_runtime.detect import detect_platform
+    from ascend_runtime.attach.detect import detect_platform
 
     platform, why = detect_platform()
     assert platform == "ascend" and "1 NPU" in why
@@ -56,7 +56,7 @@ def test_detection_says_ascend_when_torch_npu_sees_an_npu(npu):
 
 
 def test_detection_without_torch_npu_is_cpu_here():
-    from ascend_runtime.detect import detect_platform
+    from ascend_runtime.attach.detect import detect_platform
 
     assert "torch_npu" not in sys.modules
     assert detect_platform()[0] == ("cuda" if torch.cuda.is_available() else "cpu")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from telemetry import store as store_mod
 from telemetry.cli import main as cli
 from telemetry.pipeline.writer import Item, RankSource
 from telemetry.spans.query import (
@@ -21,8 +22,7 @@ from telemetry.spans.query import (
     parse_time_ns,
     span_tree,
 )
-from telemetry.store import records as store_mod
-from telemetry.store.records import Store
+from telemetry.store import Store
 from telemetry.wire.proto import guard_pb2
 from telemetry.wire.trace_ids import (
     format_trace_id,
@@ -213,7 +213,8 @@ def item(rank: guard_pb2.RankInfo, *waves: guard_pb2.WaveRecord) -> Item:
     """One batch of `waves` from `rank`, as ingest hands it to the writer (wire v2 columns)."""
     batch = guard_pb2.Batch(rank=rank)
     batch.waves.extend(waves)
-    from telemetry.ingest.validation import to_columns, validate_batch
+    from telemetry.ingest.validation import validate_batch
+    from telemetry.wire.wave_columns import to_columns
 
     to_columns(batch)
     records = validate_batch(batch)

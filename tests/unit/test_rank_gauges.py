@@ -1,4 +1,4 @@
-"""Per-rank gauges for the cross-node rules (telemetry/metrics/rank_gauges.py), read from a real hang
+"""Per-rank gauges for the cross-node rules (telemetry/crossrank/rank_gauges.py), read from a real hang
 detector fed hand-made batches on a controlled clock and scraped through prometheus-client's
 own exposition; and what a sidecar that sees part of a replica says about the rest."""
 
@@ -10,11 +10,11 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from telemetry.crossrank import rank_gauges
 from telemetry.crossrank.hangs import HangDetector, HangSettings
 from telemetry.crossrank.peers import unseen_ranks
-from telemetry.metrics import rank_gauges
+from telemetry.crossrank.rank_gauges import RankGauges
 from telemetry.metrics.collectives import CollectiveMetrics
-from telemetry.metrics.rank_gauges import RankGauges
 from telemetry.wire.collective_columns import columns_of
 from telemetry.wire.proto import guard_pb2
 

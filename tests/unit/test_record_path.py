@@ -13,13 +13,13 @@ from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
 from guard.stream.streamer import WAVE_COLUMNS, HeartbeatState, Streamer, WaveTuple
+from telemetry import store as store_mod
 from telemetry.crossrank.view import CrossRankView
 from telemetry.ingest.service import IngestService, _Refused
 from telemetry.metrics.waves import SidecarMetrics
 from telemetry.pipeline.writer import STAGE_QUEUE, BoundedQueue, Drops, Item, Writer
 from telemetry.spans.query import SpanQuery, search
-from telemetry.store import records as store_mod
-from telemetry.store.records import Store
+from telemetry.store import Store
 from telemetry.wire import schema
 from telemetry.wire.collective_columns import from_waves
 from telemetry.wire.proto import guard_pb2
@@ -230,7 +230,7 @@ def test_refusals_are_all_counted_but_logged_at_a_bounded_rate(tmp_path):
     lines = [e for e in logs if e["event"] == "ingest_refused"]
     assert 1 <= len(lines) <= 10, len(
         lines
-    )  # telemetry/ingest/ratelimit.py: 10 a minute per reason
+    )  # telemetry/pipeline/ratelimit.py: 10 a minute per reason
 
 
 def test_rank_is_named_once_per_stream_and_may_not_change(tmp_path):

@@ -12,7 +12,7 @@ import guard.config.reload
 from guard.config.reload import STAMP_ATTR, STAMP_WAVES, ConfigWatcher, guard_schedule
 from guard.config.runtime_guard import GuardConfig, parse_config
 from guard.decorators import is_guarded
-from guard.wave.processor import GuardProcessor
+from guard.processor import GuardProcessor
 from telemetry.wire.proto import guard_pb2
 
 

@@ -18,14 +18,14 @@ import types
 
 import pytest
 
-from guard.config.runtime_guard import IncidentsConfig
-from guard.detectors import compiled
-from guard.detectors.config import (
+from guard.config.detectors import (
     DetectorsConfig,
     DumpConfig,
     TokenRangeConfig,
     TokenRepeatConfig,
 )
+from guard.config.runtime_guard import IncidentsConfig
+from guard.detectors import compiled
 from guard.detectors.host import DetectorHost
 from guard.detectors.slots import batch_waves
 from guard.detectors.suite import IDLE_FLUSH_S

@@ -19,11 +19,11 @@ from prometheus_client import CollectorRegistry
 from telemetry.crossrank.hangs import HangDetector, HangSettings
 from telemetry.crossrank.liveness import LivenessServer
 from telemetry.crossrank.ranksync import RankSync
-from telemetry.crossrank.replica import Replica, replica_of
 from telemetry.crossrank.view import CrossRankView
 from telemetry.metrics.collectives import CollectiveMetrics
 from telemetry.metrics.waves import SidecarMetrics
 from telemetry.wire.proto import guard_pb2
+from telemetry.wire.replica import Replica, replica_of
 from tests.support.metrics import SIDECAR_WIDE
 
 RUN = "run-dp"

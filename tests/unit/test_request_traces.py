@@ -17,17 +17,20 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 
 from guard.wave import request_membership
 from guard.wave.request_membership import RequestMembership
-from telemetry.ingest.labels import EngineLabels
-from telemetry.ingest.validation import InvalidBatch, validate_batch
+from telemetry.ingest.validation import validate_batch
+from telemetry.metrics import requests as request_metrics
 from telemetry.pipeline.writer import Item, RankSource
+from telemetry.spans import requests as request_spans
 from telemetry.spans.query import load_trace
+from telemetry.store import Store, connect
 from telemetry.store import requests as request_store
-from telemetry.store.records import Store, connect
 from telemetry.tempo_api.server import PROTOBUF, Request, route
 from telemetry.traceql.search import search as traceql_search
 from telemetry.wire import schema
+from telemetry.wire.labels import EngineLabels
 from telemetry.wire.proto import guard_pb2
 from telemetry.wire.request_columns import entries
+from telemetry.wire.schema import InvalidBatch
 from telemetry.wire.trace_ids import format_trace_id, request_trace_id, wave_trace_id
 from tests.support.metrics import samples, value
 from tests.support.request_sim import Sim, SimRequest, drive, guarded
@@ -86,7 +89,7 @@ def test_each_request_trace_holds_exactly_the_waves_and_tokens_it_ran(simulated)
     conn = connect(path, readonly=True)
     assert sum(r.preemptions for r in reqs) == 1
     for req in reqs:
-        (trace,) = request_store.request_traces(conn, req.req_id)
+        (trace,) = request_spans.request_traces(conn, req.req_id)
         got = {w.wave: (w.scheduled, w.sampled) for w in trace.waves}
         assert got == req.waves, req.req_id
         assert trace.sampled_tokens() == req.max_tokens
@@ -106,7 +109,7 @@ def test_prefill_waves_are_the_chunks_up_to_the_first_token_and_again_after_a_pr
     reqs, _, path, _ = simulated
     conn = connect(path, readonly=True)
     long_one = reqs[4]  # 158-token prompt over a 64-token budget: three prefill chunks
-    (trace,) = request_store.request_traces(conn, long_one.req_id)
+    (trace,) = request_spans.request_traces(conn, long_one.req_id)
     truth_prefill = []
     for wave in sorted(long_one.waves):
         truth_prefill.append(wave)
@@ -114,7 +117,7 @@ def test_prefill_waves_are_the_chunks_up_to_the_first_token_and_again_after_a_pr
             break
     assert [w.wave for w in trace.waves if w.kind == "prefill"] == truth_prefill
     assert len(truth_prefill) >= 3
-    (preempted,) = request_store.request_traces(conn, reqs[1].req_id)
+    (preempted,) = request_spans.request_traces(conn, reqs[1].req_id)
     after = [w for w in preempted.waves if w.preempted]
     assert len(after) == 1 and after[0].kind == "prefill" and after[0].recompute
 
@@ -123,19 +126,19 @@ def test_wave_spans_link_to_their_requests_and_back(simulated) -> None:
     reqs, _, path, _ = simulated
     conn = connect(path, readonly=True)
     req = reqs[2]
-    (trace,) = request_store.request_traces(conn, req.req_id)
+    (trace,) = request_spans.request_traces(conn, req.req_id)
     for child in trace.spans[1:]:
         (link,) = child.links
         assert link["trace_id"] == wave_trace_id("run-sim", child.wave, 0)
         wave_spans = load_trace(conn, format_trace_id(link["trace_id"]))
-        request_store.link_wave_spans(conn, wave_spans)  # as the query API serves it
+        request_spans.link_wave_spans(conn, wave_spans)  # as the query API serves it
         (root,) = [s for s in wave_spans if s.name == "wave"]
         assert root.span_id == link["span_id"]
         linked = {entry["trace_id"] for entry in root.links}
         assert trace.trace_id in linked
         # every request the wave ran, and no other
         running = {r.req_id for r in reqs if child.wave in r.waves}
-        names = {entry["attributes"][request_store.ATTR_REQUEST] for entry in root.links}
+        names = {entry["attributes"][request_spans.ATTR_REQUEST] for entry in root.links}
         assert names == running
 
 
@@ -184,7 +187,7 @@ def test_traceql_finds_request_spans_and_only_the_named_request(simulated) -> No
     everyone = traceql_search(conn, '{ name = "request" }', start, end, limit=50)
     assert len(everyone) == len(reqs)
     long = traceql_search(conn, "{ .request.sampled_tokens >= 13 }", start, end, limit=50)
-    assert {m.spans[0].attributes[request_store.ATTR_REQUEST] for m in long} == {
+    assert {m.spans[0].attributes[request_spans.ATTR_REQUEST] for m in long} == {
         r.req_id for r in reqs if r.max_tokens >= 13
     }
     # a query about waves still returns wave traces only
@@ -536,7 +539,7 @@ def test_churn_in_vllms_persistent_batch_is_predicted_and_every_request_still_ad
     store, path = _store(tmp_path, batches)
     conn = connect(path, readonly=True)
     for req in reqs:
-        (trace,) = request_store.request_traces(conn, req.req_id)
+        (trace,) = request_spans.request_traces(conn, req.req_id)
         assert {w.wave: (w.scheduled, w.sampled) for w in trace.waves} == req.waves, req.req_id
         assert trace.sampled_tokens() == req.max_tokens
     store.close()
@@ -557,7 +560,7 @@ def test_membership_drop_series_go_when_their_engine_leaves() -> None:
 
     writer = request_store.RequestWriter()
     registry = CollectorRegistry()
-    registry.register(request_store.RequestMetrics(writer))
+    registry.register(request_metrics.RequestMetrics(writer))
     for engine in ("left", "stays"):
         batch = guard_pb2.Batch()
         batch.request_columns.dropped_rows_total = 3

@@ -15,7 +15,7 @@ import torch
 from ascend_runtime.attach.binder import bind_runner_class
 from guard.config.runtime_guard import GuardConfig
 from guard.decorators import install, is_guarded, runtime_guard_sample_tokens, runtime_guard_step
-from guard.wave.processor import GuardProcessor
+from guard.processor import GuardProcessor
 from telemetry.wire.proto import guard_pb2
 
 pytest.importorskip("vllm.v1.worker.cpu.shm")  # makes MRV2 importable on a CPU host

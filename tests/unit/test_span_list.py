@@ -15,9 +15,9 @@ import time
 
 import pytest
 
+from telemetry import store as store_mod
 from telemetry.cli.commands.query import flags_to_traceql
 from telemetry.spans.query import SpanQuery, load_trace, parse_rank, search
-from telemetry.store import records as store_mod
 from telemetry.traceql import TraceQLError
 from telemetry.traceql.span_list import top_spans
 from telemetry.wire.trace_ids import format_trace_id, wave_trace_id

@@ -16,7 +16,7 @@ import random
 
 import pytest
 
-from guard.detectors.config import SpecAcceptanceConfig
+from guard.config.detectors import SpecAcceptanceConfig
 from guard.detectors.spec import AcceptanceTracker
 from guard.wave.schedule import WaveTokens
 

@@ -19,15 +19,16 @@ from pathlib import Path
 import pytest
 
 from telemetry.cli import main as cli
-from telemetry.ingest.validation import to_columns, validate_batch
+from telemetry.ingest.validation import validate_batch
 from telemetry.pipeline.writer import Item, RankSource
 from telemetry.spans.builders import incident_span
 from telemetry.spans.query import QueryError, load_trace
 from telemetry.spans.timeline import TimelineQuery, build_timeline, parse_wave_range
+from telemetry.store import Store, connect
 from telemetry.store.incidents import IncidentLedger
-from telemetry.store.records import Store, connect
 from telemetry.wire.proto import guard_pb2
 from telemetry.wire.trace_ids import format_trace_id, wave_trace_id
+from telemetry.wire.wave_columns import to_columns
 
 MS = 1_000_000
 ENGINE = "eng"

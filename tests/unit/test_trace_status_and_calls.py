@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
 
+from telemetry import store
 from telemetry.export.otlp import to_otlp
 from telemetry.spans.query import load_trace
 from telemetry.store import block_summary
-from telemetry.store import records as store
 from telemetry.store.incidents import IncidentLedger
 from telemetry.traceql import metrics_range, search, trace_spans
 from telemetry.wire.proto import guard_pb2
@@ -197,7 +197,7 @@ def test_range_queries_read_block_histograms_for_whole_blocks(conn, monkeypatch)
 
 
 # the columns the writer adds to an earlier version's block tables
-OLD_STORE_LACKS = tuple(column for _, column, _ in store._ADDED_COLUMNS)
+OLD_STORE_LACKS = tuple(column for _, column, _ in store.ADDED_COLUMNS)
 
 
 def test_a_store_written_before_the_block_summaries_is_brought_up_and_read(tmp_path, path):

@@ -12,9 +12,9 @@ import time
 import numpy as np
 import pytest
 
+from telemetry import store as store_mod
 from telemetry.spans.builders import wave_spans
 from telemetry.spans.query import load_trace
-from telemetry.store import records as store_mod
 from telemetry.traceql import TraceQLError, metrics_range, parse, search
 from telemetry.traceql.columns import value_of
 from telemetry.traceql.plan import plan_leaf

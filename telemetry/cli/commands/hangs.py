@@ -18,10 +18,9 @@ from telemetry.cli.http_client import (
     token_of,
 )
 from telemetry.cli.table import render_table
-from telemetry.crossrank.hangs import RECOVERY, VERDICT
 from telemetry.spans.query import QueryError, parse_time_ns
-from telemetry.store.incidents import IncidentFilter, list_incidents
-from telemetry.store.records import connect
+from telemetry.store import connect
+from telemetry.store.incidents import RECOVERY, VERDICT, IncidentFilter, list_incidents
 from telemetry.wire import paths
 
 HANG_TYPES = (VERDICT, RECOVERY, "hang_suspected")

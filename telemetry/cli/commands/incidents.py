@@ -9,8 +9,8 @@ from telemetry.cli.common import add_store_argument, clock
 from telemetry.cli.table import render_table
 from telemetry.ingest.validation import SEVERITIES
 from telemetry.spans.query import QueryError, parse_time_ns, rank_label
+from telemetry.store import connect
 from telemetry.store.incidents import IncidentFilter, list_incidents
-from telemetry.store.records import connect
 
 HEADER = ("time (UTC)", "type", "severity", "wave", "rank", "request", "hit", "actions", "summary")
 

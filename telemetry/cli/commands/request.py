@@ -14,8 +14,8 @@ import json
 from telemetry.cli.common import add_store_argument
 from telemetry.cli.table import format_duration_ns, render_table
 from telemetry.spans.query import span_tree
-from telemetry.store.records import connect
-from telemetry.store.requests import RequestTrace, request_traces
+from telemetry.spans.requests import RequestTrace, request_traces
+from telemetry.store import connect
 from telemetry.wire import schema
 from telemetry.wire.trace_ids import format_span_id, format_trace_id
 

@@ -8,6 +8,7 @@ import sys
 
 from telemetry.cli.common import add_store_argument
 from telemetry.spans.query import QueryError, parse_duration_ns, parse_time_ns
+from telemetry.spans.requests import request_traces
 from telemetry.spans.timeline import (
     DEFAULT_MAX_RANK_WAVES,
     TimelineQuery,
@@ -15,8 +16,7 @@ from telemetry.spans.timeline import (
     parse_wave_range,
     write_timeline,
 )
-from telemetry.store.records import connect
-from telemetry.store.requests import request_traces
+from telemetry.store import connect
 
 OPEN_HINT = (
     "open it in https://ui.perfetto.dev (Open trace file), chrome://tracing (Load) "

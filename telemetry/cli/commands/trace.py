@@ -6,54 +6,16 @@ from __future__ import annotations
 import argparse
 import re
 
+from telemetry.cli.render import tree_rows
 from telemetry.cli.source import add_source_arguments, ask, open_source
-from telemetry.cli.table import format_duration_ns, render_table
-from telemetry.spans.builders import Span
-from telemetry.spans.query import QueryError, rank_label, span_tree
-from telemetry.wire import schema
+from telemetry.cli.table import render_table
+from telemetry.spans.query import QueryError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     trace = sub.add_parser("trace", help="print one trace as a tree")
     trace.add_argument("trace_id", help="32 hex digits, as `ascend-guard query` prints")
     add_source_arguments(trace)
-
-
-def _detail(span: Span) -> str:
-    attrs = span.attributes
-    detail = []
-    for key in schema.RANK_SPAN_FIELDS:
-        value = attrs.get(schema.attr(key))
-        if key == "dummy":
-            if value:
-                detail.append("dummy")
-        elif value is not None:
-            detail.append(f"{key}={value}")
-    if span.name.startswith("collective:"):
-        calls = attrs.get(schema.attr("collective.calls"))
-        group = attrs.get(schema.attr("collective.group"))
-        detail.append(f"group={group} calls={calls}")
-    return " ".join(detail)
-
-
-def tree_rows(spans: list[Span]) -> list[tuple[Span, tuple]]:
-    """(span, (tree label, start offset, duration, detail)) in depth-first order."""
-    origin = min(s.start_ns for s in spans)
-    out = []
-    for depth, span in span_tree(spans):
-        label = span.name if span.name != "rank" else f"rank {rank_label(span)}"
-        out.append(
-            (
-                span,
-                (
-                    "  " * depth + ("└─ " if depth else "") + label,
-                    f"+{format_duration_ns(span.start_ns - origin)}",
-                    format_duration_ns(span.duration_ns),
-                    _detail(span),
-                ),
-            )
-        )
-    return out
 
 
 def run(args: argparse.Namespace) -> int:

@@ -39,6 +39,9 @@ class RuntimeInfo:
         return f"{self.platform}-{self.generation}"
 
 
+_detected: dict[str, str] = {}
+
+
 def package_version(*names: str) -> str | None:
     for name in names:
         try:
@@ -69,6 +72,14 @@ def detect_platform() -> tuple[str, str]:
     if torch.cuda.is_available():
         return "cuda", f"{npu_reason}; torch sees {torch.cuda.device_count()} CUDA device(s)"
     return "cpu", f"{npu_reason}; no CUDA device"
+
+
+def platform() -> str:
+    """This process's platform, detected once (the wrappers ask on every bind)."""
+    found = _detected.get("platform")
+    if found is None:
+        found = _detected["platform"] = detect_platform()[0]
+    return found
 
 
 def _env_flag(name: str) -> bool | None:
