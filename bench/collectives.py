@@ -61,7 +61,7 @@ COMPILED_CALLS = 6  # collectives per compiled call (a wave's worth)
 def _timed_round(tracker, wave: dict, on: bool, calls: int, per_wave: int, fn, *args) -> float:
     """One round of `calls` calls of `fn(*args)`, a new wave every `per_wave` of them, with the
     tracker installed when `on` (guard on) and none otherwise: ns per call."""
-    from guard.collectives.tracker import install_tracker
+    from guard.collectives.install import install_tracker
 
     install_tracker(tracker if on else None)
     start = time.perf_counter_ns()
@@ -79,8 +79,9 @@ def _micro(calls: int, rounds: int, entry: str) -> dict[str, dict[str, list[floa
     import torch
     import torch.distributed as dist
 
-    from guard.collectives.tracker import CollectivesConfig, CollectiveTracker
-    from guard.collectives.tracker import wrap_collective as wrap
+    from guard.collectives.install import wrap_collective as wrap
+    from guard.collectives.tracker import CollectiveTracker
+    from guard.config.collectives import CollectivesConfig
 
     store = tempfile.NamedTemporaryFile(prefix="ag-bench-", delete=False)  # noqa: SIM115
     dist.init_process_group("gloo", init_method=f"file://{store.name}", rank=0, world_size=1)

@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
 def worker_fill_cost() -> tuple[float, float]:
     """The worker's streamer-thread cost of handing 256 finished waves to a batch (the
     collective tracker's `add_waves`) and serializing it, per wave."""
-    from guard.collectives.tracker import FinishedWave, add_waves
+    from guard.collectives.columns import add_waves
+    from guard.collectives.records import FinishedWave
 
     items = []
     for wave in range(1, 257):

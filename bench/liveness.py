@@ -27,7 +27,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from guard.collectives.tracker import CollectivesConfig, CollectiveTracker  # noqa: E402
+from guard.collectives.tracker import CollectiveTracker  # noqa: E402
+from guard.config.collectives import CollectivesConfig  # noqa: E402
 from guard.stream.streamer import HeartbeatState, Streamer  # noqa: E402
 from telemetry.cli.table import render_table  # noqa: E402
 from telemetry.wire.liveness_record import LivenessRecord, RecordReader  # noqa: E402

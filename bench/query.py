@@ -1,6 +1,6 @@
 """TraceQL on a big store: search, trace by id and query_range latencies, and bytes per rank-wave.
 
-The store is written through the real writer sink (telemetry/store/records.py `Store.write`, wire v2
+The store is written through the real writer sink (telemetry/store/writer.py `Store.write`, wire v2
 columns validated as ingest validates them): `--waves` waves x `--ranks` TP ranks spread over
 `--span` seconds ending now, batches of `--batch` waves per rank, each rank-wave with 2
 collective stats (all_reduce, all_gather). Every 997th wave tp3's all_reduce takes 60 ms (its

@@ -1,6 +1,6 @@
 """Latency of the sidecar's Tempo-compatible query API over real HTTP, on a store of many waves.
 
-Writes a store with the sidecar's own writer (telemetry/store/records.py): TP ranks of one replica,
+Writes a store with the sidecar's own writer (telemetry/store/writer.py): TP ranks of one replica,
 WAVES waves each at 200 steps/s, one wave slow on one rank (the needle), then serves it with
 `TempoApiServer` (in this process, real HTTP on loopback) and times the requests Grafana sends:
 trace by id (protobuf), newest-20 search, the needle by `minDuration`, a `maxDuration` search,

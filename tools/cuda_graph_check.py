@@ -51,13 +51,10 @@ def main() -> int:
     import torch.distributed as dist
 
     from ascend_runtime.attach.graph_collectives import captured, graph_wrapper
-    from guard.collectives.tracker import (
-        CollectivesConfig,
-        CollectiveTracker,
-        GroupMeta,
-        install_tracker,
-        wrap_collective,
-    )
+    from guard.collectives.install import install_tracker, wrap_collective
+    from guard.collectives.records import GroupMeta
+    from guard.collectives.tracker import CollectiveTracker
+    from guard.config.collectives import CollectivesConfig
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

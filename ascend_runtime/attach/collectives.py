@@ -17,15 +17,9 @@ from typing import Any
 
 import structlog
 
-from guard.collectives.tracker import (
-    GroupMeta,
-    Payload,
-    arg_or_result,
-    first_arg,
-    no_payload,
-    result_only,
-    wrap_collective,
-)
+from guard.collectives.install import wrap_collective
+from guard.collectives.payload import Payload, arg_or_result, first_arg, no_payload, result_only
+from guard.collectives.records import GroupMeta
 from guard.config.runtime_guard import GuardConfig
 
 log = structlog.get_logger("ascend_guard.collective_binding")
@@ -155,8 +149,8 @@ def _replay_events() -> Callable[[], Any] | None:
 def install_collective_guard(config: GuardConfig, processor: Any) -> None:
     """Turn on collective recording, the watchdog and (if configured) the fire drill for the
     guard `processor` of this process."""
+    from guard.collectives.install import install_tracker
     from guard.collectives.observer import CollectiveGuard
-    from guard.collectives.tracker import install_tracker
 
     collectives, fault = config.collectives, config.fault_injection
     if not collectives.enabled and not fault.enabled:

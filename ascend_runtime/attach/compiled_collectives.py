@@ -46,12 +46,13 @@ from typing import Any
 
 import structlog
 
-from guard.collectives import tracker as collectives
+from guard.collectives import graphs as collective_graphs
+from guard.collectives import install as collective_install
 
 log = structlog.get_logger("ascend_guard.compiled_collectives")
 
 GRAPH_ATTR = "_ascend_guard_compiled_graph"
-_NONE = collectives.CompiledGraph("none", [], [])  # a graph holding no collective
+_NONE = collective_graphs.CompiledGraph("none", [], [])  # a graph holding no collective
 _labels = itertools.count()
 
 # kernel (namespace::name) -> (op as the eager wrappers name it, tensor argument, how the group
@@ -92,7 +93,7 @@ def bypass_of(
         name = CUSTOM_OP_METHODS.get(op) if naming == "name" else None
         if name is None:
             continue
-        original = getattr(getattr(type(group), name, None), collectives.WRAPPED_ATTR, None)
+        original = getattr(getattr(type(group), name, None), collective_install.WRAPPED_ATTR, None)
         namespace = getattr(group, "__dict__", None)
         if original is None or not isinstance(namespace, dict) or name in namespace:
             continue
@@ -210,7 +211,7 @@ def _bytes(tensor: Any, symbols: dict[Any, int]) -> tuple[int, tuple, Any]:
 
 def scan(
     gm: Any, label: str, offset: int = 0, portable: list | None = None
-) -> collectives.CompiledGraph:
+) -> collective_graphs.CompiledGraph:
     """The collectives the Dynamo FX graph `gm` holds, in program order (the call's
     arguments are the graph's inputs after `offset` leading ones)."""
     locations = _symbol_locations(gm)
@@ -238,14 +239,14 @@ def scan(
         if portable is not None:  # what a saved artifact keeps: groups by how they are named
             portable.append((op, naming, naming_value, dtype, constant, terms, exact is not None))
     where = [(i + offset, dim) for i, dim in locations.values()]
-    graph = collectives.CompiledGraph(label, entries, where)
+    graph = collective_graphs.CompiledGraph(label, entries, where)
     graph.bypass = bypass_of(reached)
     return graph
 
 
 def graph_of(
     owner: Any, gm: Any, prefix: str = "graph", offset: int = 0
-) -> collectives.CompiledGraph:
+) -> collective_graphs.CompiledGraph:
     """The scanned collectives of a compiled callable (cached on it), scanning on first use;
     a graph that cannot be read is counted in guard errors and treated as holding none."""
     found = getattr(owner, GRAPH_ATTR, None)
@@ -259,7 +260,7 @@ def graph_of(
                 "compiled_graph_collectives", graph=found.label, collectives=len(found.entries)
             )
     except Exception as exc:  # noqa: BLE001 - an unreadable graph: its collectives stay unseen
-        tracker = collectives._tracker
+        tracker = collective_install._tracker
         if tracker is not None:
             tracker.errors += 1
         log.warning("compiled_graph_unreadable", error=f"{type(exc).__name__}: {exc}")
@@ -274,7 +275,7 @@ def counted(gm: Any, compiled: Callable[..., Any], prefix: str = "graph") -> Cal
     counted per call. For backends other than vLLM's (tests, benchmarks)."""
 
     def call(*args: Any) -> Any:
-        tracker = collectives._tracker
+        tracker = collective_install._tracker
         if tracker is None:
             return compiled(*args)
         graph = call.__dict__.get(GRAPH_ATTR) or graph_of(call, gm, prefix)
@@ -293,13 +294,13 @@ def compiled_graph_wrapper(method_name: str, method: Callable[..., Any]) -> Call
         wrapper.__qualname__ = getattr(method, "__qualname__", method_name)
         wrapper.__doc__ = getattr(method, "__doc__", None)
         wrapper.__wrapped__ = method  # type: ignore[attr-defined]
-        setattr(wrapper, collectives.GUARD_WRAPPED_ATTR, method)
+        setattr(wrapper, collective_install.GUARD_WRAPPED_ATTR, method)
         return wrapper
     if method_name != "__call__":
         raise ValueError(f"no compiled-graph wrapper for {method_name!r}")
 
     def __call__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        tracker = collectives._tracker
+        tracker = collective_install._tracker
         if tracker is None:
             return method(self, *args, **kwargs)
         graph = self.__dict__.get(GRAPH_ATTR)
@@ -312,7 +313,7 @@ def compiled_graph_wrapper(method_name: str, method: Callable[..., Any]) -> Call
     __call__.__qualname__ = getattr(method, "__qualname__", method_name)
     __call__.__doc__ = getattr(method, "__doc__", None)
     __call__.__wrapped__ = method  # type: ignore[attr-defined]
-    setattr(__call__, collectives.GUARD_WRAPPED_ATTR, method)
+    setattr(__call__, collective_install.GUARD_WRAPPED_ATTR, method)
     return __call__
 
 
@@ -417,7 +418,7 @@ def _counted_serializable() -> Any:
                     self.graph = _NONE
 
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            tracker = collectives._tracker
+            tracker = collective_install._tracker
             graph = self.graph
             if tracker is None or graph is _NONE or not graph.entries:
                 return self.inner(*args, **kwargs)
@@ -450,7 +451,7 @@ def _counted_serializable() -> Any:
     return GuardCountedCallable
 
 
-def _rebuild(portable: list, owner: Any) -> collectives.CompiledGraph:
+def _rebuild(portable: list, owner: Any) -> collective_graphs.CompiledGraph:
     entries = []
     reached = []
     for op, naming, value, dtype, constant, terms, _exact in portable:
@@ -460,7 +461,7 @@ def _rebuild(portable: list, owner: Any) -> collectives.CompiledGraph:
             return _NONE
         entries.append((op, group, dtype, constant, tuple(terms), None))
         reached.append((group, op, naming))
-    graph = collectives.CompiledGraph(f"compiled model #{next(_labels)}", entries, [])
+    graph = collective_graphs.CompiledGraph(f"compiled model #{next(_labels)}", entries, [])
     graph.bypass = bypass_of(reached)
     return graph
 

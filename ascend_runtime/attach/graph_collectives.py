@@ -20,7 +20,8 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from guard.collectives import tracker as collectives
+from guard.collectives import graphs as collective_graphs
+from guard.collectives import install as collective_install
 
 GRAPH_ATTR = "_ascend_guard_graph"
 _index = itertools.count(1)
@@ -47,7 +48,7 @@ def graph_label() -> str:
     return " ".join(part for part in (mode, tokens, f"#{next(_index)}") if part)
 
 
-def captured(graph: Any) -> collectives.CapturedGraph | None:
+def captured(graph: Any) -> collective_graphs.CapturedGraph | None:
     """The collectives noted while `graph` was captured (None: none seen, or guard off)."""
     found = getattr(graph, GRAPH_ATTR, None)
     if found is None and _side:
@@ -55,7 +56,7 @@ def captured(graph: Any) -> collectives.CapturedGraph | None:
     return found
 
 
-def _attach(graph: Any, record: collectives.CapturedGraph) -> None:
+def _attach(graph: Any, record: collective_graphs.CapturedGraph) -> None:
     try:
         setattr(graph, GRAPH_ATTR, record)
     except (AttributeError, TypeError):
@@ -67,7 +68,7 @@ def graph_wrapper(method_name: str, method: Callable[..., Any]) -> Callable[...,
     if method_name == "capture_begin":
 
         def capture_begin(self: Any, *args: Any, **kwargs: Any) -> Any:
-            tracker = collectives._tracker
+            tracker = collective_install._tracker
             if tracker is not None:
                 _attach(self, tracker.begin_capture(graph_label()))
             return method(self, *args, **kwargs)
@@ -79,7 +80,7 @@ def graph_wrapper(method_name: str, method: Callable[..., Any]) -> Callable[...,
             try:
                 return method(self, *args, **kwargs)
             finally:
-                tracker = collectives._tracker
+                tracker = collective_install._tracker
                 if tracker is not None:
                     tracker.end_capture()
 
@@ -87,7 +88,7 @@ def graph_wrapper(method_name: str, method: Callable[..., Any]) -> Callable[...,
     elif method_name == "replay":
 
         def replay(self: Any, *args: Any, **kwargs: Any) -> Any:
-            tracker = collectives._tracker
+            tracker = collective_install._tracker
             record = captured(self) if tracker is not None else None
             if record is None or not record.calls:
                 return method(self, *args, **kwargs)
@@ -102,5 +103,5 @@ def graph_wrapper(method_name: str, method: Callable[..., Any]) -> Callable[...,
     wrapper.__qualname__ = getattr(method, "__qualname__", method_name)
     wrapper.__doc__ = getattr(method, "__doc__", None)
     wrapper.__wrapped__ = method  # type: ignore[attr-defined]
-    setattr(wrapper, collectives.GUARD_WRAPPED_ATTR, method)
+    setattr(wrapper, collective_install.GUARD_WRAPPED_ATTR, method)
     return wrapper

@@ -5,47 +5,19 @@ each injected delay is logged and reported with the wave's collective record
 (`injected_delay_ns`), so a drill is never mistaken for a real straggler afterwards.
 
 `where="execute_model"` sleeps at the start of the wave (before the model runs);
-`where="collective"` sleeps right before the first call of `op` on `group` in that wave.
-"""
+`where="collective"` sleeps right before the first call of `op` on `group` in that wave."""
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
-from typing import Any
 
 import structlog
 
 from guard.collectives.tracker import CollectiveTracker
+from guard.config.fault_injection import ANY_RANK, FaultInjectionConfig
 
 log = structlog.get_logger("ascend_guard.fault_injection")
-
-ANY_RANK = -1
-
-
-def _range(low: float, high: float) -> dict[str, Any]:
-    return {"range": (low, high)}
-
-
-@dataclasses.dataclass(frozen=True)
-class FaultInjectionConfig:
-    """`runtime_guard.fault_injection`: a fire drill. Never enable it in production serving."""
-
-    enabled: bool = False
-    # which rank sleeps; -1 = any value of that coordinate
-    tp_rank: int = dataclasses.field(default=1, metadata=_range(-1, 65_535))
-    dp_rank: int = dataclasses.field(default=-1, metadata=_range(-1, 65_535))
-    pp_rank: int = dataclasses.field(default=-1, metadata=_range(-1, 65_535))
-    at_wave: int = dataclasses.field(default=20, metadata=_range(1, 10**12))
-    # consecutive waves, starting at at_wave, that get the delay
-    waves: int = dataclasses.field(default=1, metadata=_range(1, 1_000_000))
-    delay_ms: float = dataclasses.field(default=300.0, metadata=_range(0.0, 3_600_000.0))
-    where: str = dataclasses.field(
-        default="execute_model", metadata={"choices": ("execute_model", "collective")}
-    )
-    op: str = "all_reduce"
-    group: str = "tp"
 
 
 RankSource = Callable[[], tuple[int, int, int]]  # (dp, tp, pp)

@@ -15,9 +15,12 @@ from collections.abc import Callable
 
 import structlog
 
-from guard.collectives.fault_injection import FaultInjectionConfig, FaultInjector, RankSource
-from guard.collectives.tracker import CollectivesConfig, CollectiveTracker, GroupMeta
+from guard.collectives.fault_injection import FaultInjector, RankSource
+from guard.collectives.records import GroupMeta
+from guard.collectives.tracker import CollectiveTracker
 from guard.collectives.watchdog import CollectiveWatchdog
+from guard.config.collectives import CollectivesConfig
+from guard.config.fault_injection import FaultInjectionConfig
 from telemetry.wire.proto import guard_pb2
 
 log = structlog.get_logger("ascend_guard.collective_guard")

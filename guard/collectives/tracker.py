@@ -28,268 +28,43 @@ graph-counted (`graph_counted` of their `CollectiveStat`), with no Python inside
 Everything here runs on the engine thread except `fill_batch` (streamer thread) and the
 watchdog's reads of `current` / `in_replay`, each replaced as a whole so readers see one call.
 No torch import: tensors are read through `.nbytes` and `.dtype` only; device events come
-from `ascend_runtime` as a factory.
-"""
+from `ascend_runtime` as a factory."""
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
-from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import structlog
+
+from guard.collectives.columns import add_waves
+from guard.collectives.graphs import (
+    GRAPH_COUNTED,
+    PARK_WAVES,
+    REPLAYED,
+    CapturedGraph,
+    CompiledGraph,
+    InReplay,
+)
+from guard.collectives.payload import Payload, tensor_size
+from guard.collectives.records import (
+    META_ATTR,
+    CurrentCall,
+    FinishedWave,
+    GroupMeta,
+    _describe_group_generic,
+    _new_tuple,
+)
+from guard.config.collectives import CollectivesConfig
 
 if TYPE_CHECKING:  # the messages are built by the caller: counting needs no protobuf
     from telemetry.wire.liveness_record import LivenessRecord
     from telemetry.wire.proto import guard_pb2
 
+
 log = structlog.get_logger("ascend_guard.collectives")
-
-META_ATTR = "_ascend_guard_collective_meta"
-WRAPPED_ATTR = "__ascend_guard_collective__"
-# the marker every guard wrapper carries (guard.decorators.WRAPPED_ATTR; not imported here: that
-# module imports the config, which imports this one), so is_guarded/unwrap and the binder see it
-GUARD_WRAPPED_ATTR = "__ascend_guard_wrapped__"
-
-
-def _range(low: float, high: float) -> dict[str, Any]:
-    return {"range": (low, high)}
-
-
-@dataclasses.dataclass(frozen=True)
-class CollectivesConfig:
-    """`runtime_guard.collectives`: what the collective wrappers record and when the watchdog
-    speaks."""
-
-    enabled: bool = True
-    # calls slower than this (host time) are also reported one by one
-    slow_call_ms: float = dataclasses.field(default=50.0, metadata=_range(0.0, 3_600_000.0))
-    # at most this many slow calls per wave and rank; the rest are counted
-    max_slow_calls_per_wave: int = dataclasses.field(default=16, metadata=_range(0, 10_000))
-    # rank-local watchdog: `hang_suspected` once a collective runs longer than deadline_s
-    watchdog: bool = True
-    deadline_s: float = dataclasses.field(default=3.0, metadata=_range(0.05, 86_400.0))
-    watchdog_interval_ms: int = dataclasses.field(default=100, metadata=_range(10, 60_000))
-    # the watchdog is armed only once this many waves have finished (warm-up and model load
-    # legitimately keep one rank waiting for seconds)
-    arm_after_waves: int = dataclasses.field(default=1, metadata=_range(0, 1_000_000))
-
-
-class GroupMeta:
-    """What the guard caches on a `GroupCoordinator`: label, backend, the sequence counter."""
-
-    __slots__ = ("backend", "label", "rank_in_group", "seq", "world_size")
-
-    def __init__(self, label: str, backend: str, rank_in_group: int, world_size: int) -> None:
-        self.label = label
-        self.backend = backend
-        self.rank_in_group = rank_in_group
-        self.world_size = world_size
-        self.seq = 0
-
-
-# What a rank is inside right now: (op, group, backend, seq, start perf_counter_ns).
-CurrentCall = tuple[str, str, str, int, int]
-
-# a finished wave waits at most this many waves for the device times of its replays
-PARK_WAVES = 4
-
-# Stat list layout, per (op, group) and wave:
-# [calls, bytes, host_ns, max_host_ns, first_seq, last_seq, backend, dtype, replayed,
-#  graph_counted]
-REPLAYED = 8
-GRAPH_COUNTED = 9
-
-
-class CapturedGraph:
-    """The collectives one captured device graph holds, noted while it was captured."""
-
-    __slots__ = ("calls", "label", "replays")
-
-    def __init__(self, label: str) -> None:
-        self.label = label
-        # (op, group meta, bytes, dtype) in program order
-        self.calls: list[tuple[str, GroupMeta, int, str]] = []
-        self.replays = 0
-
-    def holds(self) -> str:
-        """The collective list as text: "all_reduce tp x5 (20480 B), all_gather tp x1 (...)"."""
-        counts: dict[tuple[str, str], list[int]] = {}
-        for op, meta, nbytes, _ in self.calls:
-            entry = counts.setdefault((op, meta.label), [0, 0])
-            entry[0] += 1
-            entry[1] += nbytes
-        return ", ".join(f"{op} {group} x{n} ({b} B)" for (op, group), (n, b) in counts.items())
-
-
-class CompiledGraph:
-    """The collectives one torch.compile'd graph holds, found in its FX graph at compile time.
-
-    `entries` are the collectives in program order, each (op, group, dtype, constant bytes,
-    terms, exact): the bytes of one call are `constant + sum(coef * sizes[k])` over the terms
-    (k, coef), where `sizes` are the graph's symbolic sizes (the batch size) read from the
-    call's arguments at `locations` (argument index, dimension or -1 for a SymInt argument).
-    `exact` is a function of `sizes` for a size that is not linear in them (None otherwise).
-    `group` is the GroupCoordinator; its guard meta is bound at the first call (`bind`).
-
-    `bypass` is (a coordinator's `__dict__`, method name, that method unwrapped and bound to
-    it) for each guard-wrapped method that the graph's collectives reach through Python (vLLM's
-    custom ops call `_all_reduce_out_place` and its kin). For the length of a counted call
-    these shadow the class's wrappers, which would only step aside: one Python frame fewer per
-    collective. The coordinator's other callers are the engine thread's, which is inside the
-    call.
-    """
-
-    __slots__ = (
-        "label",
-        "entries",
-        "locations",
-        "rows",
-        "groups",
-        "first",
-        "last_sizes",
-        "longest_ns",
-        "bypass",
-    )
-
-    def __init__(self, label: str, entries: list[tuple], locations: list[tuple[int, int]]) -> None:
-        self.label = label
-        self.entries = entries
-        self.locations = locations
-        # per (op, group label): [key, n, constant, terms, meta, dtype, first_off, last_off,
-        # exacts] once bound; None until then
-        self.rows: list[list] | None = None
-        self.groups: list[tuple[GroupMeta, int]] = []  # seq advance per group and call
-        self.first: tuple[str, GroupMeta] | None = None
-        self.last_sizes: list[int] = []
-        # the longest call in a wave so far: compute runs inside the call too, so the
-        # watchdog gives a call this much on top of its deadline
-        self.longest_ns = 0
-        self.bypass: tuple[tuple[dict, str, Callable[..., Any]], ...] = ()
-
-    def bind(self, meta_of: Callable[[Any], GroupMeta]) -> list[list]:
-        """Resolve each entry's group meta and fold the entries into per-key rows."""
-        rows: dict[tuple[str, str], list] = {}
-        per_group: dict[int, list] = {}
-        first = None
-        for op, group, dtype, constant, terms, exact in self.entries:
-            meta = meta_of(group)
-            if meta.world_size <= 1:  # vLLM short-cuts these: nothing is communicated
-                continue
-            count = per_group.setdefault(id(meta), [meta, 0])
-            count[1] += 1
-            offset = count[1]
-            if first is None:
-                first = (op, meta)
-            row = rows.get((op, meta.label))
-            if row is None:
-                row = rows[(op, meta.label)] = [
-                    (op, meta.label),
-                    0,
-                    0,
-                    {},
-                    meta,
-                    dtype,
-                    offset,
-                    offset,
-                    [],
-                ]
-            row[1] += 1
-            row[2] += constant
-            for k, coef in terms:
-                row[3][k] = row[3].get(k, 0) + coef
-            if exact is not None:
-                row[8].append(exact)
-            row[7] = offset
-        for row in rows.values():
-            row[3] = tuple(row[3].items())
-            row[8] = tuple(row[8])
-        self.groups = [(meta, n) for meta, n in per_group.values()]
-        self.first = first
-        self.rows = list(rows.values())
-        return self.rows
-
-    def sizes(self, args: tuple) -> list[int]:
-        """The symbolic sizes' values in one call, read from its arguments."""
-        return [int(args[i]) if dim < 0 else int(args[i].shape[dim]) for i, dim in self.locations]
-
-    def calls_at(self, sizes: list[int]) -> list[tuple[str, GroupMeta, int, str]]:
-        """(op, group meta, bytes, dtype) of each collective at these sizes, in program order
-        (what a device graph captured around this call holds)."""
-        rows = self.rows or []
-        metas = {row[0]: row[4] for row in rows}
-        out = []
-        for op, group, dtype, constant, terms, exact in self.entries:
-            meta = getattr(group, META_ATTR, None)
-            if meta is None or (op, meta.label) not in metas:
-                continue
-            nbytes = constant + sum(coef * sizes[k] for k, coef in terms)
-            if exact is not None:
-                nbytes += exact(sizes)
-            out.append((op, meta, int(nbytes), dtype))
-        return out
-
-    def holds(self) -> str:
-        """The collective list at the last call's sizes: "all_reduce tp x5 (20480 B)"."""
-        sizes = self.last_sizes
-        parts = []
-        for key, n, constant, terms, _meta, _dtype, _f, _l, exacts in self.rows or []:
-            nbytes = constant + sum(coef * sizes[k] for k, coef in terms if k < len(sizes))
-            if sizes:
-                nbytes += sum(exact(sizes) for exact in exacts)
-            parts.append(f"{key[0]} {key[1]} x{n} ({int(nbytes)} B)")
-        return ", ".join(parts)
-
-
-class InReplay(NamedTuple):
-    """A replay of a graph holding collectives that the device may not have finished."""
-
-    graph: CapturedGraph | CompiledGraph
-    op: str  # the graph's first collective, as the heartbeat's current collective
-    group: str
-    backend: str
-    seq: int
-    start_ns: int  # perf_counter_ns at the replay call
-    end_event: Any  # device event after the replay (None: no device clock, host call only)
-
-
-_new_tuple = tuple.__new__
-
-
-class FinishedWave(NamedTuple):
-    """One wave's collectives on this rank, handed to the streamer thread."""
-
-    wave: int
-    first_arrival_unix_nano: int
-    wait_ns: int
-    # (op, group) -> [calls, bytes, host_ns, max_host_ns, first_seq, last_seq, backend, dtype]
-    stats: dict[tuple[str, str], list]
-    # (op, group, backend, dtype, seq, bytes, start_unix_nano, host_ns)
-    slow_calls: list[tuple]
-    slow_calls_dropped: int
-    injected_delay_ns: int
-    replay_device_ns: int = 0  # device time of graph replays holding collectives (events)
-
-
-def tensor_size(value: Any) -> tuple[int, Any]:
-    """(bytes, dtype) of a tensor, a list of tensors or a dict of them; (0, None) otherwise."""
-    nbytes = getattr(value, "nbytes", None)
-    if nbytes is not None:
-        return int(nbytes), getattr(value, "dtype", None)
-    if isinstance(value, Mapping):
-        value = value.values()
-    elif not isinstance(value, (list, tuple)):
-        return 0, None
-    total, dtype = 0, None
-    for item in value:
-        size = getattr(item, "nbytes", None)
-        if size is not None:
-            total += int(size)
-            if dtype is None:
-                dtype = getattr(item, "dtype", None)
-    return total, dtype
 
 
 class CollectiveTracker:
@@ -805,147 +580,3 @@ class CollectiveTracker:
                 if replaying is not None and replaying.seq == seq and replaying.op == op:
                     hb.collective_graph = replaying.graph.label
                     hb.collective_graph_holds = replaying.graph.holds()
-
-
-def add_waves(cols: guard_pb2.CollectiveColumns, items: list[FinishedWave]) -> None:
-    """Append finished waves to a batch's collective columns (wire v3): Python lists first,
-    then one `extend` per column; (op, group, backend, dtype) once per batch in `keys`."""
-    keys: dict[tuple[str, str, str, str], int] = {}
-    waves, arrivals, waits, dropped, injected, replay = [], [], [], [], [], []
-    wave_index, key_index, calls, nbytes, host, max_host, first, last, replayed, counted = (
-        [], [], [], [], [], [], [], [], [], []
-    )  # fmt: skip
-    slow_rows: list[int] = []
-    row = len(cols.wave)
-    for item in items:
-        waves.append(item.wave)
-        arrivals.append(item.first_arrival_unix_nano)
-        waits.append(item.wait_ns)
-        dropped.append(item.slow_calls_dropped)
-        injected.append(item.injected_delay_ns)
-        replay.append(item.replay_device_ns)
-        for (op, group), stat in item.stats.items():
-            n, b, h, m, f, last_seq, backend, dtype, r = stat[:GRAPH_COUNTED]
-            g = stat[GRAPH_COUNTED] if len(stat) > GRAPH_COUNTED else 0  # a 9-field row: none
-            key = (op, group, backend, dtype)
-            index = keys.get(key)
-            if index is None:
-                index = keys[key] = len(cols.keys)
-                cols.keys.add(op=op, group=group, backend=backend, dtype=dtype)
-            wave_index.append(row)
-            key_index.append(index)
-            calls.append(n)
-            nbytes.append(b)
-            host.append(h)
-            max_host.append(m)
-            first.append(f)
-            last.append(last_seq)
-            replayed.append(r)
-            counted.append(g)
-        for op, group, backend, dtype, seq, size, start, host_ns in item.slow_calls:
-            cols.slow_calls.add(
-                op=op, group=group, backend=backend, dtype=dtype, seq=seq, bytes=size,
-                start_unix_nano=start, host_ns=host_ns,
-            )  # fmt: skip
-            slow_rows.append(row)
-        row += 1
-    cols.wave.extend(waves)
-    cols.first_arrival_unix_nano.extend(arrivals)
-    cols.wait_ns.extend(waits)
-    cols.slow_calls_dropped.extend(dropped)
-    cols.injected_delay_ns.extend(injected)
-    cols.replay_device_ns.extend(replay)
-    stats = cols.stats
-    stats.wave_index.extend(wave_index)
-    stats.key.extend(key_index)
-    stats.calls.extend(calls)
-    stats.bytes.extend(nbytes)
-    stats.host_ns.extend(host)
-    stats.max_host_ns.extend(max_host)
-    stats.first_seq.extend(first)
-    stats.last_seq.extend(last)
-    stats.device_ns.extend([0] * len(calls))  # no per-stat device time measured yet
-    stats.replayed.extend(replayed)
-    stats.graph_counted.extend(counted)
-    if slow_rows:
-        cols.slow_call_wave_index.extend(slow_rows)
-
-
-def _describe_group_generic(group: Any) -> GroupMeta:
-    """Label from `unique_name` ("tp:0" -> "tp"); backend from the object if it says."""
-    name = str(getattr(group, "unique_name", "") or "unknown")
-    return GroupMeta(
-        name.split(":", 1)[0],
-        str(getattr(group, "backend", "") or "unknown"),
-        int(getattr(group, "rank_in_group", 0) or 0),
-        int(getattr(group, "world_size", 1) or 1),
-    )
-
-
-# -- payload readers: (args, kwargs, result) -> the tensor, list or dict carried (or None) ----
-Payload = Callable[[tuple, dict, Any], Any]
-
-
-def first_arg(args: tuple, kwargs: dict, result: Any) -> Any:
-    if args:
-        return args[0]
-    for value in kwargs.values():
-        return value
-    return None
-
-
-def arg_or_result(args: tuple, kwargs: dict, result: Any) -> Any:
-    """The tensor (dict) passed in, or on receiving ranks the one that came back."""
-    data = first_arg(args, kwargs, result)
-    return result if data is None else data
-
-
-def result_only(args: tuple, kwargs: dict, result: Any) -> Any:
-    return result
-
-
-def no_payload(args: tuple, kwargs: dict, result: Any) -> Any:
-    return None
-
-
-# -- the wrapper ----------------------------------------------------------------------------
-_tracker: CollectiveTracker | None = None
-
-
-def install_tracker(tracker: CollectiveTracker | None) -> None:
-    """Turn collective recording on for this process (or off, with None)."""
-    global _tracker
-    _tracker = tracker
-
-
-def active_tracker() -> CollectiveTracker | None:
-    return _tracker
-
-
-def wrap_collective(
-    op: str,
-    fn: Callable[..., Any],
-    payload: Payload = first_arg,
-    is_compiling: Callable[[], bool] = lambda: False,
-) -> Callable[..., Any]:
-    """A `GroupCoordinator` method that reports itself to this process's tracker.
-
-    With no tracker installed it is the bare call plus one global read. While torch.compile
-    traces (is_compiling), it is the bare call too, so no guard code enters a graph.
-    """
-    if getattr(fn, WRAPPED_ATTR, None) is not None:
-        return fn
-
-    def guarded_collective(self: Any, *args: Any, **kwargs: Any) -> Any:
-        tracker = _tracker
-        if tracker is None or tracker._depth or is_compiling():  # _depth: inside a counted
-            return fn(self, *args, **kwargs)  # call (a compiled graph, a nested collective)
-        return tracker.run(op, fn, self, args, kwargs, payload)
-
-    guarded_collective.__name__ = getattr(fn, "__name__", op)
-    guarded_collective.__qualname__ = getattr(fn, "__qualname__", op)
-    guarded_collective.__doc__ = getattr(fn, "__doc__", None)
-    guarded_collective.__wrapped__ = fn  # type: ignore[attr-defined]
-    setattr(guarded_collective, WRAPPED_ATTR, fn)
-    setattr(guarded_collective, GUARD_WRAPPED_ATTR, fn)
-    return guarded_collective

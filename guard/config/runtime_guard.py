@@ -16,15 +16,15 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from guard.collectives.fault_injection import FaultInjectionConfig
-from guard.collectives.tracker import CollectivesConfig
+from guard.config.collectives import CollectivesConfig
 from guard.config.detectors import DetectorsConfig
+from guard.config.fault_injection import FaultInjectionConfig
 from guard.config.schema import (  # noqa: F401 - re-exported for config sections
     ACTIONS,
     GuardConfigError,
-    _choices,
-    _range,
+    choices,
     parse_section,
+    value_range,
 )
 from telemetry.wire.addresses import address_problem, default_sidecar_address
 
@@ -46,12 +46,12 @@ class IncidentsConfig:
     """How often one kind of incident is reported for one request (all hits are counted)."""
 
     # reports of one (type, request) on one rank before backing off
-    per_request_cap: int = dataclasses.field(default=3, metadata=_range(1, 100_000))
+    per_request_cap: int = dataclasses.field(default=3, metadata=value_range(1, 100_000))
     # after the cap, report again at occurrence cap * factor**k (k = 1, 2, ...)
-    backoff_factor: float = dataclasses.field(default=4.0, metadata=_range(1.0, 1000.0))
+    backoff_factor: float = dataclasses.field(default=4.0, metadata=value_range(1.0, 1000.0))
     # where a worker keeps incidents while the sidecar is away; default: $ASCEND_GUARD_STATE_DIR/spool (/var/lib/ascend-guard/spool)
     spool_dir: str = ""
-    spool_max_bytes: int = dataclasses.field(default=64 << 20, metadata=_range(4096, 1 << 40))
+    spool_max_bytes: int = dataclasses.field(default=64 << 20, metadata=value_range(4096, 1 << 40))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,13 +95,13 @@ class GuardConfig:
     # the rendezvous of a multi-node engine (docs/cross-node.md), else generated
     run_id: str = ""
     # records held in each worker while the sidecar is slow or away; beyond it, drops are counted
-    buffer_size: int = dataclasses.field(default=8192, metadata=_range(16, 10_000_000))
+    buffer_size: int = dataclasses.field(default=8192, metadata=value_range(16, 10_000_000))
     # most records in one gRPC message
-    batch_max: int = dataclasses.field(default=512, metadata=_range(1, 100_000))
+    batch_max: int = dataclasses.field(default=512, metadata=value_range(1, 100_000))
     # how often the streamer thread wakes up to send
-    flush_interval_ms: int = dataclasses.field(default=50, metadata=_range(1, 10_000))
+    flush_interval_ms: int = dataclasses.field(default=50, metadata=value_range(1, 10_000))
     # heartbeat period, sent even when no wave runs (hang verdicts need it)
-    heartbeat_interval_s: float = dataclasses.field(default=1.0, metadata=_range(0.05, 60.0))
+    heartbeat_interval_s: float = dataclasses.field(default=1.0, metadata=value_range(0.05, 60.0))
     # the engine thread's phase and collective in a shared-memory file the sidecar on this node
     # reads, so a wait that holds the GIL is not taken for a frozen rank (telemetry/wire/liveness_record.py)
     liveness_record: bool = True
@@ -110,9 +110,11 @@ class GuardConfig:
     # tp0 of each replica and PP stage sends which requests ran in each wave (request traces)
     request_traces: bool = True
     # cap of the reconnect backoff while the sidecar is away
-    reconnect_max_backoff_s: float = dataclasses.field(default=2.0, metadata=_range(0.05, 600.0))
+    reconnect_max_backoff_s: float = dataclasses.field(
+        default=2.0, metadata=value_range(0.05, 600.0)
+    )
     # at most this many guard-internal errors are logged per minute and rank (all are counted)
-    error_log_per_minute: int = dataclasses.field(default=5, metadata=_range(0, 10_000))
+    error_log_per_minute: int = dataclasses.field(default=5, metadata=value_range(0, 10_000))
     incidents: IncidentsConfig = dataclasses.field(default_factory=IncidentsConfig)
     transport: TransportConfig = dataclasses.field(default_factory=TransportConfig)
     detectors: DetectorsConfig = dataclasses.field(default_factory=DetectorsConfig)

@@ -2,7 +2,7 @@
 
 A section is a frozen dataclass. Field types say what a value must be (bool, int, float, str,
 tuple of str or int, or another section); numeric bounds and enumerations sit in the field's
-metadata (`_range`, `_choices`), and a section may add cross-field rules in `check(path)`.
+metadata (`value_range`, `choices`), and a section may add cross-field rules in `check(path)`.
 Every error names the full dotted key and the value.
 """
 
@@ -20,11 +20,11 @@ class GuardConfigError(ValueError):
     """A `runtime_guard` config that does not validate. The message names key and value."""
 
 
-def _range(low: float, high: float) -> dict[str, Any]:
+def value_range(low: float, high: float) -> dict[str, Any]:
     return {"range": (low, high)}
 
 
-def _choices(*values: str) -> dict[str, Any]:
+def choices(*values: str) -> dict[str, Any]:
     return {"choices": values}
 
 

@@ -7,14 +7,12 @@
 Each hit goes to the `IncidentReporter` (caps, backoff, counting). Only ranks that sample run
 the output-side detectors' reports: every TP rank of a V1 runner samples the same tokens, so
 the reports of non-driver ranks are left to the driver (tp 0) to avoid N copies of one finding;
-logits checks run on every rank, since a NaN may appear on one rank only.
-"""
+logits checks run on every rank, since a NaN may appear on one rank only."""
 
 from __future__ import annotations
 
 import collections
 import contextlib
-import itertools
 import math
 import threading
 import time
@@ -24,37 +22,31 @@ from guard.config.detectors import DetectorsConfig
 from guard.detectors import compiled
 from guard.detectors import logits as logit_checks
 from guard.detectors.evidence import EvidenceDumper, request_kv_blocks
-from guard.detectors.slots import batch_waves
+from guard.detectors.runner_reads import request_ids, requests_in_rows, vocab_size
 from guard.detectors.spec import AcceptanceTracker, Judged
-from guard.detectors.tokens import OVERDUE_BATCHES, RepeatDetector, out_of_range, rows_out_of_range
+from guard.detectors.token_log import LoggedFinish, LoggedWave, all_in_range, overdue_waves
+from guard.detectors.tokens import RepeatDetector, out_of_range, rows_out_of_range
 from guard.stream.reporter import IncidentReporter
 from guard.wave.schedule import WaveTokens
 
 # a token batch left queued this long with no new wave is screened by the streamer thread, so a
 # finding does not wait for the next request
 IDLE_FLUSH_S = 1.0
+
+
 # host logits checks made with torch (the compiled pass not loaded yet, or logits it does not
 # take) are read this many waves at a time: one sum over all their row maxima, finite in the
 # common case (`DetectorSuite._read_host_checks`)
 HOST_READ_WAVES = 16
+
+
 # host stats waves queued for the streamer thread; past this many the engine thread reads them
 HOST_STATS_QUEUED = 8
+
+
 # a wave's host row maxima kept to be read later: (wave, row maxima, request ids as of the
 # wave, rows per request on the verify path)
 DeferredRows = tuple[int, Any, list[str], list[int] | None]
-# an entry of the token log: a wave's (wave, request ids, tokens), or the requests that
-# finished before a wave, (wave, their ids)
-LoggedWave = tuple[int, list[str], WaveTokens]
-LoggedFinish = tuple[int, tuple[str, ...]]
-
-
-def request_ids(runner: Any, count: int) -> list[str]:
-    """The request id of each batch row, in logits order (V1 runners' input batch)."""
-    try:
-        ids = runner.input_batch.req_ids
-    except AttributeError:
-        return [f"row{i}" for i in range(count)]
-    return ids[:count] if type(ids) is list else list(ids[:count])  # a list's slice: a copy
 
 
 class DetectorSuite:
@@ -93,15 +85,15 @@ class DetectorSuite:
         # The token detectors' waves and finished requests, in order, until `_hand_over` gives
         # them to token_range and token_repeat. In a worker the streamer thread does that with
         # each batch it sends (`screen_ready`), so that the engine thread's share of a wave is
-        # one append: a hand-over there cost 80-130 us once a batch of waves, the engine
-        # thread's largest single cost (bench/README.md, issue 10). The engine thread hands
+        # one append: a hand-over there was the engine thread's largest single cost
+        # (bench/README.md, the token log's hand-over). The engine thread hands
         # over itself only when `OVERDUE_BATCHES` batches wait (the streamer is not keeping
         # up), which bounds the log. Elsewhere, or when a finding's evidence reads the runner
         # as of its wave (`action: dump`), every wave, on the engine thread.
         self.logs_tokens = bool(self.repeat) or config.token_range.enabled
         dumps = "dump" in (config.token_repeat.action, config.token_range.action)
         self._batches_tokens = load_in_background and not dumps
-        self._hand_over_at = _overdue_waves(1) if self._batches_tokens else 1
+        self._hand_over_at = overdue_waves(1) if self._batches_tokens else 1
         # waves in the log (a streamer's idle hand-over racing a wave only moves the next one)
         self._logged_waves = 0
         self._token_log: collections.deque[LoggedWave | LoggedFinish] = collections.deque()
@@ -163,7 +155,7 @@ class DetectorSuite:
                 self._queue_host_stats(wave, logits, checked)
             return
         if self.vocab_size is None:
-            self.vocab_size = _vocab_size(runner, logits)
+            self.vocab_size = vocab_size(runner, logits)
         row_max = logit_checks.row_max(logits) if self.check_finite else None
         stats = logit_checks.health_rows(logits) if stats_wave else None
         if row_max is None and stats is None:
@@ -188,7 +180,7 @@ class DetectorSuite:
         # read in this wave (on the host, or the sync gate), the runner's request ids are
         # still this batch's: they are looked up only for a finding
         read_now = event is None or config.sync_gate
-        req_ids = None if read_now else request_ids(runner, _requests(rows_per_req, logits))
+        req_ids = None if read_now else request_ids(runner, requests_in_rows(rows_per_req, logits))
         check = logit_checks.PendingCheck(
             wave,
             host,
@@ -282,7 +274,7 @@ class DetectorSuite:
     ) -> None:
         """Keep a host wave's row maxima, with its request ids as of now, to be read with the
         next `HOST_READ_WAVES - 1` waves' (or by the streamer thread when the engine idles)."""
-        count = _requests(rows_per_req, row_max)
+        count = requests_in_rows(rows_per_req, row_max)
         deferred = (wave, row_max, self._ids_as_of_now(runner, count), rows_per_req)
         with self._tokens_lock:
             self._unread.append(deferred)
@@ -336,7 +328,7 @@ class DetectorSuite:
                 req_ids, sampled = req_ids[:count], sampled[:count]
             tokens = WaveTokens(sampled)  # read once at C speed: no Python pass per request
         if self.vocab_size is None:  # the first output: what the runner says of itself
-            self.vocab_size = _vocab_size(runner, None)
+            self.vocab_size = vocab_size(runner, None)
             if getattr(runner, "speculative_config", "") is None:
                 self.spec = None  # no drafts will come: spec_acceptance has nothing to judge
         if self.logs_tokens:
@@ -376,9 +368,9 @@ class DetectorSuite:
                     failed = exc
         waves = [entry for entry in entries if len(entry) == 3]
         if self._batches_tokens and waves:  # the engine thread's bound, for batches this size
-            self._hand_over_at = _overdue_waves(waves[-1][2].rows)
+            self._hand_over_at = overdue_waves(waves[-1][2].rows)
         vocab = self.vocab_size if self.config.token_range.enabled else 0
-        if vocab and not _all_in_range(waves, vocab):
+        if vocab and not all_in_range(waves, vocab):
             for wave, req_ids, tokens in waves:
                 for row in rows_out_of_range(tokens, vocab):
                     self._out_of_range(wave, runner, req_ids[row], tokens.row(row), vocab)
@@ -474,7 +466,7 @@ class DetectorSuite:
             return
         req_ids = check.req_ids
         if req_ids is None:  # read in its own wave: the runner's list is still the batch's
-            req_ids = request_ids(check.runner, _requests(check.rows_per_req, check.host))
+            req_ids = request_ids(check.runner, requests_in_rows(check.rows_per_req, check.host))
         for req_id, rows in logit_checks.rows_to_requests(bad, req_ids, check.rows_per_req).items():
             evidence: dict[str, Any] = {
                 "rows": rows[:16],
@@ -605,30 +597,3 @@ class DetectorSuite:
         self.resolve_ready(force=True)
         self.read_host_stats(with_torch=True)
         self._flush_batches(wait=True)
-
-
-def _overdue_waves(rows: int) -> int:
-    """Logged waves of `rows` requests past which a worker's engine thread hands them over
-    itself, the streamer thread not having come for `OVERDUE_BATCHES` batches' worth."""
-    return batch_waves(rows) * OVERDUE_BATCHES
-
-
-def _all_in_range(waves: list[LoggedWave], vocab: int) -> bool:
-    """Every id of `waves` is in [0, vocab): one min and one max over all of them."""
-    ids = list(itertools.chain.from_iterable([tokens.ids for _, _, tokens in waves]))
-    return not ids or (min(ids) >= 0 and max(ids) < vocab)
-
-
-def _requests(rows_per_req: list[int] | None, rows: Any) -> int:
-    """Requests in a batch of logits rows (`rows`: the logits or their row maxima)."""
-    return len(rows_per_req) if rows_per_req is not None else int(rows.shape[0])
-
-
-def _vocab_size(runner: Any, logits: Any) -> int | None:
-    try:
-        return int(runner.model_config.get_vocab_size())
-    except Exception:  # noqa: BLE001
-        pass
-    if logits is not None:
-        return int(logits.shape[-1])
-    return None

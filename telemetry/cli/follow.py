@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from telemetry.cli.args import parse_duration_ns
 from telemetry.cli.render import (
     SEARCH_HEADER,
     SEARCH_RIGHT,
@@ -22,11 +23,11 @@ from telemetry.cli.render import (
     json_of,
     print_tree,
     print_trees,
+    rank_label,
     search_row,
     span_row,
 )
 from telemetry.cli.source import SourceError
-from telemetry.spans.query import parse_duration_ns, rank_label
 
 FOLLOW_BATCH = 500  # traces (or spans) one poll takes at most
 # each poll looks this far back: a trace stored later than this after its start (a rank's

@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterable
 from typing import Any
 
 from telemetry.cli.common import clock
 from telemetry.cli.table import format_duration_ns, render_table
-from telemetry.spans.builders import Span
-from telemetry.spans.query import rank_label, span_tree
+from telemetry.spans.builders import (
+    Span,
+)
 from telemetry.wire import schema
 
 COORDINATES = ("dp", "tp", "pp")
@@ -165,3 +167,42 @@ def tree_rows(spans: list[Span]) -> list[tuple[Span, tuple]]:
             )
         )
     return out
+
+
+def span_tree(spans: list) -> list[tuple[int, Span]]:
+    """Depth-first (depth, span) order; spans whose parent is not there are roots."""
+    by_id = {_get(s, "span_id"): s for s in spans}
+    children: dict = {}
+    for span in spans:
+        parent = _get(span, "parent_id")
+        children.setdefault(parent if parent in by_id else None, []).append(span)
+    for items in children.values():
+        items.sort(
+            key=lambda s: (
+                _get(s, "start_ns"),
+                _get(s, "dp") or 0,
+                _get(s, "tp") or 0,
+                _get(s, "pp") or 0,
+                _get(s, "name"),
+            )
+        )
+    out: list[tuple[int, Span]] = []
+
+    def walk(parent, depth: int) -> None:
+        for span in children.get(parent, []):
+            out.append((depth, span))
+            walk(_get(span, "span_id"), depth + 1)
+
+    walk(None, 0)
+    return out
+
+
+def _get(span, name: str):
+    return span[name] if isinstance(span, (dict, sqlite3.Row)) else getattr(span, name)
+
+
+def rank_label(span) -> str:
+    """'dp0 tp1 pp0' for a span that belongs to a rank, '-' for the wave root."""
+    if _get(span, "dp") is None:
+        return "-"
+    return f"dp{_get(span, 'dp')} tp{_get(span, 'tp')} pp{_get(span, 'pp')}"

@@ -3,7 +3,7 @@
     gRPC handler (parse, validate, liveness, hang state, alignment)
         └─ BoundedQueue.put   never blocks: a full queue refuses the batch, counted
               └─ Writer thread ─┬─ metrics sink   (per-batch aggregates, telemetry/metrics/waves.py)
-                                ├─ store sink     (typed tables, telemetry/store/records.py)
+                                ├─ store sink     (typed tables, telemetry/store/writer.py)
                                 └─ export sink    (OTLP, tail-sampled, telemetry/export/otlp.py)
 
 A sink is anything with `write(items)` and `close()` (`BatchSink`); the writer hands each one
@@ -73,7 +73,7 @@ class BatchSink(Protocol):
 
 
 class SinkHealth(Protocol):
-    """Optional hooks of a sink that tracks its own health (telemetry/store/records.py's `Store`)."""
+    """Optional hooks of a sink that tracks its own health (telemetry/store/writer.py's `Store`)."""
 
     def write_started(self, items: Sequence[Item]) -> None: ...
 

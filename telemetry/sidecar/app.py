@@ -2,7 +2,7 @@
 
     ingest (gRPC handlers) -> BoundedQueue -> Writer -> [metrics, store, OTLP exporter]
 
-See telemetry/pipeline/writer.py for the split, telemetry/store/records.py for the tables and
+See telemetry/pipeline/writer.py for the split, telemetry/store/ for the tables and
 telemetry/export/otlp.py for the sampling policy.
 """
 
@@ -193,7 +193,7 @@ class Sidecar:
         self.metrics = SidecarMetrics()
         self.drops = Drops(self.metrics.registry)
         # a store file SQLite cannot use is moved aside before anything opens it: the sidecar
-        # starts on a fresh store rather than not at all (telemetry/store/records.py)
+        # starts on a fresh store rather than not at all (telemetry/store/files.py)
         self.store_moved_to = prepare_store(settings.store) if settings.store else None
         self.store_metrics = StoreMetrics(self.metrics.registry)
         self.store_metrics.moved_aside = int(self.store_moved_to is not None)

@@ -213,7 +213,7 @@ class BlockCache:
         return value
 
     def _holding(self, table: str, rank_id: int, wave: int) -> list[int]:
-        """Row ids of the rank's blocks holding `wave` (telemetry/store/records.py's block walk)."""
+        """Row ids of the rank's blocks holding `wave` (telemetry/store/blocks.py's block walk)."""
         directory = self._directories.get((table, rank_id))
         if directory is None:
             directory = store.BlockDirectory(self.conn, table, rank_id)

@@ -23,7 +23,8 @@ import time
 
 import grpc
 
-from guard.collectives.tracker import FinishedWave, add_waves
+from guard.collectives.columns import add_waves
+from guard.collectives.records import FinishedWave
 from guard.stream.streamer import HeartbeatState, Streamer, WaveTuple
 from telemetry.wire.proto import guard_pb2
 from tests.support.feed import FixedHeartbeat

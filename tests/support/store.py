@@ -6,8 +6,9 @@ import sqlite3
 from pathlib import Path
 
 from telemetry.spans.builders import Span
-from telemetry.spans.query import SpanQuery, load_trace, search
+from telemetry.spans.query import load_trace
 from telemetry.store import connect
+from tests.support.span_search import SpanQuery, search
 
 
 def stored_spans(path: Path, **filters) -> list[Span]:

@@ -8,7 +8,8 @@ import random
 import pytest
 from prometheus_client import CollectorRegistry
 
-from guard.collectives.tracker import FinishedWave, add_waves
+from guard.collectives.columns import add_waves
+from guard.collectives.records import FinishedWave
 from telemetry.crossrank.ranksync import RankSync
 from telemetry.ingest.validation import validate_batch
 from telemetry.metrics.collectives import CollectiveMetrics

@@ -13,13 +13,10 @@ import pytest
 import torch
 
 from ascend_runtime.attach.collectives import COLLECTIVE_METHODS, bind_group_coordinator
-from guard.collectives.tracker import (
-    CollectivesConfig,
-    CollectiveTracker,
-    install_tracker,
-    tensor_size,
-    wrap_collective,
-)
+from guard.collectives.install import install_tracker, wrap_collective
+from guard.collectives.payload import tensor_size
+from guard.collectives.tracker import CollectiveTracker
+from guard.config.collectives import CollectivesConfig
 from telemetry.wire.collective_columns import to_waves
 from telemetry.wire.proto import guard_pb2
 
@@ -227,12 +224,12 @@ def test_collective_rows_of_the_attach_point_table_match_the_wrapper_table():
 
 def test_collective_wrappers_carry_the_common_guard_marker():
     from guard import decorators
-    from guard.collectives import tracker as collectives
+    from guard.collectives import install as collective_install
 
-    assert collectives.GUARD_WRAPPED_ATTR == decorators.WRAPPED_ATTR
+    assert collective_install.GUARD_WRAPPED_ATTR == decorators.WRAPPED_ATTR
 
     def all_reduce(self, tensor):
         return tensor
 
-    wrapped = collectives.wrap_collective("all_reduce", all_reduce)
+    wrapped = collective_install.wrap_collective("all_reduce", all_reduce)
     assert decorators.is_guarded(wrapped) and decorators.unwrap(wrapped) is all_reduce

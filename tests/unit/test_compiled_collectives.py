@@ -28,13 +28,11 @@ import torch
 
 from ascend_runtime.attach import compiled_collectives
 from ascend_runtime.attach.collectives import bind_group_coordinator
-from guard.collectives.tracker import (
-    GRAPH_COUNTED,
-    CollectivesConfig,
-    CollectiveTracker,
-    install_tracker,
-)
+from guard.collectives.graphs import GRAPH_COUNTED
+from guard.collectives.install import install_tracker
+from guard.collectives.tracker import CollectiveTracker
 from guard.collectives.watchdog import CollectiveWatchdog
+from guard.config.collectives import CollectivesConfig
 
 HANDLE = 77
 _lib = torch.library.Library("ag_test", "DEF")
@@ -307,7 +305,7 @@ def test_an_unreadable_graph_is_counted_as_an_error_and_runs(setup):
 def test_the_watchdog_gives_a_compiled_call_its_compute_time_on_top_of_the_deadline(setup):
     """A compiled call's age includes the graph's compute: twice the longest call seen in a
     wave is added to the deadline before it reads as a hang."""
-    from guard.collectives.tracker import CompiledGraph, InReplay
+    from guard.collectives.graphs import CompiledGraph, InReplay
 
     group, tracker, _ = setup
     counted = []

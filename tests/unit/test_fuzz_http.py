@@ -14,9 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry
 
+from telemetry.cli.args import parse_duration_ns, parse_rank, parse_time_ns
 from telemetry.crossrank.liveness import LivenessServer
 from telemetry.crossrank.view import CrossRankView
-from telemetry.spans.query import QueryError, parse_duration_ns, parse_rank, parse_time_ns
+from telemetry.spans.query import QueryError
 
 FUZZ = settings(
     max_examples=150,

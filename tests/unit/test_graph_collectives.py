@@ -20,8 +20,10 @@ import torch
 
 from ascend_runtime.attach.collectives import bind_group_coordinator
 from ascend_runtime.attach.graph_collectives import captured, graph_wrapper
-from guard.collectives.tracker import CollectivesConfig, CollectiveTracker, install_tracker
+from guard.collectives.install import install_tracker
+from guard.collectives.tracker import CollectiveTracker
 from guard.collectives.watchdog import CollectiveWatchdog
+from guard.config.collectives import CollectivesConfig
 from telemetry.wire.collective_columns import to_waves
 from telemetry.wire.proto import guard_pb2
 
@@ -242,7 +244,7 @@ def test_a_wave_waits_for_its_replay_times_then_is_handed_over_without_them(part
     """Stand-in NPU whose device falls behind: a finished wave is held until its replays'
     events resolve (never waiting for them), and handed over without them once it is
     PARK_WAVES waves old, the late events counted."""
-    from guard.collectives.tracker import PARK_WAVES
+    from guard.collectives.graphs import PARK_WAVES
 
     coordinator_cls, graph_cls, tracker, wave = parts
     tp = coordinator_cls("tp:0")

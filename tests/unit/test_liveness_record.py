@@ -235,7 +235,8 @@ def test_a_gone_rank_lets_go_of_its_record(local):
 
 def test_the_collective_tracker_writes_the_call_it_is_in(tmp_path):
     """The wrapped call is seen from the record while it runs, and as returned afterwards."""
-    from guard.collectives.tracker import CollectivesConfig, CollectiveTracker
+    from guard.collectives.tracker import CollectiveTracker
+    from guard.config.collectives import CollectivesConfig
 
     class Group:
         unique_name, world_size, rank_in_group, backend = "tp:0", 2, 0, "shm"

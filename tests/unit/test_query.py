@@ -12,16 +12,10 @@ import pytest
 
 from telemetry import store as store_mod
 from telemetry.cli import main as cli
+from telemetry.cli.args import parse_duration_ns, parse_rank, parse_time_ns
+from telemetry.cli.render import span_tree
 from telemetry.pipeline.writer import Item, RankSource
-from telemetry.spans.query import (
-    QueryError,
-    SpanQuery,
-    load_trace,
-    parse_duration_ns,
-    parse_rank,
-    parse_time_ns,
-    span_tree,
-)
+from telemetry.spans.query import QueryError, load_trace
 from telemetry.store import Store
 from telemetry.wire.proto import guard_pb2
 from telemetry.wire.trace_ids import (
@@ -30,6 +24,7 @@ from telemetry.wire.trace_ids import (
     wave_span_id,
     wave_trace_id,
 )
+from tests.support.span_search import SpanQuery
 
 MS = 1_000_000
 NOW = 1_750_000_000 * 10**9

@@ -18,12 +18,12 @@ from telemetry.crossrank.view import CrossRankView
 from telemetry.ingest.service import IngestService, _Refused
 from telemetry.metrics.waves import SidecarMetrics
 from telemetry.pipeline.writer import STAGE_QUEUE, BoundedQueue, Drops, Item, Writer
-from telemetry.spans.query import SpanQuery, search
 from telemetry.store import Store
 from telemetry.wire import schema
 from telemetry.wire.collective_columns import from_waves
 from telemetry.wire.proto import guard_pb2
 from tests.support.feed import FixedHeartbeat, wave_tuple
+from tests.support.span_search import SpanQuery, search
 
 
 class _Aborted(Exception):

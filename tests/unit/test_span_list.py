@@ -16,11 +16,13 @@ import time
 import pytest
 
 from telemetry import store as store_mod
+from telemetry.cli.args import parse_rank
 from telemetry.cli.commands.query import flags_to_traceql
-from telemetry.spans.query import SpanQuery, load_trace, parse_rank, search
+from telemetry.spans.query import load_trace
 from telemetry.traceql import TraceQLError
 from telemetry.traceql.span_list import top_spans
 from telemetry.wire.trace_ids import format_trace_id, wave_trace_id
+from tests.support.span_search import SpanQuery, search
 from tests.support.trace_store import (
     MS,
     add_incident,
@@ -187,7 +189,7 @@ FLAG_CASES = [
 def test_the_flags_as_traceql_find_what_the_old_flag_search_found(store_path, given, sort):
     """The flags' TraceQL filter, through the span list, against telemetry/spans/query.py's own flag
     search: the same spans, in the same order of the sort key."""
-    from telemetry.spans.query import parse_duration_ns
+    from telemetry.cli.args import parse_duration_ns
 
     conn = store_mod.connect(store_path, readonly=True)
     text = flags_to_traceql(_flags(**given))

@@ -444,7 +444,7 @@ def test_cached_trace_loading_builds_what_load_trace_builds(conn):
 
 
 def test_block_walk_finds_exactly_the_overlapping_blocks(tmp_path):
-    """Walking back from the window's end (telemetry/store/records.py `blocks_by_time`) reads the same
+    """Walking back from the window's end (telemetry/store/blocks.py `blocks_by_time`) reads the same
     blocks as the plain (full scan) overlap filter, and the walk by waves (`blocks_by_wave`)
     the same as the plain wave filter, for ranks that run throughout, start late or stop
     early."""

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import time
 
-from guard.collectives.fault_injection import FaultInjectionConfig, FaultInjector
+from guard.collectives.fault_injection import FaultInjector
 from guard.collectives.observer import CollectiveGuard
-from guard.collectives.tracker import CollectivesConfig, CollectiveTracker, GroupMeta
+from guard.collectives.records import GroupMeta
+from guard.collectives.tracker import CollectiveTracker
 from guard.collectives.watchdog import CollectiveWatchdog
+from guard.config.collectives import CollectivesConfig
+from guard.config.fault_injection import FaultInjectionConfig
 
 
 def _watchdog(tracker, reports, deadline_s=1.0, arm=1):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from telemetry.cli.args import parse_time_ns
 from telemetry.cli.common import add_store_argument, clock
 from telemetry.cli.http_client import (
     Unreachable,
@@ -18,7 +19,7 @@ from telemetry.cli.http_client import (
     token_of,
 )
 from telemetry.cli.table import render_table
-from telemetry.spans.query import QueryError, parse_time_ns
+from telemetry.spans.query import QueryError
 from telemetry.store import connect
 from telemetry.store.incidents import RECOVERY, VERDICT, IncidentFilter, list_incidents
 from telemetry.wire import paths

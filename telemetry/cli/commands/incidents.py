@@ -5,10 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from telemetry.cli.args import parse_time_ns
 from telemetry.cli.common import add_store_argument, clock
+from telemetry.cli.render import rank_label
 from telemetry.cli.table import render_table
 from telemetry.ingest.validation import SEVERITIES
-from telemetry.spans.query import QueryError, parse_time_ns, rank_label
+from telemetry.spans.query import QueryError
 from telemetry.store import connect
 from telemetry.store.incidents import IncidentFilter, list_incidents
 

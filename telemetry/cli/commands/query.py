@@ -20,6 +20,7 @@ import dataclasses
 import json
 import time
 
+from telemetry.cli.args import SORT_KEYS, SPAN_NAMES, parse_duration_ns, parse_rank, parse_time_ns
 from telemetry.cli.common import clock
 from telemetry.cli.follow import follow
 from telemetry.cli.render import (
@@ -35,14 +36,7 @@ from telemetry.cli.render import (
 )
 from telemetry.cli.source import add_source_arguments, ask, open_source
 from telemetry.cli.table import render_table
-from telemetry.spans.query import (
-    SORT_KEYS,
-    SPAN_NAMES,
-    QueryError,
-    parse_duration_ns,
-    parse_rank,
-    parse_time_ns,
-)
+from telemetry.spans.query import QueryError
 
 FILTER_FLAGS = ("min_duration", "rank", "name", "run_id", "engine", "wave")
 TREE_SPSS = 10_000  # --tree marks every matched span of a trace

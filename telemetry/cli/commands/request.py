@@ -12,8 +12,8 @@ import argparse
 import json
 
 from telemetry.cli.common import add_store_argument
+from telemetry.cli.render import span_tree
 from telemetry.cli.table import format_duration_ns, render_table
-from telemetry.spans.query import span_tree
 from telemetry.spans.requests import RequestTrace, request_traces
 from telemetry.store import connect
 from telemetry.wire import schema

@@ -6,7 +6,8 @@ import argparse
 import re
 import sys
 
-from telemetry.spans.query import QueryError, parse_duration_ns
+from telemetry.cli.args import parse_duration_ns
+from telemetry.spans.query import QueryError
 from telemetry.wire import logs, paths
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from telemetry.cli.args import parse_duration_ns, parse_time_ns
 from telemetry.cli.common import add_store_argument
-from telemetry.spans.query import QueryError, parse_duration_ns, parse_time_ns
+from telemetry.spans.query import QueryError
 from telemetry.spans.requests import request_traces
 from telemetry.spans.timeline import (
     DEFAULT_MAX_RANK_WAVES,
