@@ -7,6 +7,8 @@
   sections): type, default, allowed range or choices, and the comment above the field;
 - metrics: every family the sidecar registers (telemetry/metrics/waves.py, the probe table
   telemetry/wire/probes.py, telemetry/metrics/collectives.py), read from a live registry;
+- sidecar flags: every `ascend-guard sidecar` flag, its default and help, from the settings table
+  the flags are generated from (telemetry/sidecar/settings.py);
 - compatibility: the versions the test suite records as tested (tests/compat_record.py).
 
 A block sits between `<!-- generated: NAME -->` and `<!-- end generated: NAME -->`.
@@ -168,9 +170,37 @@ def compatibility_table() -> str:
     )
 
 
+def sidecar_flags_table() -> str:
+    """`ascend-guard sidecar`'s flags, as its --help shows them (defaults from this shell's
+    environment aside: the documented default is the one with no environment set)."""
+    import argparse
+
+    from telemetry.cli.commands import sidecar
+    from telemetry.wire import paths
+
+    parser = argparse.ArgumentParser(prog="ascend-guard")
+    sidecar.add_parser(parser.add_subparsers())
+    (command,) = parser._subparsers._group_actions[0].choices.values()
+    documented = {
+        "listen": paths.sidecar_address({}),
+        "store": paths.default_store({}),
+        "health_port": paths.health_port({}),
+    }
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for action in command._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        default = documented.get(action.dest, action.default)
+        shown = "off" if default is False else "none" if default in (None, "") else f"`{default}`"
+        meaning = action.help.replace("|", "\\|")
+        rows.append(f"| `{action.option_strings[0]}` | {shown} | {meaning} |")
+    return "\n".join(rows) + "\n"
+
+
 BLOCKS = {
     "config-table": (ROOT / "docs" / "configuration.md", config_table),
     "metrics-table": (ROOT / "docs" / "metrics.md", metrics_table),
+    "sidecar-flags": (ROOT / "docs" / "configuration.md", sidecar_flags_table),
     "compatibility-table": (ROOT / "docs" / "compatibility.md", compatibility_table),
     "readme-compatibility-table": (ROOT / "README.md", compatibility_table),
 }

@@ -77,3 +77,26 @@ def parse_rank(text: str) -> dict[str, int]:
             )
         out[key] = int(value)
     return out
+
+
+_SIZE = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_size(text: str, what: str) -> int:
+    """'8GiB', '500MB', '1048576' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _SIZE or float(match.group(1)) <= 0:
+        raise QueryError(f"{what}: {text!r} is not a size; use e.g. 8GiB, 500MB or bytes")
+    return int(float(match.group(1)) * _SIZE[unit])

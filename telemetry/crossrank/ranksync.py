@@ -105,12 +105,16 @@ class _Judged(NamedTuple):
         return out
 
 
+# wave skew from which the slowest rank of a replica stage is counted as a straggler
+DEFAULT_STRAGGLER_S = 0.05
+
+
 class RankSync:
     def __init__(
         self,
         metrics: CollectiveMetrics,
         *,
-        straggler_threshold_s: float = 0.05,
+        straggler_threshold_s: float = DEFAULT_STRAGGLER_S,
         max_pending: int = 256,
         keep_recent: int = 1024,
     ) -> None:

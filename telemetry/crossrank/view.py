@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 
 from telemetry.crossrank.hangs import HangDetector, HangSettings, IncidentSink
-from telemetry.crossrank.ranksync import RankSync
+from telemetry.crossrank.ranksync import DEFAULT_STRAGGLER_S, RankSync
 from telemetry.metrics.collectives import CollectiveMetrics
 from telemetry.wire.liveness_record import RecordReader
 from telemetry.wire.proto import guard_pb2
@@ -18,7 +18,7 @@ class CrossRankView:
         registry: CollectorRegistry,
         *,
         hang_settings: HangSettings | None = None,
-        straggler_threshold_s: float = 0.05,
+        straggler_threshold_s: float = DEFAULT_STRAGGLER_S,
         incident_sink: IncidentSink | None = None,
         records: RecordReader | None = None,
     ) -> None:

@@ -9,7 +9,6 @@ telemetry/export/otlp.py for the sampling policy.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import faulthandler
 import grp
 import os
@@ -28,28 +27,27 @@ from prometheus_client import Counter, start_http_server
 from telemetry.crossrank.hangs import HangSettings
 from telemetry.crossrank.liveness import LivenessServer
 from telemetry.crossrank.rank_gauges import RankGauges
-from telemetry.crossrank.roster import DEFAULT_LINGER_S, EngineRoster
+from telemetry.crossrank.roster import EngineRoster
 from telemetry.crossrank.view import CrossRankView
 from telemetry.export.otlp import ExportSettings, OtlpExporter
-from telemetry.ingest.service import DEFAULT_MAX_MESSAGE_BYTES, IngestService
+from telemetry.ingest.service import IngestService
 from telemetry.metrics.requests import RequestMetrics
 from telemetry.metrics.store import StoreMetrics
 from telemetry.metrics.waves import SidecarMetrics
 from telemetry.pipeline.writer import (
-    DEFAULT_QUEUE_BYTES,
     STAGE_WORKER,
     BoundedQueue,
     Drops,
     Writer,
 )
-from telemetry.store import DEFAULT_MAX_BYTES, DEFAULT_RETENTION_S, Store, prepare_store
+from telemetry.sidecar.settings import SidecarSettings
+from telemetry.store import Store, prepare_store
 from telemetry.store.incidents import IncidentLedger
 from telemetry.tempo_api import TempoApiServer
 from telemetry.wire import build_info, paths
 from telemetry.wire.addresses import address_problem, unix_socket_path
 from telemetry.wire.liveness_record import RecordReader
 from telemetry.wire.transport import (
-    ServerSecurity,
     TokenInterceptor,
     TransportConfigError,
     exposure_problem,
@@ -62,53 +60,6 @@ log = structlog.get_logger("ascend_guard.sidecar")
 
 # Memory guard: gRPC buffers a whole message before the sidecar sees it.
 GRPC_HARD_CAP_BYTES = 64 * 1024 * 1024
-
-
-@dataclasses.dataclass
-class SidecarSettings:
-    """Every sidecar setting and its one default (the CLI reads its defaults from here)."""
-
-    listen: str
-    metrics_host: str = "0.0.0.0"
-    metrics_port: int = paths.DEFAULT_METRICS_PORT
-    store: str = ""
-    otlp_endpoint: str | None = None
-    retention_s: float = DEFAULT_RETENTION_S
-    max_store_bytes: int = DEFAULT_MAX_BYTES
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    max_streams: int = 256
-    queue_bytes: int = DEFAULT_QUEUE_BYTES  # validated batches waiting for the writer
-    # liveness/API endpoint (/live, /ready, /hangs, /coverage); 0 = off. A busy port is an
-    # error, never silently another port: probes and the CLI must find it where it was asked.
-    health_host: str = "0.0.0.0"
-    health_port: int = paths.DEFAULT_HEALTH_PORT
-    # Tempo-compatible trace query API (telemetry/tempo_api/) for Grafana; None: the
-    # metrics port + 2 (paths.query_port), 0: off. Same TLS and token as the other listeners.
-    query_host: str = "0.0.0.0"
-    query_port: int | None = None
-    # unix socket permissions: owner only, or owner and --socket-group
-    socket_mode: int = paths.DEFAULT_SOCKET_MODE
-    socket_group: str = ""
-    # series of an engine whose streams broke stay this long (ranks_connected at 0)
-    engine_linger_s: float = DEFAULT_LINGER_S
-    # write sidecar.json (store, endpoints) for the CLI; off for tests that run many sidecars
-    publish: bool = True
-    hang_stale_s: float = 2.0
-    hang_wait_s: float = 3.0
-    hang_frozen_s: float = 1.0
-    # liveness records of ranks on this node (telemetry/wire/liveness_record.py); "" = its default
-    liveness_dir: str = ""
-    # TLS / mTLS / bearer token of the gRPC and HTTP listeners (telemetry/wire/transport.py)
-    security: ServerSecurity = dataclasses.field(default_factory=ServerSecurity)
-    straggler_threshold_s: float = 0.05
-    # OTLP tail sampling (telemetry/export/otlp.py)
-    otlp_slow_wave_s: float = ExportSettings.slow_wave_s
-    otlp_keep_one_in: int = ExportSettings.keep_one_in
-
-
-def setting_default(name: str):
-    """The default of one `SidecarSettings` field."""
-    return SidecarSettings.__dataclass_fields__[name].default
 
 
 class _MetricsSink:
