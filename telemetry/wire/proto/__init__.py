@@ -1,0 +1,1 @@
+"""The proto of every record a worker sends (guard.proto) and its generated code (`make proto`)."""
