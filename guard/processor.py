@@ -109,9 +109,9 @@ class GuardProcessor:
         self.detector_host = DetectorHost(self.incidents, self.offer_probe, self.errors.record)
         self.observers = Observers(self.errors.record)
         self.observers.add(self.detector_host)  # it calls observers.refresh on a rebuild
-        # issue 17: phase and collective in shared memory, for the sidecar (None = off)
+        # phase and collective in shared memory, for the sidecar (None = off)
         self.live_record: LivenessRecord | None = None
-        # issue 12: request membership per wave, on the rank that owns scheduling (None = off).
+        # request membership per wave, on the rank that owns scheduling (None = off).
         # Not an observer: it reads each wave's output and kept counts from _emit.
         self.membership: RequestMembership | None = None
         try:

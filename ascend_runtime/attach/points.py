@@ -263,7 +263,7 @@ ATTACH_POINTS: tuple[AttachPoint, ...] = tuple(
         {"propose_draft_token_ids": "speculator_propose"}, UPSTREAM_V1,
         note="one place for every V1 proposer",
     )
-    # -- device communicator (per-collective hooks are issue 4's GroupCoordinator module) -----
+    # -- device communicator (per-collective hooks: attach/collectives.py's GroupCoordinator) -----
     + _points(
         "communicator", f"{_VA}.distributed.device_communicators.npu_communicator",
         "NPUCommunicator", {"__init__": "communicator_init"}, ASCEND, note="HCCL",

@@ -116,7 +116,7 @@ def render(rows: Sequence[Row], *, show_runtimes: bool) -> str:
 def hang_deadline(config: Any = None) -> tuple[float | None, str]:
     """The hang watchdog's deadline and the config key it comes from, if this build has one.
 
-    The watchdog's config section (issue 4's `collectives.deadline_s`) is found by its field
+    The watchdog's config section (`collectives.deadline_s`) is found by its field
     name, so the doctor works with or without it; `config` defaults to ASCEND_GUARD_CONFIG's
     config, else the defaults."""
     if config is None:

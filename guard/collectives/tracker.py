@@ -88,7 +88,7 @@ class CollectiveTracker:
         self.errors = 0
         self.injected_delay_ns = 0  # the fault injector adds here; read at wave roll-over
         self.before_call: Callable[[str, str], None] | None = None  # fault injector hook
-        self.record: LivenessRecord | None = None  # shared-memory liveness (issue 17)
+        self.record: LivenessRecord | None = None  # shared-memory liveness record
         self._depth = 0
         self.capturing: CapturedGraph | None = None  # a device graph being captured
         self.in_replay: InReplay | None = None

@@ -1,4 +1,4 @@
-"""The sidecar's cross-rank view (issue 4): collective counters, wave skew and stragglers
+"""The sidecar's cross-rank view: collective counters, wave skew and stragglers
 (`ranksync`), hang verdicts (`hangs`). IngestService hands it every validated batch."""
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ def rank_span_id(run_id: str, wave: int, dp: int, tp: int, pp: int) -> int:
 
 def lockstep_links(run_id: str, wave: int, dp: int, dp_size: int) -> list[tuple[int, int, int]]:
     """(trace id, wave span id, dp) of wave `wave` of every other DP rank, for a replica whose
-    DP engines step in lockstep (issue 13)."""
+    DP engines step in lockstep."""
     return [
         (wave_trace_id(run_id, wave, other), wave_span_id(run_id, wave, other), other)
         for other in range(dp_size)
@@ -78,7 +78,7 @@ def format_span_id(span_id: int) -> str:
     return format(span_id, "016x")
 
 
-# -- request traces (issue 12): one trace per vLLM request of one replica ----------------------
+# -- request traces: one trace per vLLM request of one replica ----------------------
 #
 #     request                  arrival (its first wave) .. finish
 #     ├─ prefill | decode      one per wave it ran in (per PP stage), tokens scheduled / sampled,
