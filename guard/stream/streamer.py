@@ -37,6 +37,7 @@ import structlog
 
 from guard.stream.spool import IncidentSpool
 from telemetry.wire.proto import guard_pb2, guard_pb2_grpc
+from telemetry.wire.schema import WAVE_FIELDS, WIRE_VERSION
 from telemetry.wire.transport import ClientSecurity
 
 log = structlog.get_logger("ascend_guard.streamer")
@@ -66,13 +67,9 @@ class WaveTuple(NamedTuple):
     recompute_tokens: int = 0
 
 
-# the wire's column order is the proto's (WaveRecord field numbers); WaveTuple must match it
-WAVE_COLUMNS = tuple(
-    f.name for f in sorted(guard_pb2.WaveRecord.DESCRIPTOR.fields, key=lambda f: f.number)
-)
-if WaveTuple._fields != WAVE_COLUMNS:  # pragma: no cover - caught by every test run
-    raise ImportError(f"WaveTuple fields {WaveTuple._fields} differ from WaveRecord {WAVE_COLUMNS}")
-WIRE_VERSION = 3  # telemetry/wire/schema.py WIRE_VERSION
+# the wire's column order is the proto's (schema.WAVE_FIELDS); WaveTuple must match it
+if WaveTuple._fields != WAVE_FIELDS:  # pragma: no cover - caught by every test run
+    raise ImportError(f"WaveTuple fields {WaveTuple._fields} differ from WaveRecord {WAVE_FIELDS}")
 
 
 class HeartbeatState(NamedTuple):
@@ -341,7 +338,7 @@ class Streamer:
         if records:
             # one extend per column (wire v2) instead of one message per wave
             cols = batch.wave_columns
-            for name, values in zip(WAVE_COLUMNS, zip(*records, strict=True), strict=True):
+            for name, values in zip(WAVE_FIELDS, zip(*records, strict=True), strict=True):
                 getattr(cols, name).extend(values)
         if with_heartbeat:
             batch.heartbeat.time_unix_nano = time.time_ns()

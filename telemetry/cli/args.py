@@ -18,9 +18,6 @@ _UNIT_NS = {"ns": 1, "us": 10**3, "µs": 10**3, "ms": 10**6, "s": 10**9, "m": 60
             "d": 86400 * 10**9}  # fmt: skip
 
 
-SPAN_NAMES = ("wave", "rank", "execute_model", "sample_tokens")  # what `query --name` searches
-
-
 SORT_KEYS = ("duration", "start", "wave")
 
 

@@ -41,7 +41,6 @@ _RANK_FIELDS = {
     schema.ATTR_TP: "tp", schema.ATTR_PP: "pp", schema.ATTR_NODE: "node", schema.ATTR_PID: "pid",
     "service.namespace": "engine", "host.name": "node",
 }  # fmt: skip
-_BASE_SPAN_NAMES = ("wave", "rank", "execute_model", "sample_tokens")
 
 
 def span_attribute_keys() -> list[str]:
@@ -269,7 +268,7 @@ def tag_values(
     if tag in ("name", "span:name", "rootName", "trace:rootName"):
         if tag in ("rootName", "trace:rootName"):
             return [("string", "wave")] if ranks else []
-        names = set(_BASE_SPAN_NAMES) if ranks else set()
+        names = set(schema.WAVE_SPAN_NAMES) if ranks else set()
         names |= {
             f"collective:{op}" for op in _collective_values(conn, ranks, start_ns, end_ns, "op")
         }

@@ -95,7 +95,9 @@ RANK_SPAN_FIELDS = (
     "dummy",
 )
 WAVE_SPAN_FIELDS = ("num_reqs", "dummy")
-SPAN_NAMES = ("wave", "rank", "execute_model", "sample_tokens", "collective", "incident")
+# the spans every stored wave has (`query --name` searches these), then the other kinds
+WAVE_SPAN_NAMES = ("wave", "rank", "execute_model", "sample_tokens")
+SPAN_NAMES = (*WAVE_SPAN_NAMES, "collective", "incident")
 
 
 class InvalidBatch(ValueError):

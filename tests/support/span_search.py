@@ -11,13 +11,14 @@ import sqlite3
 import numpy as np
 
 from telemetry import store
-from telemetry.cli.args import SORT_KEYS, SPAN_NAMES
+from telemetry.cli.args import SORT_KEYS
 from telemetry.spans.builders import (
     Span,
     is_root_rank,
     wave_spans,
 )
 from telemetry.spans.query import QueryError
+from telemetry.wire.schema import WAVE_SPAN_NAMES
 
 
 @dataclasses.dataclass
@@ -34,9 +35,9 @@ class SpanQuery:
     limit: int = 20
 
     def validate(self) -> None:
-        if self.name is not None and self.name not in SPAN_NAMES:
+        if self.name is not None and self.name not in WAVE_SPAN_NAMES:
             raise QueryError(
-                f"--name: {self.name!r} is not a span name; one of {', '.join(SPAN_NAMES)}"
+                f"--name: {self.name!r} is not a span name; one of {', '.join(WAVE_SPAN_NAMES)}"
             )
         if self.sort not in SORT_KEYS:
             raise QueryError(f"--sort: {self.sort!r}; one of {', '.join(SORT_KEYS)}")
@@ -101,7 +102,7 @@ def search(conn: sqlite3.Connection, query: SpanQuery) -> list[Span]:
     query.validate()
     where, params = _rank_filter(query)
     ranks = {r.id: r for r in store.ranks(conn, where, params)}
-    names = (query.name,) if query.name else SPAN_NAMES
+    names = (query.name,) if query.name else WAVE_SPAN_NAMES
     best: list[tuple] = []  # min-heap of (key, tiebreak, rank id, name, index, cols)
     counter = 0
     for rank_id, cols in store.wave_blocks(

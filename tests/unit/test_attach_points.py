@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from ascend_runtime.attach import actions
+from ascend_runtime.attach import actions, detect
 from ascend_runtime.attach.binder import BINDINGS, bind_point
 from ascend_runtime.attach.points import (
     ACTIONS,
@@ -277,7 +277,7 @@ def test_device_time_steps_aside_where_there_is_no_device_clock(monkeypatch):
     """On a platform with no device clock (CPU) each wrapper puts the bare method back at its
     first guarded call, the one that finds the clock missing and the one after it alike, so
     later steps pay no frame of the guard's; with the guard off they stay."""
-    monkeypatch.setitem(actions._state, "platform", "cpu")
+    monkeypatch.setitem(detect._detected, "platform", "cpu")
     monkeypatch.delitem(actions._state, "timer", raising=False)
     Worker, CPUWorker, originals = _device_time_worker()
     install(None)

@@ -163,10 +163,10 @@ def test_a_workspace_that_survives_its_capture_is_a_leak(npu):
 
 def test_graph_capture_action_wraps_a_manager_capture(npu, monkeypatch):
     """Stand-in torch_npu: the binder's graph_capture wrapper around a manager's capture()."""
-    from ascend_runtime.attach import actions
+    from ascend_runtime.attach import actions, detect
     from guard.decorators import install
 
-    monkeypatch.setitem(actions._state, "platform", "ascend")
+    monkeypatch.setitem(detect._detected, "platform", "ascend")
 
     class Manager:
         def capture(self):

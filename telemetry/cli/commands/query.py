@@ -20,7 +20,7 @@ import dataclasses
 import json
 import time
 
-from telemetry.cli.args import SORT_KEYS, SPAN_NAMES, parse_duration_ns, parse_rank, parse_time_ns
+from telemetry.cli.args import SORT_KEYS, parse_duration_ns, parse_rank, parse_time_ns
 from telemetry.cli.common import clock
 from telemetry.cli.follow import follow
 from telemetry.cli.render import (
@@ -37,6 +37,7 @@ from telemetry.cli.render import (
 from telemetry.cli.source import add_source_arguments, ask, open_source
 from telemetry.cli.table import render_table
 from telemetry.spans.query import QueryError
+from telemetry.wire.schema import WAVE_SPAN_NAMES
 
 FILTER_FLAGS = ("min_duration", "rank", "name", "run_id", "engine", "wave")
 TREE_SPSS = 10_000  # --tree marks every matched span of a trace
@@ -108,15 +109,15 @@ def _duration(ns: int) -> str:
 
 def flags_to_traceql(args: argparse.Namespace) -> str:
     """The one TraceQL filter the filter flags stand for."""
-    if args.name is not None and args.name not in SPAN_NAMES:
+    if args.name is not None and args.name not in WAVE_SPAN_NAMES:
         raise QueryError(
-            f"--name: {args.name!r} is not a span name; one of {', '.join(SPAN_NAMES)}"
+            f"--name: {args.name!r} is not a span name; one of {', '.join(WAVE_SPAN_NAMES)}"
         )
     terms = []
     if args.name is not None:
         terms.append(f"name = {_string(args.name)}")
     else:
-        terms.append("(" + " || ".join(f"name = {_string(n)}" for n in SPAN_NAMES) + ")")
+        terms.append("(" + " || ".join(f"name = {_string(n)}" for n in WAVE_SPAN_NAMES) + ")")
     if args.rank:
         terms += [f".{coord} = {value}" for coord, value in parse_rank(args.rank).items()]
     if args.run_id is not None:
