@@ -201,9 +201,12 @@ def _speculator(obj: Any, args: tuple, kwargs: dict, result: Any) -> None:
         return
     num_sampled = kwargs.get("num_sampled", args[5] if len(args) > 5 else None)
     stats.on_propose(
-        method, type(obj).__name__, result, num_sampled=num_sampled,
+        method,
+        type(obj).__name__,
+        result,
+        num_sampled=num_sampled,
         new_event=device_time.event_factory(platform()),
-    )  # fmt: skip
+    )
 
 
 def _host_sampled(args: tuple, kwargs: dict) -> list | None:

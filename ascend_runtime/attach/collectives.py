@@ -156,10 +156,14 @@ def install_collective_guard(config: GuardConfig, processor: Any) -> None:
     if not collectives.enabled and not fault.enabled:
         return
     guard = CollectiveGuard(
-        collectives, fault, wave_source=lambda: processor.wave, rank_source=current_rank,
-        describe_group=describe_group, new_event=_replay_events(),
+        collectives,
+        fault,
+        wave_source=lambda: processor.wave,
+        rank_source=current_rank,
+        describe_group=describe_group,
+        new_event=_replay_events(),
         world_size=widest_group,
-    )  # fmt: skip
+    )
     processor.observer = guard
     if collectives.enabled:
         install_tracker(guard.tracker)  # the GroupCoordinator rows of the attach-point table

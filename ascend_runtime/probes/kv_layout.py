@@ -122,10 +122,12 @@ def _check_separate(
     if len(parts) != 2:
         report.violations.append(
             Violation(
-                NOT_SEPARATE, layer, f"expected separate K and V caches, found {len(parts)} tensor(s)",
+                NOT_SEPARATE,
+                layer,
+                f"expected separate K and V caches, found {len(parts)} tensor(s)",
                 {"tensors": len(parts), "shapes": [list(p.shape) for p in parts]},
             )
-        )  # fmt: skip
+        )
         return
     k, v = parts
     for name, tensor, want_bytes in (
@@ -137,10 +139,12 @@ def _check_separate(
     if k0 < v1 and v0 < k1:
         report.violations.append(
             Violation(
-                OVERLAP, layer, "K and V caches share memory",
+                OVERLAP,
+                layer,
+                "K and V caches share memory",
                 {"k": [k0, k1], "v": [v0, v1]},
             )
-        )  # fmt: skip
+        )
 
 
 def _check_stacked(
@@ -170,30 +174,44 @@ def _check_tensor(
     if not tensor.is_contiguous():
         report.violations.append(
             Violation(
-                NOT_CONTIGUOUS, layer, f"{name} cache is not contiguous",
+                NOT_CONTIGUOUS,
+                layer,
+                f"{name} cache is not contiguous",
                 {"cache": name, "shape": list(tensor.shape), "stride": list(tensor.stride())},
             )
-        )  # fmt: skip
+        )
     have = _nbytes(tensor)
     if have != want_bytes:
         report.violations.append(
             Violation(
-                SIZE_MISMATCH, layer, f"{name} cache holds {have} bytes, the spec says {want_bytes}",
-                {"cache": name, "bytes": have, "expected_bytes": want_bytes,
-                 "shape": list(tensor.shape), "dtype": str(tensor.dtype)},
+                SIZE_MISMATCH,
+                layer,
+                f"{name} cache holds {have} bytes, the spec says {want_bytes}",
+                {
+                    "cache": name,
+                    "bytes": have,
+                    "expected_bytes": want_bytes,
+                    "shape": list(tensor.shape),
+                    "dtype": str(tensor.dtype),
+                },
             )
-        )  # fmt: skip
+        )
     if aligned:
         offset = int(tensor.data_ptr()) % alignment
         if offset:
             report.violations.append(
                 Violation(
-                    MISALIGNED, layer,
+                    MISALIGNED,
+                    layer,
                     f"{name} cache starts {offset} bytes past a {alignment // 1024} KiB boundary",
-                    {"cache": name, "data_ptr": int(tensor.data_ptr()), "offset": offset,
-                     "alignment": alignment},
+                    {
+                        "cache": name,
+                        "data_ptr": int(tensor.data_ptr()),
+                        "offset": offset,
+                        "alignment": alignment,
+                    },
                 )
-            )  # fmt: skip
+            )
 
 
 def expectation_from_spec(spec: Any, dims: tuple[int, int] | None = None) -> LayerExpectation:
@@ -207,6 +225,10 @@ def expectation_from_spec(spec: Any, dims: tuple[int, int] | None = None) -> Lay
     dtype_size = torch.empty((), dtype=spec.dtype).element_size()
     page = getattr(spec, "page_size_bytes", None)
     return LayerExpectation(
-        int(spec.block_size), int(spec.num_kv_heads), k_dim, v_dim, dtype_size,
+        int(spec.block_size),
+        int(spec.num_kv_heads),
+        k_dim,
+        v_dim,
+        dtype_size,
         int(page) if isinstance(page, int) else None,
-    )  # fmt: skip
+    )

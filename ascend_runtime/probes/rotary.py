@@ -23,8 +23,12 @@ def check_rotary_capacity(
     short = {name: n for name, n in rows.items() if n < need}
     if not short:
         return None
-    return {"rows": rows, "needed": need, "max_num_reqs": max_num_reqs,
-            "decode_query_len": decode_query_len}  # fmt: skip
+    return {
+        "rows": rows,
+        "needed": need,
+        "max_num_reqs": max_num_reqs,
+        "decode_query_len": decode_query_len,
+    }
 
 
 def probe_runner(runner: Any) -> dict[str, Any] | None:

@@ -17,8 +17,17 @@ def add_waves(cols: guard_pb2.CollectiveColumns, items: list[FinishedWave]) -> N
     keys: dict[tuple[str, str, str, str], int] = {}
     waves, arrivals, waits, dropped, injected, replay = [], [], [], [], [], []
     wave_index, key_index, calls, nbytes, host, max_host, first, last, replayed, counted = (
-        [], [], [], [], [], [], [], [], [], []
-    )  # fmt: skip
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+        [],
+    )
     slow_rows: list[int] = []
     row = len(cols.wave)
     for item in items:
@@ -48,9 +57,15 @@ def add_waves(cols: guard_pb2.CollectiveColumns, items: list[FinishedWave]) -> N
             counted.append(g)
         for op, group, backend, dtype, seq, size, start, host_ns in item.slow_calls:
             cols.slow_calls.add(
-                op=op, group=group, backend=backend, dtype=dtype, seq=seq, bytes=size,
-                start_unix_nano=start, host_ns=host_ns,
-            )  # fmt: skip
+                op=op,
+                group=group,
+                backend=backend,
+                dtype=dtype,
+                seq=seq,
+                bytes=size,
+                start_unix_nano=start,
+                host_ns=host_ns,
+            )
             slow_rows.append(row)
         row += 1
     cols.wave.extend(waves)

@@ -44,9 +44,16 @@ class FaultInjector:
         log.warning(
             "FAULT_INJECTION_ENABLED",
             message="fire drill: this server will be delayed on purpose; do not use in production",
-            tp_rank=c.tp_rank, dp_rank=c.dp_rank, pp_rank=c.pp_rank, at_wave=c.at_wave,
-            waves=c.waves, delay_ms=c.delay_ms, where=c.where, op=c.op, group=c.group,
-        )  # fmt: skip
+            tp_rank=c.tp_rank,
+            dp_rank=c.dp_rank,
+            pp_rank=c.pp_rank,
+            at_wave=c.at_wave,
+            waves=c.waves,
+            delay_ms=c.delay_ms,
+            where=c.where,
+            op=c.op,
+            group=c.group,
+        )
 
     def _is_target(self) -> bool:
         if self._targeted is None:

@@ -42,10 +42,12 @@ class CollectiveGuard:
         self.watchdog: CollectiveWatchdog | None = None
         if config.watchdog:
             self.watchdog = CollectiveWatchdog(
-                self.tracker, deadline_s=config.deadline_s,
+                self.tracker,
+                deadline_s=config.deadline_s,
                 interval_s=config.watchdog_interval_ms / 1000.0,
-                arm_after_waves=config.arm_after_waves, wave_source=wave_source,
-            )  # fmt: skip
+                arm_after_waves=config.arm_after_waves,
+                wave_source=wave_source,
+            )
         self.injector: FaultInjector | None = None
         if fault_config.enabled:
             self.injector = FaultInjector(fault_config, self.tracker, rank_source)

@@ -527,9 +527,17 @@ class CollectiveTracker:
         if host_ns >= self._slow_ns:
             if len(self._slow) < self._max_slow:
                 self._slow.append(
-                    (op, meta.label, meta.backend, self._dtype(data), seq, nbytes,
-                     start + self._wall_offset_ns, host_ns)
-                )  # fmt: skip
+                    (
+                        op,
+                        meta.label,
+                        meta.backend,
+                        self._dtype(data),
+                        seq,
+                        nbytes,
+                        start + self._wall_offset_ns,
+                        host_ns,
+                    )
+                )
             else:
                 self._slow_dropped += 1
 
@@ -565,6 +573,7 @@ class CollectiveTracker:
                 # the host call returned; is the device still inside the graph?
                 replaying = self.replay_pending()
                 if replaying is not None:
+                    # a table: one row per line, columns aligned (fmt: skip)
                     current = (
                         replaying.op, replaying.group, replaying.backend, replaying.seq,
                         replaying.start_ns,

@@ -134,9 +134,11 @@ class ConfigWatcher:
             )
         else:
             log.info(
-                "config_reload_staged", path=self.path, generation=self.generation,
+                "config_reload_staged",
+                path=self.path,
+                generation=self.generation,
                 needs_restart=list(restart),
-            )  # fmt: skip
+            )
         return self.stamp
 
     def stamp_output(self, scheduler_output: Any) -> None:

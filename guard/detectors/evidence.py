@@ -55,6 +55,7 @@ class EvidenceDumper:
         config = self.config
         parts: dict[str, bytes | Any] = {}
         tokens = (tokens or [])[-config.recent_tokens :] if config.recent_tokens else []
+        # a table: one row per line, columns aligned (fmt: skip)
         meta = {
             **meta, "type": incident_type, "wave": wave, "request_id": request_id,
             "run_id": self.run_id, "rank": self.rank_label, "time_unix": time.time(),

@@ -217,9 +217,17 @@ class IngestService:
         if self.on_engine_joined is not None:
             self.on_engine_joined(engine)
         self._stream_log(
-            "rank_connected", "connected", engine=engine, run_id=rank.run_id, dp=rank.dp_rank, tp=rank.tp_rank, pp=rank.pp_rank,
-            node=rank.node, pid=rank.pid, runner=rank.runner,
-        )  # fmt: skip
+            "rank_connected",
+            "connected",
+            engine=engine,
+            run_id=rank.run_id,
+            dp=rank.dp_rank,
+            tp=rank.tp_rank,
+            pp=rank.pp_rank,
+            node=rank.node,
+            pid=rank.pid,
+            runner=rank.runner,
+        )
         return view
 
     def _unregister(self, stream_id: int, view: RankView, clean: bool = True) -> None:
@@ -231,9 +239,16 @@ class IngestService:
             self.cross_rank.rank_gone(view.engine, view.rank)
         rank = view.rank
         self._stream_log(
-            "rank_disconnected", "disconnected", engine=view.engine, dp=rank.dp_rank, tp=rank.tp_rank, pp=rank.pp_rank,
-            waves=view.waves, last_wave=view.last_wave, clean=clean,
-        )  # fmt: skip
+            "rank_disconnected",
+            "disconnected",
+            engine=view.engine,
+            dp=rank.dp_rank,
+            tp=rank.tp_rank,
+            pp=rank.pp_rank,
+            waves=view.waves,
+            last_wave=view.last_wave,
+            clean=clean,
+        )
         if last and self.on_engine_idle is not None:
             self.on_engine_idle(view.engine, clean)
 

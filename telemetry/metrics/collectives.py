@@ -21,6 +21,7 @@ from telemetry.wire.replica import REPLICA_LABELS
 COLLECTIVE_LABELS = (*RANK_LABELS, "op", "group", "backend")
 STAGE_LABELS = (*REPLICA_LABELS, "pp")  # the ranks of one replica's PP stage align waves
 # skew / waits: 100 us .. 60 s
+# a table: one row per line, columns aligned (fmt: skip)
 SKEW_BUCKETS = (
     0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
     0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,

@@ -29,6 +29,7 @@ from telemetry.wire.wave_columns import to_columns
 RANK_LABELS = ("engine", "dp", "tp", "pp")
 PHASES = ("execute_model", "sample_tokens", "step")
 # Host time per phase: 50 us .. 60 s
+# a table: one row per line, columns aligned (fmt: skip)
 DURATION_BUCKETS = (
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
     0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,

@@ -335,9 +335,12 @@ class Sidecar:
         if settings.publish:
             self._publish()
         log.info(
-            "sidecar_ready", listen=settings.listen, metrics=f"http://{settings.metrics_host}:{settings.metrics_port}/metrics",
-            store=settings.store, otlp=settings.otlp_endpoint or "off",
-        )  # fmt: skip
+            "sidecar_ready",
+            listen=settings.listen,
+            metrics=f"http://{settings.metrics_host}:{settings.metrics_port}/metrics",
+            store=settings.store,
+            otlp=settings.otlp_endpoint or "off",
+        )
 
     def stop(self, grace_s: float = 2.0) -> None:
         """Stop every part in order; the log line says how long each step took."""
@@ -444,6 +447,7 @@ class Sidecar:
             settings.query_host if settings.query_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         )
         scheme = "https" if settings.security.tls else "http"  # both listeners share the TLS
+        # a table: one row per line, columns aligned (fmt: skip)
         facts = {
             "pid": os.getpid(), "listen": settings.listen, "store": os.path.abspath(settings.store),
             "metrics_url": f"http://127.0.0.1:{settings.metrics_port}/metrics",

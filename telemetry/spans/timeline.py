@@ -161,10 +161,11 @@ def read_collectives(
             entry.injected_ns += cw.injected_delay_ns
             entry.spans += collective_spans(rank, cw)
             entry.slow_calls += [
-                SlowCall(c.op, c.group, c.backend, c.dtype, c.seq, c.bytes, c.start_unix_nano,
-                         c.host_ns)
+                SlowCall(
+                    c.op, c.group, c.backend, c.dtype, c.seq, c.bytes, c.start_unix_nano, c.host_ns
+                )
                 for c in cw.slow_calls
-            ]  # fmt: skip
+            ]
     return out
 
 
@@ -315,20 +316,39 @@ def _rank_slices(pid: int, rw: _RankWave, coll: RankCollectives | None) -> list[
         if coll.injected_ns:
             args["injected_delay_ns"] = coll.injected_ns
         out.append(
-            _Slice(pid, f"collective {op} {group}", span.name, f"collective,{backend}",
-                   span.start_ns, span.end_ns, args, key=(rw.rank.id, rw.wave, op, group))
-        )  # fmt: skip
+            _Slice(
+                pid,
+                f"collective {op} {group}",
+                span.name,
+                f"collective,{backend}",
+                span.start_ns,
+                span.end_ns,
+                args,
+                key=(rw.rank.id, rw.wave, op, group),
+            )
+        )
     for call in coll.slow_calls:
         args = dataclasses.asdict(call)
         r = rw.rank
-        span_id = slow_call_span_id(r.run_id, rw.wave, (r.dp, r.tp, r.pp), call.op, call.group,
-                                    call.seq)  # fmt: skip
-        args.update(wave=rw.wave, trace_id=rw.spans[0].trace_hex if rw.spans else "",
-                    span_id=format_span_id(span_id))  # fmt: skip
+        span_id = slow_call_span_id(
+            r.run_id, rw.wave, (r.dp, r.tp, r.pp), call.op, call.group, call.seq
+        )
+        args.update(
+            wave=rw.wave,
+            trace_id=rw.spans[0].trace_hex if rw.spans else "",
+            span_id=format_span_id(span_id),
+        )
         out.append(
-            _Slice(pid, SLOW_TRACK, f"slow {call.op} {call.group} #{call.seq}", "slow_call",
-                   call.start_ns, call.start_ns + call.host_ns, args)
-        )  # fmt: skip
+            _Slice(
+                pid,
+                SLOW_TRACK,
+                f"slow {call.op} {call.group} #{call.seq}",
+                "slow_call",
+                call.start_ns,
+                call.start_ns + call.host_ns,
+                args,
+            )
+        )
     return out
 
 
@@ -373,6 +393,7 @@ def _flows(
             if high - low < 2:  # no moment strictly inside both slices
                 unbound += 1
                 continue
+            # a table: one row per line, columns aligned (fmt: skip)
             args = {
                 "wave": rw.wave, "op": op, "group": group,
                 "last_rank": f"dp{last_rw.rank.dp} tp{last_rw.rank.tp} pp{last_rw.rank.pp}",
@@ -438,8 +459,10 @@ def build_timeline(conn: sqlite3.Connection, query: TimelineQuery) -> Timeline:
         lanes = _lanes(group)
         for s in group:
             s.lane = lanes[id(s)]
-    threads = sorted({(s.pid, s.track, s.lane) for s in slices},
-                     key=lambda k: (k[0], _track_rank(k[1]), k[1], k[2]))  # fmt: skip
+    threads = sorted(
+        {(s.pid, s.track, s.lane) for s in slices},
+        key=lambda k: (k[0], _track_rank(k[1]), k[1], k[2]),
+    )
     tids: dict[tuple[int, str, int], int] = {}
     per_pid: dict[int, int] = defaultdict(int)
     for pid, track, lane in threads:
@@ -462,9 +485,17 @@ def build_timeline(conn: sqlite3.Connection, query: TimelineQuery) -> Timeline:
 
     for s in sorted(slices, key=lambda s: (s.pid, s.tid, s.start_ns, -s.end_ns)):
         events.append(
-            {"name": s.name, "cat": s.cat, "ph": "X", "ts": _us(s.start_ns - base),
-             "dur": _us(s.end_ns - s.start_ns), "pid": s.pid, "tid": s.tid, "args": s.args}
-        )  # fmt: skip
+            {
+                "name": s.name,
+                "cat": s.cat,
+                "ph": "X",
+                "ts": _us(s.start_ns - base),
+                "dur": _us(s.end_ns - s.start_ns),
+                "pid": s.pid,
+                "tid": s.tid,
+                "args": s.args,
+            }
+        )
 
     slices_by_key = {s.key: s for s in slices if s.key is not None}
     arrows, unbound = _flows(selected, colls, slices_by_key, query.min_wait_ns)
@@ -480,12 +511,24 @@ def build_timeline(conn: sqlite3.Connection, query: TimelineQuery) -> Timeline:
         if pid is None:
             pid, orphans = orphan_pid, True
         event = span.events[0]["attributes"]
-        args = {"trace_id": span.trace_hex, "span_id": span.span_hex, "wave": span.wave,
-                **{k.removeprefix("incident."): v for k, v in event.items()}}  # fmt: skip
+        args = {
+            "trace_id": span.trace_hex,
+            "span_id": span.span_hex,
+            "wave": span.wave,
+            **{k.removeprefix("incident."): v for k, v in event.items()},
+        }
         events.append(
-            {"name": span.name, "cat": "incident", "ph": "i", "s": "p", "ts": _us(span.start_ns - base),
-             "pid": pid, "tid": pid * _TID_STRIDE + 1, "args": args}
-        )  # fmt: skip
+            {
+                "name": span.name,
+                "cat": "incident",
+                "ph": "i",
+                "s": "p",
+                "ts": _us(span.start_ns - base),
+                "pid": pid,
+                "tid": pid * _TID_STRIDE + 1,
+                "args": args,
+            }
+        )
     if orphans:
         events.append(_meta("process_name", orphan_pid, 0, name=NO_RANK_PROCESS))
         events.append(_meta("process_sort_index", orphan_pid, 0, sort_index=orphan_pid))

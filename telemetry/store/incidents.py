@@ -126,6 +126,7 @@ class IncidentLedger:
         dp = rank.dp_rank if rank is not None else 0
         # an incident not tied to a wave (wave 0) is in its run's wave-0 trace (telemetry/spans/builders.py)
         trace_id = format_trace_id(wave_trace_id(run_id, incident.wave, dp))
+        # a table: one row per line, columns aligned (fmt: skip)
         row = (
             incident.id, incident.schema_version, incident.type, incident.severity,
             rank.run_id if rank is not None else "", engine,
@@ -161,9 +162,15 @@ class IncidentLedger:
                 except Exception:  # noqa: BLE001 - a listener must not lose the incident
                     log.exception("incident_listener_failed", id=incident.id)
         log.info(
-            "incident", id=incident.id, type=incident.type, severity=incident.severity, engine=engine,
-            wave=incident.wave, request_id=incident.request_id, summary=incident.summary,
-        )  # fmt: skip
+            "incident",
+            id=incident.id,
+            type=incident.type,
+            severity=incident.severity,
+            engine=engine,
+            wave=incident.wave,
+            request_id=incident.request_id,
+            summary=incident.summary,
+        )
         if time.monotonic() - self._last_prune > 60:
             self.prune()
         return True

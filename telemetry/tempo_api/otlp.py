@@ -41,15 +41,21 @@ def instance_id(key: tuple) -> str:
 
 def resources(spans: list[Span]) -> dict[tuple, dict[str, Any]]:
     """Rank key -> its resource attributes, in rank order (the replica's own first)."""
-    nodes = {rank_key(s): s.attributes[schema.ATTR_NODE] for s in spans
-             if schema.ATTR_NODE in s.attributes}  # fmt: skip
+    nodes = {
+        rank_key(s): s.attributes[schema.ATTR_NODE]
+        for s in spans
+        if schema.ATTR_NODE in s.attributes
+    }
     keys = sorted({rank_key(s) for s in spans}, key=_order)
     out = {}
     for key in keys:
         engine, dp, tp, pp = key
         node = nodes.get(key) or nodes.get((engine, dp, 0, 0)) or ""
-        attrs = {"service.name": SERVICE_NAME, "service.namespace": engine,
-                 "service.instance.id": instance_id(key)}  # fmt: skip
+        attrs = {
+            "service.name": SERVICE_NAME,
+            "service.namespace": engine,
+            "service.instance.id": instance_id(key),
+        }
         if node:
             attrs["host.name"] = node
         out[key] = attrs

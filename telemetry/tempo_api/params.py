@@ -7,8 +7,16 @@ import re
 from decimal import Decimal, InvalidOperation
 
 # Go's time.ParseDuration units (Tempo parses minDuration, maxDuration and step with it)
-_GO_UNIT_NS = {"ns": 1, "us": 10**3, "µs": 10**3, "μs": 10**3, "ms": 10**6, "s": 10**9,
-               "m": 60 * 10**9, "h": 3600 * 10**9}  # fmt: skip
+_GO_UNIT_NS = {
+    "ns": 1,
+    "us": 10**3,
+    "µs": 10**3,
+    "μs": 10**3,
+    "ms": 10**6,
+    "s": 10**9,
+    "m": 60 * 10**9,
+    "h": 3600 * 10**9,
+}
 _GO_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
 _GO_DURATION = re.compile(rf"^(?:{_GO_PART.pattern})+$")
 _HEX = re.compile(r"^[0-9A-Fa-f]{1,32}$")

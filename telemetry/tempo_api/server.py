@@ -93,8 +93,11 @@ def _trace(conn: sqlite3.Connection, req: Request, raw_id: str, v2: bool) -> Rep
 
 # -- search ---------------------------------------------------------------------------------
 def _span_json(span, attrs: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"spanID": span.span_hex, "name": span.name,
-                           "startTimeUnixNano": str(span.start_ns)}  # fmt: skip
+    out: dict[str, Any] = {
+        "spanID": span.span_hex,
+        "name": span.name,
+        "startTimeUnixNano": str(span.start_ns),
+    }
     if span.duration_ns:
         out["durationNanos"] = str(span.duration_ns)
     if attrs:
@@ -164,8 +167,12 @@ def _search(conn: sqlite3.Connection, req: Request) -> Reply:
                 "minDuration", "with q, write durations in TraceQL: {duration > 10ms}"
             )
         if not traceql_adapter.available():
-            return _text(501, "TraceQL (q) is not available in this build of the sidecar; "
-                         "use tags=, minDuration= and maxDuration=", "not_implemented")  # fmt: skip
+            return _text(
+                501,
+                "TraceQL (q) is not available in this build of the sidecar; "
+                "use tags=, minDuration= and maxDuration=",
+                "not_implemented",
+            )
         hits = traceql_adapter.search(
             conn, q, start_ns or 0, end_ns if end_ns is not None else time.time_ns(), limit, spss
         )
@@ -173,9 +180,15 @@ def _search(conn: sqlite3.Connection, req: Request) -> Reply:
     if tags:
         legacy_tags += params.logfmt("tags", tags)
     result = store_search.legacy_search(
-        conn, legacy_tags, min_ns=min_ns, max_ns=max_ns, start_ns=start_ns, end_ns=end_ns,
-        limit=limit, spss=spss,
-    )  # fmt: skip
+        conn,
+        legacy_tags,
+        min_ns=min_ns,
+        max_ns=max_ns,
+        start_ns=start_ns,
+        end_ns=end_ns,
+        limit=limit,
+        spss=spss,
+    )
     metrics: dict[str, Any] = {}
     if result.inspected_traces:
         metrics["inspectedTraces"] = result.inspected_traces
@@ -231,8 +244,9 @@ def _tag_values(conn: sqlite3.Connection, req: Request, raw_tag: str, v2: bool) 
         params.positive_int("maxStaleValues", req.get("maxStaleValues") or "")
     if not v2 and "." not in tag.lstrip(".") and tag not in ("name", "status", "kind"):
         tag = f".{tag}"  # v1 names are bare attribute keys
-    values = store_search.tag_values(conn, tag if v2 or tag.startswith(".") else f".{tag}",
-                                     start_ns, end_ns)[:limit]  # fmt: skip
+    values = store_search.tag_values(
+        conn, tag if v2 or tag.startswith(".") else f".{tag}", start_ns, end_ns
+    )[:limit]
     if v2:
         return _json({"tagValues": [{"type": t, "value": str(v)} for t, v in values]})
     return _json({"tagValues": [str(v) for _, v in values]})
@@ -261,13 +275,17 @@ def _query_range(conn: sqlite3.Connection, req: Request) -> Reply:
         start_ns = end_ns - DEFAULT_METRICS_WINDOW_NS
     if end_ns <= start_ns:
         raise BadParameter("end", "is not after start")
-    step = params.step_ns(req.get("step") or "") if req.get("step") else max(
-        10**9, -(-(end_ns - start_ns) // METRICS_POINTS // 10**9) * 10**9)  # fmt: skip
+    step = (
+        params.step_ns(req.get("step") or "")
+        if req.get("step")
+        else max(10**9, -(-(end_ns - start_ns) // METRICS_POINTS // 10**9) * 10**9)
+    )
     if req.get("exemplars") and not (req.get("exemplars") or "").isdigit():
         raise BadParameter("exemplars", f"{req.get('exemplars')!r} is not a whole number")
     if not traceql_adapter.available():
-        return _text(501, "TraceQL metrics are not available in this build of the sidecar",
-                     "not_implemented")  # fmt: skip
+        return _text(
+            501, "TraceQL metrics are not available in this build of the sidecar", "not_implemented"
+        )
     series = traceql_adapter.metrics_range(conn, q, start_ns, end_ns, step)
     out = []
     for labels, samples in series:
@@ -294,8 +312,16 @@ def _span_list(conn: sqlite3.Connection, req: Request) -> Reply:
 
 # -- routing --------------------------------------------------------------------------------
 def _buildinfo() -> Reply:
-    return _json({"version": build_info.version(), "revision": "", "branch": "",
-                  "buildUser": "", "buildDate": "", "goVersion": ""})  # fmt: skip
+    return _json(
+        {
+            "version": build_info.version(),
+            "revision": "",
+            "branch": "",
+            "buildUser": "",
+            "buildDate": "",
+            "goVersion": "",
+        }
+    )
 
 
 def route(store_path: str, req: Request) -> tuple[str, Reply]:
@@ -326,9 +352,12 @@ def route(store_path: str, req: Request) -> tuple[str, Reply]:
         endpoint = "tag_values"
         handler = lambda c: _tag_values(c, req, raw, v2)  # noqa: E731
     else:
-        return "other", _text(404, f"unknown path {path!r}; this is a Tempo-compatible query "
-                              "API: /api/search, /api/v2/traces/<id>, /api/v2/search/tags, ...",
-                              "unknown_path")  # fmt: skip
+        return "other", _text(
+            404,
+            f"unknown path {path!r}; this is a Tempo-compatible query "
+            "API: /api/search, /api/v2/traces/<id>, /api/v2/search/tags, ...",
+            "unknown_path",
+        )
     try:
         conn = store.connect(store_path, readonly=True)
     except (FileNotFoundError, sqlite3.Error) as exc:
@@ -354,8 +383,11 @@ def _handler(
                 refused.labels("any", "unauthorized").inc()
                 send_unauthorized(self)
                 return
-            req = Request(url.path.rstrip("/") or "/",
-                          urllib.parse.parse_qs(url.query, keep_blank_values=True), self.headers)  # fmt: skip
+            req = Request(
+                url.path.rstrip("/") or "/",
+                urllib.parse.parse_qs(url.query, keep_blank_values=True),
+                self.headers,
+            )
             try:
                 endpoint, reply = route(store_path, req)
             except Exception:  # a bug must not take the listener down; say so and count it

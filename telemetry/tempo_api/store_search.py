@@ -30,12 +30,14 @@ from telemetry.wire.trace_ids import format_trace_id, wave_trace_key
 FIRST_WINDOW_NS = 2 * 10**9
 MAX_TRACES_INSPECTED = 5000  # exact-pass cap per search (reported as inspectedTraces)
 TAGS_WINDOW_NS = 3600 * 10**9  # tags and values without start/end: the last hour
+# a table: one row per line, columns aligned (fmt: skip)
 INTRINSIC_TAGS = (
     "duration", "event:name", "kind", "name", "rootName", "rootServiceName", "span:duration",
     "span:kind", "span:name", "span:status", "span:statusMessage", "status", "statusMessage",
     "trace:duration", "trace:rootName", "trace:rootService", "traceDuration",
 )  # fmt: skip
 # rank coordinates a legacy tag may name, and the RankRow field it filters on
+# a table: one row per line, columns aligned (fmt: skip)
 _RANK_FIELDS = {
     schema.ATTR_RUN: "run_id", schema.ATTR_ENGINE: "engine", schema.ATTR_DP: "dp",
     schema.ATTR_TP: "tp", schema.ATTR_PP: "pp", schema.ATTR_NODE: "node", schema.ATTR_PID: "pid",
@@ -49,8 +51,17 @@ def span_attribute_keys() -> list[str]:
     from telemetry.spans.requests import REQUEST_ATTRIBUTE_KEYS  # it imports the query layer
 
     keys = set(REQUEST_ATTRIBUTE_KEYS)
-    keys |= {schema.ATTR_RUN, schema.ATTR_ENGINE, schema.ATTR_WAVE, schema.ATTR_DP, schema.ATTR_TP,
-            schema.ATTR_PP, schema.ATTR_NODE, schema.ATTR_PID, schema.attr("incident_type")}  # fmt: skip
+    keys |= {
+        schema.ATTR_RUN,
+        schema.ATTR_ENGINE,
+        schema.ATTR_WAVE,
+        schema.ATTR_DP,
+        schema.ATTR_TP,
+        schema.ATTR_PP,
+        schema.ATTR_NODE,
+        schema.ATTR_PID,
+        schema.attr("incident_type"),
+    }
     keys |= {schema.attr(f) for f in schema.RANK_SPAN_FIELDS + schema.WAVE_SPAN_FIELDS}
     keys |= {schema.attr(f"collective.{f}") for f in schema.COLLECTIVE_STAT_FIELDS}
     return sorted(keys)
@@ -91,8 +102,13 @@ def _resolve(key: str) -> str:
     full = key if key.startswith(schema.PREFIX) else schema.attr(key)
     if full in span_attribute_keys():
         return full
-    known = ", ".join(["name", *otlp.RESOURCE_KEYS, *(k.removeprefix(schema.PREFIX)
-                       for k in span_attribute_keys())])  # fmt: skip
+    known = ", ".join(
+        [
+            "name",
+            *otlp.RESOURCE_KEYS,
+            *(k.removeprefix(schema.PREFIX) for k in span_attribute_keys()),
+        ]
+    )
     raise BadParameter("tags", f"unknown tag {key!r}; known tags: {known}")
 
 
@@ -176,8 +192,7 @@ def _windows(conn, ranks, start_ns, end_ns, min_ns, result) -> Iterator[list[tup
 def _rank_durations(cols, starts: np.ndarray) -> np.ndarray:
     """Rank span durations of a block (telemetry/spans/builders.py `rank_end_ns`, column-wise)."""
     execute = starts + np.array(cols.execute_ns, np.int64)
-    sample = (starts + np.array(cols.sample_offset_ns, np.int64)
-              + np.array(cols.sample_ns, np.int64))  # fmt: skip
+    sample = starts + np.array(cols.sample_offset_ns, np.int64) + np.array(cols.sample_ns, np.int64)
     ends = np.where(np.array(cols.sampled, bool), np.maximum(execute, sample), execute)
     return ends - starts
 
@@ -206,8 +221,13 @@ def _match(spans, trace_id, wanted, min_ns, max_ns, spss) -> Hit | None:
     root = next((s for s in spans if s.parent_id is None and s.name == "wave"), None)
     start = min(s.start_ns for s in spans)
     end = max(s.end_ns for s in spans)
-    return Hit(trace_id, root.name if root else None, start, end - start,
-               [(matched[:spss], len(matched), {})])  # fmt: skip
+    return Hit(
+        trace_id,
+        root.name if root else None,
+        start,
+        end - start,
+        [(matched[:spss], len(matched), {})],
+    )
 
 
 # -- tag values -----------------------------------------------------------------------------

