@@ -86,7 +86,7 @@ bench: $(STAMP)
 # regenerate the gRPC code after editing telemetry/wire/proto/guard.proto. The generator is pinned
 # old on purpose: grpcio-tools 1.63.2 writes code that needs only grpcio>=1.63.2 and carries no
 # protobuf runtime-version check, so the install floors stay low enough for vLLM images
-# (docs/compatibility.md; tests/unit/test_install.py fails on newer generated code).
+# (docs/compatibility.md; tests/integration/test_install_pinned.py fails on newer generated code).
 PROTOC_VENV := .cache/protoc-venv
 proto:
 	test -x $(PROTOC_VENV)/bin/python || $(PYTHON) -m venv $(PROTOC_VENV)
