@@ -3,14 +3,12 @@
     ingest (gRPC handlers) -> BoundedQueue -> Writer -> [metrics, store, OTLP exporter]
 
 See telemetry/pipeline/writer.py for the split, telemetry/store/ for the tables and
-telemetry/export/otlp.py for the sampling policy.
-"""
+telemetry/export/otlp.py for the sampling policy."""
 
 from __future__ import annotations
 
 import contextlib
 import faulthandler
-import grp
 import os
 import signal
 import socket
@@ -18,7 +16,6 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import structlog
@@ -32,15 +29,17 @@ from telemetry.crossrank.view import CrossRankView
 from telemetry.export.otlp import ExportSettings, OtlpExporter
 from telemetry.ingest.service import IngestService
 from telemetry.metrics.requests import RequestMetrics
+from telemetry.metrics.sink import MetricsSink
 from telemetry.metrics.store import StoreMetrics
 from telemetry.metrics.waves import SidecarMetrics
 from telemetry.pipeline.writer import (
-    STAGE_WORKER,
     BoundedQueue,
     Drops,
     Writer,
 )
+from telemetry.sidecar.errors import SidecarStartError
 from telemetry.sidecar.settings import SidecarSettings
+from telemetry.sidecar.sockets import claim_socket, secure_socket, socket_gid
 from telemetry.store import Store, prepare_store
 from telemetry.store.incidents import IncidentLedger
 from telemetry.tempo_api import TempoApiServer
@@ -58,84 +57,9 @@ from telemetry.wire.transport import (
 
 log = structlog.get_logger("ascend_guard.sidecar")
 
+
 # Memory guard: gRPC buffers a whole message before the sidecar sees it.
 GRPC_HARD_CAP_BYTES = 64 * 1024 * 1024
-
-
-class _MetricsSink:
-    """Per-batch aggregates into the metrics (the writer's first sink)."""
-
-    stage = "metrics"
-
-    def __init__(
-        self,
-        metrics: SidecarMetrics,
-        cross_rank: CrossRankView,
-        drops: Drops,
-        rank_gauges: RankGauges | None = None,
-    ) -> None:
-        self._metrics = metrics
-        self._cross_rank = cross_rank
-        self._drops = drops
-        self._rank_gauges = rank_gauges
-
-    def write(self, items) -> None:
-        for item in items:
-            source = item.source
-            dropped = self._metrics.observe_batch(source.labels, item.batch, source.process)
-            if dropped:
-                self._drops.add(STAGE_WORKER, "buffer_full_or_lost_in_flight", dropped)
-            self._cross_rank.count(source.engine, item.batch)
-            if self._rank_gauges is not None:
-                self._rank_gauges.count(source.engine, item.batch)
-
-    def close(self) -> None:
-        pass
-
-
-class SidecarStartError(RuntimeError):
-    """The sidecar cannot start; the message says what is in the way."""
-
-
-def _claim_socket(path: str) -> None:
-    """Remove a stale socket file, but refuse to take over a live sidecar's socket."""
-    if not os.path.exists(path):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        return
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.connect(path)
-    except OSError:
-        os.unlink(path)  # nobody listens: a leftover from a sidecar that died
-        return
-    finally:
-        probe.close()
-    raise SidecarStartError(
-        f"another process is already listening on {path}; stop it or pick another --listen"
-    )
-
-
-def _socket_gid(group: str) -> int:
-    if group.isdigit():
-        return int(group)
-    try:
-        return grp.getgrnam(group).gr_gid
-    except KeyError:
-        raise SidecarStartError(
-            f"--socket-group {group!r}: no such group on this host (create it, or pass a gid)"
-        ) from None
-
-
-def _secure_socket(path: str, mode: int, group: str) -> None:
-    """Give the socket file its group and mode (workers of that group may then connect)."""
-    try:
-        if group:
-            os.chown(path, -1, _socket_gid(group))
-        os.chmod(path, mode)
-    except OSError as exc:
-        raise SidecarStartError(
-            f"cannot set mode {mode:o} / group {group or '-'} on {path}: {exc.strerror}"
-        ) from exc
 
 
 class Sidecar:
@@ -210,7 +134,7 @@ class Sidecar:
         )
         self.metrics.registry.register(RequestMetrics(store.requests))  # request membership
         sinks: list = [
-            _MetricsSink(self.metrics, self.cross_rank, self.drops, self.rank_gauges),
+            MetricsSink(self.metrics, self.cross_rank, self.drops, self.rank_gauges),
             store,
         ]
         exporter = None
@@ -248,9 +172,9 @@ class Sidecar:
         self._token = token
         unix_path = unix_socket_path(settings.listen)
         if unix_path:
-            _claim_socket(unix_path)
+            claim_socket(unix_path)
             if settings.socket_group:
-                _socket_gid(settings.socket_group)  # refuse an unknown group before binding
+                socket_gid(settings.socket_group)  # refuse an unknown group before binding
         refused = self.auth_refused.labels("grpc")
         server = grpc.server(
             futures.ThreadPoolExecutor(
@@ -327,7 +251,7 @@ class Sidecar:
         self._server = server
         if unix_path:
             try:
-                _secure_socket(unix_path, settings.socket_mode, settings.socket_group)
+                secure_socket(unix_path, settings.socket_mode, settings.socket_group)
             except SidecarStartError:
                 self.stop(0)
                 raise

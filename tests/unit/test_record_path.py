@@ -83,7 +83,7 @@ class Path_:
     """ingest -> queue -> writer -> (metrics, store), wired as the sidecar wires them."""
 
     def __init__(self, tmp_path, queue_bytes: int = 1 << 24) -> None:
-        from telemetry.sidecar.app import _MetricsSink
+        from telemetry.metrics.sink import MetricsSink
 
         self.metrics = SidecarMetrics(CollectorRegistry())
         self.drops = Drops(self.metrics.registry)
@@ -91,7 +91,7 @@ class Path_:
         self.cross = CrossRankView(self.metrics.registry)
         self.store = Store(tmp_path / "store.db")
         self.writer = Writer(
-            self.queue, [_MetricsSink(self.metrics, self.cross, self.drops), self.store], self.drops
+            self.queue, [MetricsSink(self.metrics, self.cross, self.drops), self.store], self.drops
         )
         self.ingest = IngestService(self.metrics, self.queue, self.drops, cross_rank=self.cross)
         self.path = tmp_path / "store.db"

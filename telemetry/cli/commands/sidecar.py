@@ -117,7 +117,8 @@ def settings_from_args(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
-    from telemetry.sidecar.app import Sidecar, SidecarStartError
+    from telemetry.sidecar.app import Sidecar
+    from telemetry.sidecar.errors import SidecarStartError
 
     logs.configure(json_output=args.log_json)
     try:
