@@ -32,6 +32,7 @@ from telemetry.metrics.requests import RequestMetrics
 from telemetry.metrics.sink import MetricsSink
 from telemetry.metrics.store import StoreMetrics
 from telemetry.metrics.waves import SidecarMetrics
+from telemetry.metrics.workload import WorkloadInfo
 from telemetry.pipeline.writer import (
     BoundedQueue,
     Drops,
@@ -108,6 +109,9 @@ class Sidecar:
             linger_s=settings.engine_linger_s,
             connected_gauge=self.metrics.ranks_connected,
         )
+        # the workload's pod per rank; its entries linger as long as the engine's series
+        self.ingest.workloads.linger_s = settings.engine_linger_s
+        self.metrics.registry.register(WorkloadInfo(self.ingest.workloads))
         self.ingest.on_engine_joined = self.roster.joined
         self.ingest.on_engine_idle = self.roster.idle
         self.ingest.check_engine = self.roster.check

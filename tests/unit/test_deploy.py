@@ -26,6 +26,12 @@ from tools import render_deploy
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 OVERLAYS = ("base", "overlays/daemonset", "overlays/in-pod")
+# the guarded example workloads, applied on their own after their topology's overlay
+EXAMPLES = ("examples/daemonset", "examples/in-pod")
+RENDERED = (*OVERLAYS, *EXAMPLES)
+# topology -> (what `kubectl apply -k` of its overlay creates, its example workload)
+TOPOLOGIES = {"daemonset": ("overlays/daemonset", "examples/daemonset"),
+              "in-pod": ("overlays/in-pod", "examples/in-pod")}  # fmt: skip
 SCHEMAS = DEPLOY / "schemas"
 CRD_KINDS = ("PodMonitor", "ServiceMonitor", "PrometheusRule")
 RULES_TEST = ROOT / "dashboards" / "prometheus" / "alerts_test.yml"
@@ -80,14 +86,31 @@ def flag(args: list[str], name: str) -> str:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_overlay_renders(overlay):
     kinds = {d["kind"] for d in render(overlay)}
-    assert {"PrometheusRule", "ConfigMap"} <= kinds
+    assert {"PrometheusRule", "ConfigMap", "PodMonitor", "Namespace"} <= kinds
     if overlay != "overlays/in-pod":
-        assert {"DaemonSet", "Service", "PodMonitor", "NetworkPolicy"} <= kinds
-    if overlay.startswith("overlays/"):
-        assert "Deployment" in kinds
+        assert {"DaemonSet", "Service", "NetworkPolicy", "PriorityClass"} <= kinds
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlays_deploy_ascend_guard_only(overlay):
+    """`kubectl apply -k` of an overlay creates no workload, no other namespace and asks for
+    no NPU: the example vLLM server is under deploy/examples/, applied on its own."""
+    docs = render(overlay)
+    assert not [d for d in docs if d["kind"] in ("Deployment", "StatefulSet", "Job")]
+    cluster_scoped = ("Namespace", "PriorityClass")
+    spaces = {d["metadata"].get("namespace") for d in docs if d["kind"] not in cluster_scoped}
+    spaces |= {d["metadata"]["name"] for d in docs if d["kind"] == "Namespace"}
+    assert spaces == {"ascend-guard"}, spaces
+    assert "Ascend910" not in yaml.safe_dump_all(docs).replace("huawei-Ascend910", "")
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_examples_hold_the_guarded_workload(example):
+    deployment = one(render(example), "Deployment")
+    assert deployment["metadata"]["labels"]["ascend-guard.io/guarded"] == "true"
+
+
+@pytest.mark.parametrize("overlay", RENDERED)
 def test_core_kinds_validate_strictly(overlay, tmp_path):
     core = [d for d in render(overlay) if d["apiVersion"] != "monitoring.coreos.com/v1"]
     good = tmp_path / "core.yaml"
@@ -96,9 +119,10 @@ def test_core_kinds_validate_strictly(overlay, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # the same check refuses a misspelt field: it can fail
     bad = tmp_path / "bad.yaml"
-    bad.write_text(good.read_text().replace("volumeMounts:", "volumeMount:", 1))
+    field = "volumeMounts" if "volumeMounts:" in good.read_text() else "labels"
+    bad.write_text(good.read_text().replace(f"{field}:", f"{field[:-1]}:", 1))
     proc = _run(_tool("kubernetes-validate"), "--strict", "--quiet", str(bad))
-    assert proc.returncode != 0 and "volumeMount" in proc.stdout + proc.stderr
+    assert proc.returncode != 0 and field[:-1] in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -177,7 +201,7 @@ def _guard_config(docs: list[dict]) -> dict:
 def _sidecar_args(overlay: str) -> tuple[list[str], dict, dict]:
     """(sidecar args, sidecar container, pod spec holding it)."""
     docs = render(overlay)
-    if overlay == "overlays/in-pod":
+    if overlay.endswith("in-pod"):
         spec = one(docs, "Deployment")["spec"]["template"]["spec"]
         side = container(spec, "ascend-guard")
     else:
@@ -186,10 +210,20 @@ def _sidecar_args(overlay: str) -> tuple[list[str], dict, dict]:
     return side["args"], side, spec
 
 
-@pytest.mark.parametrize("overlay", ["overlays/daemonset", "overlays/in-pod"])
+def _topology(name: str) -> list[dict]:
+    """What an SRE applies for one topology: its overlay, then its example workload."""
+    overlay, example = TOPOLOGIES[name]
+    return render(overlay) + render(example)
+
+
+def _sidecar_of(name: str) -> tuple[list[str], dict, dict]:
+    return _sidecar_args(TOPOLOGIES[name][0 if name == "daemonset" else 1])
+
+
+@pytest.mark.parametrize("overlay", ["daemonset", "in-pod"])
 def test_socket_path_in_sidecar_args_is_the_workers_config(overlay):
-    docs = render(overlay)
-    args, side, _ = _sidecar_args(overlay)
+    docs = _topology(overlay)
+    args, side, _ = _sidecar_of(overlay)
     listen = flag(args, "--listen")
     assert listen == _guard_config(docs)["sidecar"] == paths.sidecar_address({})
     socket_dir = os.path.dirname(listen[len("unix://") :])
@@ -199,7 +233,7 @@ def test_socket_path_in_sidecar_args_is_the_workers_config(overlay):
     side_mounts = {m["mountPath"]: m["name"] for m in side["volumeMounts"]}
     assert socket_dir in mounts and socket_dir in side_mounts
     vols = {v["name"]: v for v in vllm["volumes"]}
-    if overlay == "overlays/daemonset":  # the same host folder on both sides
+    if overlay == "daemonset":  # the same host folder on both sides
         ds = one(docs, "DaemonSet")["spec"]["template"]["spec"]
         ds_vols = {v["name"]: v for v in ds["volumes"]}
         assert vols[mounts[socket_dir]]["hostPath"]["path"] == ds_vols[side_mounts[socket_dir]]["hostPath"]["path"] == socket_dir  # fmt: skip
@@ -212,10 +246,10 @@ def test_socket_path_in_sidecar_args_is_the_workers_config(overlay):
     assert flag(args, "--store").startswith(paths.DEFAULT_STATE_DIR + "/")
 
 
-@pytest.mark.parametrize("overlay", ["base", "overlays/in-pod"])
+@pytest.mark.parametrize("overlay", ["daemonset", "in-pod"])
 def test_podmonitor_port_is_the_metrics_port(overlay):
-    docs = render(overlay)
-    args, side, _ = _sidecar_args(overlay)
+    docs = render(TOPOLOGIES[overlay][0])
+    args, side, _ = _sidecar_of(overlay)
     (endpoint,) = one(docs, "PodMonitor")["spec"]["podMetricsEndpoints"]
     ports = {p["name"]: p for p in side["ports"]}
     assert ports[endpoint["port"]]["containerPort"] == int(flag(args, "--metrics-port"))
@@ -227,8 +261,8 @@ def test_podmonitor_port_is_the_metrics_port(overlay):
 
 
 def test_daemonset_reaches_vllm_pods_readiness_probe_at_the_health_host_port():
-    docs = render("overlays/daemonset")
-    args, side, _ = _sidecar_args("overlays/daemonset")
+    docs = _topology("daemonset")
+    args, side, _ = _sidecar_of("daemonset")
     health = {p["name"]: p for p in side["ports"]}["health"]
     assert health["hostPort"] == int(flag(args, "--health-port"))
     vllm = container(one(docs, "Deployment")["spec"]["template"]["spec"], "vllm")
@@ -236,7 +270,7 @@ def test_daemonset_reaches_vllm_pods_readiness_probe_at_the_health_host_port():
     assert env[paths.HEALTH_URL_ENV] == f"http://$(HOST_IP):{health['hostPort']}"
 
 
-@pytest.mark.parametrize("overlay", ["overlays/daemonset", "overlays/in-pod"])
+@pytest.mark.parametrize("overlay", EXAMPLES)
 def test_vllm_probes_never_kill_and_wait_for_a_long_load(overlay):
     docs = render(overlay)
     spec = one(docs, "Deployment")["spec"]["template"]["spec"]
@@ -260,7 +294,7 @@ def test_vllm_probes_never_kill_and_wait_for_a_long_load(overlay):
 def test_guard_config_in_the_configmap_is_valid():
     from guard.config.runtime_guard import parse_config
 
-    config = parse_config(_guard_config(render("overlays/daemonset")))
+    config = parse_config(_guard_config(render("examples/daemonset")))
     assert config.sidecar == paths.sidecar_address({})
 
 
