@@ -461,3 +461,164 @@ def test_the_sidecar_imports_neither_torch_nor_vllm():
     )
     proc = _run(sys.executable, "-c", code, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
+
+
+# -- disk: every bounded writer of a volume, summed, stays below its limit ----------------------
+
+_QUANTITY = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+             "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}  # fmt: skip
+# the share of a volume its bounded writers may fill; the rest is SQLite's WAL and -shm, a
+# bundle being written, and files the bounds do not count
+HEADROOM = 0.75
+
+
+def quantity(text: str) -> int:
+    """A Kubernetes resource quantity ("6Gi", "500M") in bytes."""
+    match = re.fullmatch(r"(\d+)([kMGT]i?|)", str(text))
+    assert match, f"{text!r} is not a quantity this test reads"
+    return int(match.group(1)) * _QUANTITY[match.group(2)]
+
+
+def _mount_of(container: dict, path: str) -> str | None:
+    """The volume holding `path` in `container` (the longest mount path above it)."""
+    best = None
+    for mount in container.get("volumeMounts", ()):
+        root = mount["mountPath"].rstrip("/")
+        if (path == root or path.startswith(root + "/")) and (
+            best is None or len(root) > len(best[0])
+        ):
+            best = (root, mount["name"])
+    return best[1] if best else None
+
+
+def disk_writers(pod: dict, config: dict) -> dict[str, list[tuple[str, int]]]:
+    """volume name -> [(writer, most bytes it writes there)], from the rendered pod template and
+    the guard config; what a flag or key leaves unset takes the code's own default."""
+    from guard.config.runtime_guard import IncidentsConfig
+    from guard.detectors.config import DumpConfig
+    from telemetry.cli.commands.sidecar import parse_size
+    from telemetry.sidecar.app import setting_default
+
+    spec = pod["spec"]
+    ranks = int(pod["metadata"]["annotations"]["ascend-guard.io/max-ranks-per-pod"])
+    writers: dict[str, list[tuple[str, int]]] = {}
+    for c in spec["containers"]:
+        env = {e["name"]: e["value"] for e in c.get("env", ()) if "value" in e}
+        args = c.get("args", [])
+        if args[:1] == ["sidecar"]:
+            store = next((a.split("=", 1)[1] for a in args if a.startswith("--store=")), None)
+            store = store or paths.default_store(env)
+            cap = next(
+                (a.split("=", 1)[1] for a in args if a.startswith("--max-store-bytes=")), None
+            )
+            size = (
+                parse_size(cap, "--max-store-bytes") if cap else setting_default("max_store_bytes")
+            )
+            writers.setdefault(_mount_of(c, store), []).append(("store", size))
+        if c["name"] == "vllm":
+            incidents = config.get("incidents", {})
+            dump = config.get("detectors", {}).get("dump", {})
+            spool = incidents.get("spool_dir") or paths.spool_dir(env)
+            spool_max = incidents.get("spool_max_bytes", IncidentsConfig.spool_max_bytes)
+            dumps = dump.get("directory") or paths.dump_dir(env)
+            dumps_max = dump.get("max_total_bytes", DumpConfig.max_total_bytes)
+            writers.setdefault(_mount_of(c, spool), []).append(("spool", ranks * spool_max))
+            writers.setdefault(_mount_of(c, dumps), []).append(("dumps", ranks * dumps_max))
+    return writers
+
+
+def volume_overruns(pod: dict, config: dict) -> list[str]:
+    """Volumes whose bounded writers could fill more than HEADROOM of their sizeLimit."""
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    problems = []
+    for name, writers in disk_writers(pod, config).items():
+        assert name is not None, f"a writer outside every volume: {writers}"
+        empty = volumes[name].get("emptyDir")
+        if empty is None:
+            continue  # a hostPath: the DaemonSet's test below
+        limit = quantity(empty["sizeLimit"])
+        total = sum(size for _, size in writers)
+        if total > HEADROOM * limit:
+            problems.append(f"{name}: {writers} = {total} B > {HEADROOM} x {limit} B")
+    return problems
+
+
+def _guarded_pod(topology: str) -> tuple[dict, dict]:
+    docs = _topology(topology)
+    return one(docs, "Deployment")["spec"]["template"], _guard_config(docs)
+
+
+@pytest.mark.parametrize("topology", ["daemonset", "in-pod"])
+def test_bounded_writers_fit_every_emptydir_with_headroom(topology):
+    """Past an emptyDir's sizeLimit the kubelet evicts the whole pod, vLLM included: the store
+    cap (--max-store-bytes), the spool and the dumps (per worker, times the ranks a pod may run)
+    must sum to at most HEADROOM of the limit. Can fail: the in-pod sidecar without its cap
+    falls back to the code's default (16 GiB), which this volume cannot hold."""
+    pod, config = _guarded_pod(topology)
+    writers = disk_writers(pod, config)
+    assert {w for ws in writers.values() for w, _ in ws} >= {"spool", "dumps"}
+    assert volume_overruns(pod, config) == []
+    if topology == "in-pod":
+        side = container(pod["spec"], "ascend-guard")
+        side["args"] = [a for a in side["args"] if not a.startswith("--max-store-bytes")]
+        assert volume_overruns(pod, config), "the check cannot fail"
+    # the example's NPUs fit the ranks the budgets are sized for
+    vllm = container(pod["spec"], "vllm")
+    npus = sum(
+        int(v) for k, v in vllm["resources"]["limits"].items() if k.startswith("huawei.com/")
+    )
+    assert 0 < npus <= int(pod["metadata"]["annotations"]["ascend-guard.io/max-ranks-per-pod"])
+
+
+def test_in_pod_sidecar_requests_its_volume_and_sets_no_storage_limit():
+    """The scheduler reserves the state volume; no container of the pod has an
+    ephemeral-storage limit, which would evict vLLM with it once passed."""
+    pod, _ = _guarded_pod("in-pod")
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    side = container(pod["spec"], "ascend-guard")
+    assert quantity(side["resources"]["requests"]["ephemeral-storage"]) >= quantity(
+        volumes["ascend-guard-state"]["emptyDir"]["sizeLimit"]
+    )
+    for c in pod["spec"]["containers"]:
+        assert "ephemeral-storage" not in c.get("resources", {}).get("limits", {}), c["name"]
+
+
+def test_daemonset_store_on_the_host_is_capped_and_reserved():
+    """The DaemonSet's store is on a hostPath, which the kubelet does not count: its cap is
+    passed, and its ephemeral-storage request reserves the cap (with headroom) on the node."""
+    from telemetry.cli.commands.sidecar import parse_size
+
+    args, side, spec = _sidecar_of("daemonset")
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    store = flag(args, "--store")
+    assert "hostPath" in volumes[_mount_of(side, store)]
+    cap = parse_size(flag(args, "--max-store-bytes"), "--max-store-bytes")
+    resources = side["resources"]
+    assert cap <= HEADROOM * quantity(resources["requests"]["ephemeral-storage"])
+    assert resources["requests"]["ephemeral-storage"] == resources["limits"]["ephemeral-storage"]
+
+
+# -- serving never waits on telemetry -----------------------------------------------------------
+
+
+def test_vllm_pods_start_without_the_sidecar():
+    """No volume of a guarded pod needs the sidecar to have run: a hostPath the DaemonSet
+    creates is DirectoryOrCreate on the vLLM side too (`Directory` kept vLLM in
+    ContainerCreating until the sidecar ran)."""
+    pod, _ = _guarded_pod("daemonset")
+    guard_volumes = [v for v in pod["spec"]["volumes"] if v["name"].startswith("ascend-guard")]
+    host = [v["hostPath"] for v in guard_volumes if "hostPath" in v]
+    assert host and all(h["type"] == "DirectoryOrCreate" for h in host), host
+
+
+def test_daemonset_schedules_ahead_of_workloads_without_preempting_them():
+    docs = render("overlays/daemonset")
+    spec = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    priority = one(docs, "PriorityClass", spec["priorityClassName"])
+    assert priority["value"] > 0 and priority["preemptionPolicy"] == "Never"
+    # every taint tolerated: placement is the node affinity's job, so a vLLM pod that tolerates
+    # a taint of its nodes finds its sidecar there
+    assert {"operator": "Exists"} in spec["tolerations"]
+    terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    values = terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"]
+    assert "huawei-Ascend910" in values and len(values) > 1
