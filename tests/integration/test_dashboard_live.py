@@ -273,15 +273,22 @@ def test_daemonset_labels_name_the_workload_in_prometheus(tmp_path, monkeypatch)
         ) as prom:  # fmt: skip
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:
-                joined = prom.query("ascend_guard:rank_workload:info")
-                if len(joined) == 2:
+                # the join the alert rules make (dashboards/prometheus/alerts.yml)
+                joined = prom.query(
+                    "ascend_guard_ranks_connected * on (instance, engine, dp) "
+                    "group_left (namespace, pod, node) "
+                    "topk by (instance, engine, dp) (1, ascend_guard_rank_workload_info)"
+                )
+                if joined:
                     break
                 time.sleep(0.5)
             info = prom.query("ascend_guard_rank_workload_info")
             assert {(s["metric"]["tp"], s["metric"]["namespace"], s["metric"]["pod"], s["metric"]["node"]) for s in info} == {
                 ("0", "serving", "vllm-qwen-7c9d-abcde", "node-a"), ("1", "serving", "vllm-qwen-7c9d-abcde", "node-a"),
             }  # fmt: skip
-            assert {s["metric"]["pod"] for s in joined} == {"vllm-qwen-7c9d-abcde"}, joined
+            assert [(s["metric"]["namespace"], s["metric"]["pod"]) for s in joined] == [
+                ("serving", "vllm-qwen-7c9d-abcde")
+            ], joined
             assert prom.query('{__name__=~"ascend_guard_.+", exported_node!=""}') == []
             seen = prom.query("ascend_guard_rank_last_seen_timestamp_seconds")
             assert seen and {s["metric"]["node"] for s in seen} == {"node-a"}

@@ -87,7 +87,8 @@ WORKER_METRICS = {
     "ascend_guard_build_info",
     "ascend_guard_attach_points",
 }
-SIDECAR_METRICS = {"ascend_guard_ingest_rejected_total"}  # no engine label
+# no engine label, or the workload's identity the alerts join (telemetry/metrics/workload.py)
+SIDECAR_METRICS = {"ascend_guard_ingest_rejected_total", "ascend_guard_rank_workload_info"}
 HISTOGRAMS = {
     "ascend_guard_step_duration_seconds",
     "ascend_guard_wave_skew_seconds",
