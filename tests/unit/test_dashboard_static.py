@@ -86,9 +86,10 @@ WORKER_METRICS = {
     # what runs and where it attached (telemetry/wire/build_info.py, guard/stream/identity.py)
     "ascend_guard_build_info",
     "ascend_guard_attach_points",
+    # the Kubernetes pod of each rank, which the alerts join (telemetry/metrics/workload.py)
+    "ascend_guard_rank_workload_info",
 }
-# no engine label, or the workload's identity the alerts join (telemetry/metrics/workload.py)
-SIDECAR_METRICS = {"ascend_guard_ingest_rejected_total", "ascend_guard_rank_workload_info"}
+SIDECAR_METRICS = {"ascend_guard_ingest_rejected_total"}  # no engine label
 HISTOGRAMS = {
     "ascend_guard_step_duration_seconds",
     "ascend_guard_wave_skew_seconds",
