@@ -622,3 +622,109 @@ def test_daemonset_schedules_ahead_of_workloads_without_preempting_them():
     terms = spec["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
     values = terms["nodeSelectorTerms"][0]["matchExpressions"][0]["values"]
     assert "huawei-Ascend910" in values and len(values) > 1
+
+
+# -- Pod Security: each namespace's level admits what runs in it ------------------------------
+
+# the capabilities `baseline` lets a container add (Kubernetes Pod Security Standards)
+BASELINE_CAPS = {
+    "AUDIT_WRITE", "CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "KILL", "MKNOD",
+    "NET_BIND_SERVICE", "SETFCAP", "SETGID", "SETPCAP", "SETUID", "SYS_CHROOT",
+}  # fmt: skip
+RESTRICTED_VOLUMES = {
+    "configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim",
+    "projected", "secret",
+}  # fmt: skip
+
+
+def psa_violations(spec: dict, level: str, containers: list[dict] | None = None) -> list[str]:
+    """What the Pod Security Standards' `level` ("privileged", "baseline", "restricted") refuses
+    in a pod spec: the checks of the standards that these manifests can touch. `containers`
+    limits the container checks to those (one container of a shared pod)."""
+    if level == "privileged":
+        return []
+    found = []
+    whole_pod = containers is None
+    containers = containers if containers is not None else [
+        *spec.get("initContainers", ()), *spec["containers"]
+    ]  # fmt: skip
+    pod_sc = spec.get("securityContext", {})
+    if whole_pod:
+        found += [f"{k}: true" for k in ("hostNetwork", "hostPID", "hostIPC") if spec.get(k)]
+        for vol in spec.get("volumes", ()):
+            kinds = set(vol) - {"name"}
+            if "hostPath" in kinds:
+                found.append(f"hostPath volume {vol['name']}")
+            elif level == "restricted" and not kinds <= RESTRICTED_VOLUMES:
+                found.append(f"volume type {kinds} ({vol['name']})")
+    for c in containers:
+        sc = c.get("securityContext", {})
+        name = c["name"]
+        if sc.get("privileged"):
+            found.append(f"{name}: privileged")
+        added = set(sc.get("capabilities", {}).get("add", ()))
+        allowed = BASELINE_CAPS if level == "baseline" else {"NET_BIND_SERVICE"}
+        found += [f"{name}: adds {cap}" for cap in sorted(added - allowed)]
+        found += [
+            f"{name}: hostPort {p['hostPort']}" for p in c.get("ports", ()) if p.get("hostPort")
+        ]
+        seccomp = (sc.get("seccompProfile") or pod_sc.get("seccompProfile") or {}).get("type")
+        if seccomp == "Unconfined":
+            found.append(f"{name}: seccomp Unconfined")
+        if level == "restricted":
+            if sc.get("allowPrivilegeEscalation") is not False:
+                found.append(f"{name}: allowPrivilegeEscalation not false")
+            if not sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot")):
+                found.append(f"{name}: runAsNonRoot not true")
+            if sc.get("runAsUser", pod_sc.get("runAsUser")) == 0:
+                found.append(f"{name}: runAsUser 0")
+            if "ALL" not in sc.get("capabilities", {}).get("drop", ()):
+                found.append(f"{name}: does not drop ALL")
+            if seccomp not in ("RuntimeDefault", "Localhost"):
+                found.append(f"{name}: no RuntimeDefault seccomp")
+    return found
+
+
+def _pod_specs(docs: list[dict]) -> list[tuple[str, str, dict]]:
+    return [
+        (d["metadata"].get("namespace", ""), d["metadata"]["name"], d["spec"]["template"]["spec"])
+        for d in docs
+        if d["kind"] in ("DaemonSet", "Deployment", "StatefulSet")
+    ]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS[1:])
+def test_each_namespace_enforces_a_level_that_admits_its_pods(overlay):
+    docs = render(overlay)
+    levels = {
+        d["metadata"]["name"]: d["metadata"].get("labels", {}).get("pod-security.kubernetes.io/enforce")
+        for d in docs
+        if d["kind"] == "Namespace"
+    }  # fmt: skip
+    assert all(levels.values()), levels
+    for namespace, name, spec in _pod_specs(docs):
+        assert psa_violations(spec, levels[namespace]) == [], (namespace, name)
+    if overlay == "overlays/in-pod":
+        assert levels == {"ascend-guard": "restricted"} and not _pod_specs(docs)
+
+
+def test_the_daemonset_needs_privileged_for_its_host_folders_and_port_only():
+    """The namespace claims `privileged`; `baseline` would refuse exactly the two hostPath
+    folders and the health hostPort (deploy/base/namespace.yaml says why), and the sidecar
+    container itself meets `restricted`. Can fail: a privileged container is caught."""
+    spec = one(render("overlays/daemonset"), "DaemonSet")["spec"]["template"]["spec"]
+    assert sorted(psa_violations(spec, "baseline")) == [
+        "hostPath volume run", "hostPath volume state", "sidecar: hostPort 9465"
+    ]  # fmt: skip
+    side = container(spec, "sidecar")
+    assert psa_violations(spec, "restricted", [side]) == ["sidecar: hostPort 9465"]
+    worse = json.loads(json.dumps(spec))
+    container(worse, "sidecar")["securityContext"]["privileged"] = True
+    assert "sidecar: privileged" in psa_violations(worse, "baseline")
+
+
+def test_the_in_pod_sidecar_container_meets_restricted():
+    """Whatever Pod Security level the workload's namespace enforces, the container this
+    topology adds to the workload's pod does not lower it."""
+    spec = one(render("examples/in-pod"), "Deployment")["spec"]["template"]["spec"]
+    assert psa_violations(spec, "restricted", [container(spec, "ascend-guard")]) == []
