@@ -494,10 +494,10 @@ def _mount_of(container: dict, path: str) -> str | None:
 def disk_writers(pod: dict, config: dict) -> dict[str, list[tuple[str, int]]]:
     """volume name -> [(writer, most bytes it writes there)], from the rendered pod template and
     the guard config; what a flag or key leaves unset takes the code's own default."""
+    from guard.config.detectors import DumpConfig
     from guard.config.runtime_guard import IncidentsConfig
-    from guard.detectors.config import DumpConfig
-    from telemetry.cli.commands.sidecar import parse_size
-    from telemetry.sidecar.app import setting_default
+    from telemetry.cli.args import parse_size
+    from telemetry.sidecar.settings import setting_default
 
     spec = pod["spec"]
     ranks = int(pod["metadata"]["annotations"]["ascend-guard.io/max-ranks-per-pod"])
@@ -586,7 +586,7 @@ def test_in_pod_sidecar_requests_its_volume_and_sets_no_storage_limit():
 def test_daemonset_store_on_the_host_is_capped_and_reserved():
     """The DaemonSet's store is on a hostPath, which the kubelet does not count: its cap is
     passed, and its ephemeral-storage request reserves the cap (with headroom) on the node."""
-    from telemetry.cli.commands.sidecar import parse_size
+    from telemetry.cli.args import parse_size
 
     args, side, spec = _sidecar_of("daemonset")
     volumes = {v["name"]: v for v in spec["volumes"]}
