@@ -42,6 +42,7 @@ from telemetry.sidecar.errors import SidecarStartError
 from telemetry.sidecar.settings import SidecarSettings
 from telemetry.sidecar.sockets import claim_socket, secure_socket, socket_gid
 from telemetry.store import Store, prepare_store
+from telemetry.store.budget import budget_problem
 from telemetry.store.incidents import IncidentLedger
 from telemetry.tempo_api import TempoApiServer
 from telemetry.wire import build_info, paths
@@ -71,6 +72,11 @@ class Sidecar:
         # a store file SQLite cannot use is moved aside before anything opens it: the sidecar
         # starts on a fresh store rather than not at all (telemetry/store/files.py)
         self.store_moved_to = prepare_store(settings.store) if settings.store else None
+        # a budget the store's file system cannot hold would fill it before the cap rolls
+        # anything out (telemetry/store/budget.py): refused, naming both sizes
+        problem = settings.store and budget_problem(settings.store, settings.max_store_bytes)
+        if problem:
+            raise SidecarStartError(problem)
         self.store_metrics = StoreMetrics(self.metrics.registry)
         self.store_metrics.moved_aside = int(self.store_moved_to is not None)
         self.incidents = IncidentLedger(

@@ -147,3 +147,9 @@ def test_the_workload_tests_fail_without_the_join(tmp_path):
     out = run.stdout + run.stderr
     assert run.returncode != 0
     assert "vllm-qwen-7c9d-abcde" in out and "AscendGuardWavesStalled" in out
+
+
+def test_the_dashboards_readme_lists_every_alert():
+    readme = (ROOT / "dashboards" / "README.md").read_text()
+    missing = [r["alert"] for r in _alerts() if f"| `{r['alert']}` |" not in readme]
+    assert missing == [], missing
