@@ -728,3 +728,15 @@ def test_the_in_pod_sidecar_container_meets_restricted():
     topology adds to the workload's pod does not lower it."""
     spec = one(render("examples/in-pod"), "Deployment")["spec"]["template"]["spec"]
     assert psa_violations(spec, "restricted", [container(spec, "ascend-guard")]) == []
+
+
+def test_runbook_urls_take_a_prefix():
+    """`tools/render_deploy.py --runbook-url-prefix` points every alert at the operator's copy
+    of docs/runbooks/ (kube-prometheus-stack's defaultRules.runbookUrl, for these rules)."""
+    prefix = "https://wiki.example.internal/ascend-guard/runbooks/"
+    spec = render_deploy.rules_spec(prefix)
+    alerts = [r for g in spec["groups"] for r in g["rules"] if "alert" in r]
+    assert alerts and all(
+        r["annotations"]["runbook_url"] == f"{prefix}{r['alert']}.md" for r in alerts
+    )
+    assert render_deploy.RUNBOOK_URL_PREFIX not in render_deploy.prometheus_rule(prefix)
