@@ -69,6 +69,13 @@ class RankView:
         self.last_wave = 0
 
 
+def _stream_workload(context: grpc.ServicerContext) -> Workload:
+    """The Kubernetes workload the stream's metadata names (none from an in-process caller
+    without metadata)."""
+    metadata = getattr(context, "invocation_metadata", None)
+    return workload.from_metadata(metadata() if metadata is not None else None)
+
+
 def _rank_key(view: RankView) -> RankKey:
     rank = view.rank
     return (view.engine, rank.dp_rank, rank.tp_rank, rank.pp_rank)
@@ -188,9 +195,7 @@ class IngestService:
                         self._refuse(
                             context, grpc.StatusCode.FAILED_PRECONDITION, "engine_in_use", problem
                         )
-                    view = self._register(
-                        stream_id, batch.rank, workload.from_metadata(context.invocation_metadata())
-                    )
+                    view = self._register(stream_id, batch.rank, _stream_workload(context))
                 elif not batch.HasField("rank"):
                     batch.rank.CopyFrom(view.rank)  # wire v2: named once per stream
                 self._ingest(view, batch, records, nbytes)
