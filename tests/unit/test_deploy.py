@@ -740,3 +740,18 @@ def test_runbook_urls_take_a_prefix():
         r["annotations"]["runbook_url"] == f"{prefix}{r['alert']}.md" for r in alerts
     )
     assert render_deploy.RUNBOOK_URL_PREFIX not in render_deploy.prometheus_rule(prefix)
+
+
+@pytest.mark.parametrize("topology", ["daemonset", "in-pod"])
+def test_no_network_policy_selects_the_workloads_pods(topology):
+    """A NetworkPolicy that selects a vLLM pod would cut its other ports (rendezvous, DP RPC,
+    HCCL off hostNetwork): ascend-guard's policies select its own pods only; in-pod, the trace
+    query API listens on the pod's loopback instead."""
+    docs = _topology(topology)
+    for policy in (d for d in docs if d["kind"] == "NetworkPolicy"):
+        assert policy["spec"]["podSelector"] == {
+            "matchLabels": {"app.kubernetes.io/name": "ascend-guard"}
+        }
+    if topology == "in-pod":
+        args, _, _ = _sidecar_of("in-pod")
+        assert flag(args, "--query-host") == "127.0.0.1"
