@@ -121,6 +121,7 @@ def metric_rows() -> list[tuple[str, ...]]:
     from telemetry.export.otlp import ExportSettings, OtlpExporter
     from telemetry.metrics.store import StoreMetrics
     from telemetry.metrics.waves import SidecarMetrics
+    from telemetry.metrics.workload import WorkloadBook, WorkloadInfo
     from telemetry.pipeline.writer import BoundedQueue, Drops
     from telemetry.tempo_api.server import refused_counter
 
@@ -128,6 +129,7 @@ def metric_rows() -> list[tuple[str, ...]]:
     SidecarMetrics(registry)
     CrossRankView(registry)
     registry.register(RankGauges(list))  # per-rank facts for the cross-node rules
+    registry.register(WorkloadInfo(WorkloadBook()))  # each rank's Kubernetes pod
     drops = Drops(
         registry
     )  # the record path's own families (telemetry/pipeline/writer.py, export.py)

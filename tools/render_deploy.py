@@ -2,6 +2,8 @@
 
     python tools/render_deploy.py          # write the files
     python tools/render_deploy.py --check  # exit 1 when they differ from what dashboards/ gives
+    python tools/render_deploy.py --runbook-url-prefix https://wiki.example/runbooks/
+                                           # the alerts link your copy of docs/runbooks/
 
 The rules file and the dashboard JSON stay the one source (plain Prometheus and Grafana users
 load them as they are); tests/unit/test_deploy.py fails when deploy/ drifts from them.
@@ -9,6 +11,7 @@ load them as they are); tests/unit/test_deploy.py fails when deploy/ drifts from
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -35,15 +38,26 @@ def _dump(docs: list[dict]) -> str:
     return "---\n".join(yaml.safe_dump(d, sort_keys=False, width=1000) for d in docs)
 
 
-def rules_spec() -> dict:
+# where the rules files' runbook_url annotations point; --runbook-url-prefix replaces it (as
+# kube-prometheus-stack's defaultRules.runbookUrl does for its own rules)
+RUNBOOK_URL_PREFIX = "https://github.com/ascend-guard/ascend-guard/blob/main/docs/runbooks/"
+
+
+def rules_spec(runbook_url_prefix: str = RUNBOOK_URL_PREFIX) -> dict:
     """The PrometheusRule's spec: the groups of alerts.yml, then those of cluster.yml."""
     spec = yaml.safe_load(RULES.read_text())
     spec["groups"] += yaml.safe_load(CLUSTER_RULES.read_text())["groups"]
+    for group in spec["groups"]:
+        for rule in group["rules"]:
+            annotations = rule.get("annotations", {})
+            url = annotations.get("runbook_url", "")
+            if url.startswith(RUNBOOK_URL_PREFIX):
+                annotations["runbook_url"] = runbook_url_prefix + url[len(RUNBOOK_URL_PREFIX) :]
     return spec
 
 
-def prometheus_rule() -> str:
-    spec = rules_spec()
+def prometheus_rule(runbook_url_prefix: str = RUNBOOK_URL_PREFIX) -> str:
+    spec = rules_spec(runbook_url_prefix)
     doc = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PrometheusRule",
@@ -80,18 +94,21 @@ def dashboard_configmaps() -> str:
     return HEADER.format(src="dashboards/*.json") + _dump(docs)
 
 
-def rendered() -> dict[Path, str]:
+def rendered(runbook_url_prefix: str = RUNBOOK_URL_PREFIX) -> dict[Path, str]:
     return {
-        OUT / "prometheusrule.yaml": prometheus_rule(),
+        OUT / "prometheusrule.yaml": prometheus_rule(runbook_url_prefix),
         OUT / "dashboards.yaml": dashboard_configmaps(),
     }
 
 
 def main(argv: list[str] | None = None) -> int:
+    knob = argparse.ArgumentParser(add_help=False)
+    knob.add_argument("--runbook-url-prefix", default=RUNBOOK_URL_PREFIX)
+    known, rest = knob.parse_known_args(argv)
     return write_or_check(
-        argv,
+        rest,
         __doc__.splitlines()[0],
-        rendered,
+        lambda: rendered(known.runbook_url_prefix),
         "{names} drifted from dashboards/; run `make deploy-render`",
     )
 

@@ -9,6 +9,7 @@ import socket
 from typing import Any, NamedTuple
 
 from guard.config.runtime_guard import GuardConfig
+from telemetry.wire import workload
 from telemetry.wire.proto import guard_pb2
 
 
@@ -127,7 +128,9 @@ def describe_rank(runner: Any, config: GuardConfig, run_id: str) -> guard_pb2.Ra
         dp_lockstep=dp.lockstep,
         tp_size=tp_group.world_size,
         pp_size=pp_group.world_size,
-        node=socket.gethostname(),
+        # the Kubernetes node where the Downward API names it (a pod's hostname is its own
+        # name), else the host
+        node=workload.from_env().node or socket.gethostname(),
         pid=os.getpid(),
         runner=f"{type(runner).__module__}.{type(runner).__qualname__}",
     )

@@ -36,6 +36,7 @@ import grpc
 import structlog
 
 from guard.stream.spool import IncidentSpool
+from telemetry.wire import workload
 from telemetry.wire.proto import guard_pb2, guard_pb2_grpc
 from telemetry.wire.schema import WAVE_FIELDS, WIRE_VERSION
 from telemetry.wire.transport import ClientSecurity
@@ -238,7 +239,7 @@ class Streamer:
             try:
                 stub.Stream(
                     self._batches(in_flight),
-                    metadata=security.metadata() if security is not None else None,
+                    metadata=self._metadata(security),
                 )
                 backoff = 0.05
             except grpc.RpcError as exc:
@@ -261,6 +262,13 @@ class Streamer:
                 channel.close()
             self._stop.wait(backoff)
             backoff = min(backoff * 2, self._max_backoff_s)
+
+    @staticmethod
+    def _metadata(security: ClientSecurity | None) -> tuple[tuple[str, str], ...] | None:
+        """The stream's gRPC metadata: the bearer token, if any, and the Kubernetes workload
+        this worker runs in (from the Downward API env, telemetry/wire/workload.py)."""
+        pairs = (security.metadata() if security is not None else None) or ()
+        return (*pairs, *workload.stream_metadata(workload.from_env())) or None
 
     def _requeue_unconfirmed(self) -> None:
         """Incidents sent on a stream that broke may not have arrived: send them again."""

@@ -22,13 +22,16 @@ from google.protobuf.message import DecodeError
 from telemetry.crossrank.view import CrossRankView
 from telemetry.ingest.validation import validate_batch
 from telemetry.metrics.waves import SidecarMetrics
+from telemetry.metrics.workload import RankKey, WorkloadBook
 from telemetry.pipeline.ratelimit import RateLimitedLog
 from telemetry.pipeline.writer import STAGE_INGEST, BoundedQueue, Drops, Item, RankSource
 from telemetry.store.incidents import IncidentLedger
+from telemetry.wire import workload
 from telemetry.wire.labels import EngineLabels
 from telemetry.wire.proto import guard_pb2
 from telemetry.wire.schema import InvalidBatch
 from telemetry.wire.wave_columns import to_columns
+from telemetry.wire.workload import NO_WORKLOAD, Workload
 
 log = structlog.get_logger("ascend_guard.ingest")
 
@@ -50,17 +53,32 @@ class _Refused:
 class RankView:
     """What the sidecar knows of one rank's stream right now (for logs and the CLI)."""
 
-    __slots__ = ("batches", "engine", "last_wave", "rank", "source", "waves")
+    __slots__ = ("batches", "engine", "last_wave", "rank", "source", "waves", "workload")
 
-    def __init__(self, rank: guard_pb2.RankInfo, engine: str) -> None:
+    def __init__(
+        self, rank: guard_pb2.RankInfo, engine: str, workload: Workload = NO_WORKLOAD
+    ) -> None:
         self.rank = rank
         self.engine = engine
+        self.workload = workload  # the Kubernetes pod the worker named (telemetry/wire/workload.py)
         labels = (engine, str(rank.dp_rank), str(rank.tp_rank), str(rank.pp_rank))
         process = (rank.run_id, engine, rank.dp_rank, rank.tp_rank, rank.pp_rank, rank.pid)
         self.source = RankSource(rank, engine, labels, process)
         self.batches = 0
         self.waves = 0
         self.last_wave = 0
+
+
+def _stream_workload(context: grpc.ServicerContext) -> Workload:
+    """The Kubernetes workload the stream's metadata names (none from an in-process caller
+    without metadata)."""
+    metadata = getattr(context, "invocation_metadata", None)
+    return workload.from_metadata(metadata() if metadata is not None else None)
+
+
+def _rank_key(view: RankView) -> RankKey:
+    rank = view.rank
+    return (view.engine, rank.dp_rank, rank.tp_rank, rank.pp_rank)
 
 
 class IngestService:
@@ -97,6 +115,8 @@ class IngestService:
         # a client that opens streams in a loop must not flood the log either
         self._stream_log = RateLimitedLog(log.info, burst=100)
         self.streams: dict[int, RankView] = {}
+        # the Kubernetes workload of each rank (ascend_guard_rank_workload_info)
+        self.workloads = WorkloadBook()
         self._next_stream = 0
         self.received_records = 0
 
@@ -175,7 +195,7 @@ class IngestService:
                         self._refuse(
                             context, grpc.StatusCode.FAILED_PRECONDITION, "engine_in_use", problem
                         )
-                    view = self._register(stream_id, batch.rank)
+                    view = self._register(stream_id, batch.rank, _stream_workload(context))
                 elif not batch.HasField("rank"):
                     batch.rank.CopyFrom(view.rank)  # wire v2: named once per stream
                 self._ingest(view, batch, records, nbytes)
@@ -206,13 +226,16 @@ class IngestService:
             "ingest_item_dropped", reason, reason=reason, detail=problem[:500], peer=context.peer()
         )
 
-    def _register(self, stream_id: int, rank: guard_pb2.RankInfo) -> RankView:
+    def _register(
+        self, stream_id: int, rank: guard_pb2.RankInfo, where: Workload = NO_WORKLOAD
+    ) -> RankView:
         engine = self.engines.label(rank.engine or "default")
         own = guard_pb2.RankInfo()
         own.CopyFrom(rank)
-        view = RankView(own, engine)
+        view = RankView(own, engine, where)
         with self._lock:
             self.streams[stream_id] = view
+        self.workloads.opened(_rank_key(view), where)
         self.metrics.ranks_connected.labels(engine, str(rank.dp_rank)).inc()
         if self.on_engine_joined is not None:
             self.on_engine_joined(engine)
@@ -227,6 +250,8 @@ class IngestService:
             node=rank.node,
             pid=rank.pid,
             runner=rank.runner,
+            namespace=where.namespace,
+            pod=where.pod,
         )
         return view
 
@@ -235,6 +260,7 @@ class IngestService:
             self.streams.pop(stream_id, None)
             last = not any(v.engine == view.engine for v in self.streams.values())
         self.metrics.ranks_connected.labels(view.engine, str(view.rank.dp_rank)).dec()
+        self.workloads.closed(_rank_key(view))
         if self.cross_rank is not None:
             self.cross_rank.rank_gone(view.engine, view.rank)
         rank = view.rank

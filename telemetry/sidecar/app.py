@@ -32,6 +32,7 @@ from telemetry.metrics.requests import RequestMetrics
 from telemetry.metrics.sink import MetricsSink
 from telemetry.metrics.store import StoreMetrics
 from telemetry.metrics.waves import SidecarMetrics
+from telemetry.metrics.workload import WorkloadInfo
 from telemetry.pipeline.writer import (
     BoundedQueue,
     Drops,
@@ -41,6 +42,7 @@ from telemetry.sidecar.errors import SidecarStartError
 from telemetry.sidecar.settings import SidecarSettings
 from telemetry.sidecar.sockets import claim_socket, secure_socket, socket_gid
 from telemetry.store import Store, prepare_store
+from telemetry.store.budget import budget_problem
 from telemetry.store.incidents import IncidentLedger
 from telemetry.tempo_api import TempoApiServer
 from telemetry.wire import build_info, paths
@@ -70,6 +72,11 @@ class Sidecar:
         # a store file SQLite cannot use is moved aside before anything opens it: the sidecar
         # starts on a fresh store rather than not at all (telemetry/store/files.py)
         self.store_moved_to = prepare_store(settings.store) if settings.store else None
+        # a budget the store's file system cannot hold would fill it before the cap rolls
+        # anything out (telemetry/store/budget.py): refused, naming both sizes
+        problem = settings.store and budget_problem(settings.store, settings.max_store_bytes)
+        if problem:
+            raise SidecarStartError(problem)
         self.store_metrics = StoreMetrics(self.metrics.registry)
         self.store_metrics.moved_aside = int(self.store_moved_to is not None)
         self.incidents = IncidentLedger(
@@ -108,6 +115,9 @@ class Sidecar:
             linger_s=settings.engine_linger_s,
             connected_gauge=self.metrics.ranks_connected,
         )
+        # the workload's pod per rank; its entries linger as long as the engine's series
+        self.ingest.workloads.linger_s = settings.engine_linger_s
+        self.metrics.registry.register(WorkloadInfo(self.ingest.workloads))
         self.ingest.on_engine_joined = self.roster.joined
         self.ingest.on_engine_idle = self.roster.idle
         self.ingest.check_engine = self.roster.check

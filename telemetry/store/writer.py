@@ -53,6 +53,8 @@ DEFAULT_MAX_BYTES = 16 * 1024**3
 
 
 BUCKET_NS = 60 * 10**9
+# the size cap is looked at after this many waves are stored (and on every timed prune)
+SIZE_CHECK_WAVES = 1024
 
 
 class Store:
@@ -73,6 +75,7 @@ class Store:
         self.max_bytes = max_bytes
         self._prune_every_s = prune_every_s
         self._last_prune = time.monotonic()
+        self._size_checked_at = 0  # stored_waves when the size was last looked at
         self._lock = threading.Lock()
         self._conn = connect(self.path)
         self._runs: dict[str, int] = {}
@@ -185,7 +188,9 @@ class Store:
                     "INSERT OR IGNORE INTO slow_calls VALUES (?,?,?,?,?,?,?,?,?,?)", slow_rows
                 )
                 self.requests.flush(conn)
-        if time.monotonic() - self._last_prune >= self._prune_every_s:
+        # by age every prune_every_s; by size as soon as the cap is passed, so that the file
+        # does not grow past its budget between two timed prunes
+        if time.monotonic() - self._last_prune >= self._prune_every_s or self._over_budget():
             self.prune()
 
     # -- the write error path (called by the writer around `write`) ---------------------------
@@ -297,6 +302,17 @@ class Store:
         (free,) = conn.execute("PRAGMA freelist_count").fetchone()
         (size,) = conn.execute("PRAGMA page_size").fetchone()
         return (pages - free) * size
+
+    def _over_budget(self) -> bool:
+        """The file's used pages passed the cap; looked at once per SIZE_CHECK_WAVES waves
+        stored (a few KiB past the cap at most), not on every write."""
+        if self.stored_waves - self._size_checked_at < SIZE_CHECK_WAVES:
+            return False
+        self._size_checked_at = self.stored_waves
+        try:
+            return self.used_bytes() > self.max_bytes
+        except sqlite3.Error:
+            return False  # the write path reports store faults; the timed prune retries
 
     def _oldest_ns(self) -> int | None:
         oldest = [

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from telemetry.wire import workload
 from tests.support.collective_feed import send_collective_waves
 from tests.support.dashboard import load_dashboard, metric_names_in, panel_queries, render_expr
-from tests.support.feed import send_incidents_and_probes, send_waves
+from tests.support.feed import make_streamer, send_incidents_and_probes, send_waves, wave_tuple
 from tests.support.metrics import SIDECAR_WIDE
 from tests.support.prometheus import PrometheusServer
 from tests.support.sidecar import SidecarProcess
@@ -42,8 +43,15 @@ RATE_INTERVAL = "30s"
 # The synthetic feed is not a bound vLLM worker, so it reports no attach points either; and its
 # clients close their streams when done, so the engine has left and the sidecar removed its
 # ranks_connected series (tests/integration/test_operator_paths.py checks that panel's metric).
+# The feed runs outside Kubernetes, so no rank names its pod (the workload panel's metric is
+# checked by test_daemonset_labels_name_the_workload_in_prometheus).
 MAY_BE_EMPTY = frozenset(
-    {"Ingest rejections per second by reason", "Attach points by status", "Ranks connected"}
+    {
+        "Ingest rejections per second by reason",
+        "Attach points by status",
+        "Ranks connected",
+        "Workload pod of each rank",
+    }
 )
 
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
@@ -240,3 +248,61 @@ def test_every_dashboard_query_runs_against_live_sidecar(sidecar, prometheus_for
     # Drops were reported, so that alert fires; a clean feed has no errors and no rejections.
     assert "AscendGuardRecordsDropped" in firing, rules
     assert not firing & {"AscendGuardErrors", "AscendGuardIngestRejected"}, firing
+
+
+def test_daemonset_labels_name_the_workload_in_prometheus(tmp_path, monkeypatch):
+    """What Prometheus stores from a DaemonSet sidecar scraped as deploy/base's PodMonitor does
+    (target labels: the sidecar's namespace and pod, the node; honorLabels): the worker's pod,
+    namespace and node (its Downward API env) reach ascend_guard_rank_workload_info through the
+    real client and sidecar, the rank series keep `node` (no `exported_node`), and the rules'
+    join gives the workload's pod. Nothing here is faked but the Kubernetes API server."""
+    monkeypatch.setenv(workload.POD_NAME_ENV, "vllm-qwen-7c9d-abcde")
+    monkeypatch.setenv(workload.POD_NAMESPACE_ENV, "serving")
+    monkeypatch.setenv(workload.NODE_NAME_ENV, "node-a")
+    (tmp_path / "sidecar").mkdir()
+    side = SidecarProcess.start(tmp_path / "sidecar")
+    streamers = []
+    try:
+        for index, rank in enumerate(((0, 0, 0), (0, 1, 0))):
+            # the node a real worker reports (ascend_runtime/attach/ranks.py) with that env
+            streamer = make_streamer(
+                side.address, engine="qwen", rank=rank, pid=5000 + index, node="node-a"
+            )
+            for n in range(1, 11):
+                streamer.offer(wave_tuple(n))
+            streamer.start()
+            streamers.append(streamer)
+        target = f"127.0.0.1:{side.metrics_port}"
+        sidecar_pod = {"namespace": "ascend-guard", "pod": "ascend-guard-x7k2p", "node": "node-a"}
+        with PrometheusServer.start(
+            [target], workdir=tmp_path / "prometheus", rule_files=[ALERTS],
+            target_labels={target: sidecar_pod}, honor_labels=True,
+        ) as prom:  # fmt: skip
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                # the join the alert rules make (dashboards/prometheus/alerts.yml)
+                joined = prom.query(
+                    "ascend_guard_ranks_connected * on (instance, engine, dp) "
+                    "group_left (namespace, pod, node) "
+                    "topk by (instance, engine, dp) (1, ascend_guard_rank_workload_info)"
+                )
+                if joined:
+                    break
+                time.sleep(0.5)
+            info = prom.query("ascend_guard_rank_workload_info")
+            assert {(s["metric"]["tp"], s["metric"]["namespace"], s["metric"]["pod"], s["metric"]["node"]) for s in info} == {
+                ("0", "serving", "vllm-qwen-7c9d-abcde", "node-a"), ("1", "serving", "vllm-qwen-7c9d-abcde", "node-a"),
+            }  # fmt: skip
+            assert [(s["metric"]["namespace"], s["metric"]["pod"]) for s in joined] == [
+                ("serving", "vllm-qwen-7c9d-abcde")
+            ], joined
+            assert prom.query('{__name__=~"ascend_guard_.+", exported_node!=""}') == []
+            seen = prom.query("ascend_guard_rank_last_seen_timestamp_seconds")
+            assert seen and {s["metric"]["node"] for s in seen} == {"node-a"}
+            # the sidecar's own series keep the target's (the sidecar's) pod
+            up = prom.query("up")
+            assert [s["metric"]["pod"] for s in up] == ["ascend-guard-x7k2p"]
+    finally:
+        for streamer in streamers:
+            streamer.stop()
+        side.stop()

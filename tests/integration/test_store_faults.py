@@ -165,7 +165,17 @@ def test_a_full_disk_degrades_the_store_and_writing_resumes_when_space_returns(
             tmp_path,
             address=f"unix://{sock_dir / 'guard.sock'}",
             store_path=store,
-            extra_args=("--log-json", "--health-port", str(health), "--health-host", "127.0.0.1"),
+            # a budget the 4 MiB volume can hold at start (a larger one is refused); the test
+            # then fills the volume from outside the store
+            extra_args=(
+                "--log-json",
+                "--health-port",
+                str(health),
+                "--health-host",
+                "127.0.0.1",
+                "--max-store-bytes",
+                "3MiB",
+            ),
         )
         try:
             metrics = sidecar.metrics_text

@@ -18,11 +18,12 @@ def make_streamer(
     run_id: str = "run-test",
     pid: int = 4242,
     buffer_size: int = 8192,
+    node: str = "test-node",
 ) -> Streamer:
     dp, tp, pp = rank
     info = guard_pb2.RankInfo(
         run_id=run_id, engine=engine, dp_rank=dp, tp_rank=tp, pp_rank=pp, dp_size=sizes[0], tp_size=sizes[1],
-        pp_size=sizes[2], node="test-node", pid=pid, runner="tests.FakeRunner",
+        pp_size=sizes[2], node=node, pid=pid, runner="tests.FakeRunner",
     )  # fmt: skip
     return Streamer(
         address, info, buffer_size=buffer_size, batch_max=256, flush_interval_s=0.02, heartbeat_interval_s=0.2,

@@ -59,6 +59,7 @@ def _config_text(
     scrape_interval: str,
     rule_files: Iterable[str] = (),
     target_labels: dict[str, dict[str, str]] | None = None,
+    honor_labels: bool = False,
 ) -> str:
     targets = list(targets)
     labels = target_labels or {}
@@ -75,6 +76,7 @@ def _config_text(
                 "scrape_interval": scrape_interval,
                 "scrape_timeout": scrape_interval,
                 "metrics_path": "/metrics",
+                "honor_labels": honor_labels,
                 "static_configs": static,
             }
         ],
@@ -109,14 +111,16 @@ class PrometheusServer:
         binary: str | None = None,
         rule_files: Iterable[str | os.PathLike] = (),
         target_labels: dict[str, dict[str, str]] | None = None,
+        honor_labels: bool = False,
     ) -> PrometheusServer:
         """Start Prometheus scraping ``targets`` (``host:port`` strings) every ``scrape_interval``.
 
         Storage, config and log live in ``workdir`` (a new temporary directory, removed on
         :meth:`stop`, when not given). ``rule_files`` (recording/alerting rule files) are
         evaluated every ``scrape_interval`` too. ``target_labels`` gives a target labels of its
-        own (as a PodMonitor's relabelings give `node` and `pod`). Returns once ``/-/ready``
-        answers 200.
+        own (as a PodMonitor's relabelings give `node` and `pod`); ``honor_labels`` keeps a
+        scraped series' own labels where they clash with those (a PodMonitor's honorLabels).
+        Returns once ``/-/ready`` answers 200.
         """
         targets = list(targets)
         if not targets:
@@ -130,7 +134,9 @@ class PrometheusServer:
         wd.mkdir(parents=True, exist_ok=True)
         (wd / "data").mkdir(exist_ok=True)
         config = wd / "prometheus.yml"
-        config.write_text(_config_text(targets, job, scrape_interval, rule_files, target_labels))
+        config.write_text(
+            _config_text(targets, job, scrape_interval, rule_files, target_labels, honor_labels)
+        )
 
         last_error: Exception | None = None
         for _attempt in range(3):  # the free port can be taken between probe and bind

@@ -116,3 +116,40 @@ def test_cluster_rules_join_on_the_engine_labels_every_node_shares():
     exprs = {r.get("alert") or r["record"]: r["expr"] for r in group["rules"]}
     for name in ("AscendGuardClusterRankSilent", "AscendGuardClusterRankNotArrived"):
         assert "on (run_id, engine, dp" in exprs[name], name
+
+
+def _workload_tests(where: Path) -> subprocess.CompletedProcess:
+    shutil.copy(PROM / "workload_test.yml", where / "workload_test.yml")
+    return _test_rules(where, "workload_test.yml")
+
+
+def test_alerts_carry_the_workloads_namespace_pod_and_node(tmp_path):
+    """workload_test.yml against deploy/'s PrometheusRule: a DaemonSet sidecar's alerts name the
+    vLLM pod and namespace (from ascend_guard_rank_workload_info), not the sidecar's, and
+    AscendGuardWavesStalled joins vLLM's series by that pod whatever the engine label is."""
+    groups = yaml.safe_load(render_deploy.prometheus_rule())["spec"]["groups"]
+    for file in ("alerts.yml", "cluster.yml"):
+        wanted = {g["name"] for g in _rules(file)["groups"]}
+        doc = {"groups": [g for g in groups if g["name"] in wanted]}
+        (tmp_path / file).write_text(yaml.safe_dump(doc, sort_keys=False))
+    run = _workload_tests(tmp_path)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_workload_tests_fail_without_the_join(tmp_path):
+    """The tests can fail: with the workload recording rules emptied, the alerts carry the
+    sidecar's pod and the shared-engine WavesStalled stays silent."""
+    for name in ("alerts.yml", "cluster.yml"):
+        text = (PROM / name).read_text()
+        text = text.replace("(1, ascend_guard_rank_workload_info)", "(1, absent_nothing_here)")
+        (tmp_path / name).write_text(text)
+    run = _workload_tests(tmp_path)
+    out = run.stdout + run.stderr
+    assert run.returncode != 0
+    assert "vllm-qwen-7c9d-abcde" in out and "AscendGuardWavesStalled" in out
+
+
+def test_the_dashboards_readme_lists_every_alert():
+    readme = (ROOT / "dashboards" / "README.md").read_text()
+    missing = [r["alert"] for r in _alerts() if f"| `{r['alert']}` |" not in readme]
+    assert missing == [], missing

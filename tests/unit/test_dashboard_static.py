@@ -86,6 +86,8 @@ WORKER_METRICS = {
     # what runs and where it attached (telemetry/wire/build_info.py, guard/stream/identity.py)
     "ascend_guard_build_info",
     "ascend_guard_attach_points",
+    # the Kubernetes pod of each rank, which the alerts join (telemetry/metrics/workload.py)
+    "ascend_guard_rank_workload_info",
 }
 SIDECAR_METRICS = {"ascend_guard_ingest_rejected_total"}  # no engine label
 HISTOGRAMS = {
