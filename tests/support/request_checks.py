@@ -89,3 +89,22 @@ def membership_vs_wave_records(path: Path, engine: str, first_wave: int = 1) -> 
         return len(records), mismatches
     finally:
         conn.close()
+
+
+def preempted_while_speculating(path: Path, engine: str, response: dict[str, Any]) -> int:
+    """How often a response's engine requests were preempted while speculating: the wave they
+    ran in just before the preemption verified drafts (a decode wave with more than one token
+    scheduled). Without async scheduling that wave's output is back when the next step
+    preempts, and the n-gram proposer has by then drafted again for the step that never
+    comes: those drafts are dropped with the preemption."""
+    conn = store.connect(path, readonly=True)
+    try:
+        count = 0
+        for trace in request_store.request_traces(conn, response["id"], engine=engine):
+            waves = trace.waves
+            for before, wave in zip(waves, waves[1:], strict=False):
+                if wave.preempted and before.kind == "decode" and before.scheduled > 1:
+                    count += 1
+        return count
+    finally:
+        conn.close()
