@@ -32,6 +32,7 @@ from telemetry.store import records as store
 from telemetry.store import requests as request_store
 from tests.support.accounting import ENGINE, GuardedServer, guard_lines, usage_sum
 from tests.support.request_checks import (
+    last_wave,
     membership_vs_wave_records,
     preempted_while_speculating,
     sampled_per_response,
@@ -478,7 +479,9 @@ def test_requests_preempted_while_speculating_count_what_the_api_returned(
     request's trace holds exactly its completion tokens, the preempted ones included. The
     whole difference between the guard and `vllm:generation_tokens_total` is the client that
     left: what its request sampled after vLLM's front end dropped it and before the abort
-    reached the scheduler (the by-design row above).
+    reached the scheduler (the by-design row above). Its drafts likewise: when the abort
+    arrives while a wave runs, vLLM's scheduler skips the request's output of that wave, and
+    its drafts with it, in its spec-decode counters; the guard counts them as run.
     """
     s = pressured
     shared = " ".join(["The sidecar keeps a small store of traces for on-call engineers."] * 3)
@@ -541,7 +544,18 @@ def test_requests_preempted_while_speculating_count_what_the_api_returned(
     assert prefill == delta.v("vllm:prompt_tokens_by_source_total", source="local_compute")
     assert prefill == delta.prompt - delta.v("vllm:prompt_tokens_cached_total")
     assert preemptions <= delta.scheduled("recompute") <= preemptions * 256
-    assert_spec_counters_agree(delta)
+    # drafts: vLLM's scheduler counts a wave's drafts as it takes the wave's output in, and
+    # skips a request aborted while the wave ran (the abort is taken first); the guard counts
+    # the wave it ran. So they agree, or differ by the gone request's last wave alone
+    drafted = delta.g("ascend_guard_spec_draft_tokens_total", method="ngram")
+    accepted = delta.g("ascend_guard_spec_accepted_tokens_total", method="ngram")
+    last = last_wave(s.sidecar.store_path, ENGINE, gone)
+    in_last = (last.scheduled - 1, last.sampled - 1) if last.kind == "decode" else (0, 0)
+    extra = (
+        drafted - delta.v("vllm:spec_decode_num_draft_tokens_total"),
+        accepted - delta.v("vllm:spec_decode_num_accepted_tokens_total"),
+    )
+    assert extra in {(0, 0), in_last}, (extra, last)
     assert_ranks_agree(delta)
     assert_clean(after)
 

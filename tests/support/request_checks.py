@@ -108,3 +108,13 @@ def preempted_while_speculating(path: Path, engine: str, response: dict[str, Any
         return count
     finally:
         conn.close()
+
+
+def last_wave(path: Path, engine: str, response: dict[str, Any]) -> request_store.RequestWave:
+    """The last wave a response's (one) engine request ran in."""
+    conn = store.connect(path, readonly=True)
+    try:
+        (trace,) = request_store.request_traces(conn, response["id"], engine=engine)
+        return trace.waves[-1]
+    finally:
+        conn.close()
