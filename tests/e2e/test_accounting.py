@@ -32,7 +32,9 @@ from telemetry import store
 from telemetry.spans import requests as request_spans
 from tests.support.accounting import ENGINE, GuardedServer, guard_lines, usage_sum
 from tests.support.request_checks import (
+    last_wave,
     membership_vs_wave_records,
+    preempted_while_speculating,
     sampled_per_response,
     wait_stored,
 )
@@ -460,6 +462,102 @@ def test_preempted_requests_recompute_without_counting_their_prompt_again(
         (t.request_id, [w.wave for w in t.waves if w.preempted]) for t in traces
     ]
     assert all(w.recompute for t in traces for w in t.waves if w.preempted)
+
+
+def test_requests_preempted_while_speculating_count_what_the_api_returned(
+    pressured: GuardedServer,
+) -> None:
+    """n-gram drafts, prefix caching and preemption at once, with a streaming client that
+    leaves early: a dozen requests share a three-block prefix, and 12 blocks hold about four
+    of them, so vLLM preempts requests in the middle of speculating.
+
+    Found (the API's usage as the arbiter): neither side loses or invents a token for a
+    preempted request. Without async scheduling (vLLM turns it off for n-gram drafts) the
+    output of a request's last wave is back before the step that preempts it; the drafts the
+    proposer made for the next step are never scheduled, so neither side counts them, and the
+    tokens the last wave kept are delivered and counted on both sides. Every completed
+    request's trace holds exactly its completion tokens, the preempted ones included. The
+    whole difference between the guard and `vllm:generation_tokens_total` is the client that
+    left: what its request sampled after vLLM's front end dropped it and before the abort
+    reached the scheduler (the by-design row above). Its drafts likewise: when the abort
+    arrives while a wave runs, vLLM's scheduler skips the request's output of that wave, and
+    its drafts with it, in its spec-decode counters; the guard counts them as run.
+    """
+    s = pressured
+    shared = " ".join(["The sidecar keeps a small store of traces for on-call engineers."] * 3)
+    max_tokens, max_stream, chunks = 32, 100, 5
+    # the requests must overlap to overflow the cache, and a preempted one must have been
+    # speculating: a round on a loaded machine may miss either, so it is run again, up to 3
+    for round_ in range(3):
+        tag = f"(round {round_ + 1})"  # new suffixes: the shared prefix alone hits the cache
+        before = s.settle()
+        bodies = [
+            {
+                "prompt": f"{shared} Then {i} {tag}",
+                "max_tokens": max_tokens,
+                "temperature": 0.0,
+                "ignore_eos": True,
+            }
+            for i in range(12)
+        ]
+        # greedy too: with drafts in the batch, a request sampled at random makes vLLM's two
+        # TP ranks accept different drafts (only tp0's are delivered), and the ranks' counts
+        # are compared below
+        story = {
+            "prompt": f"{shared} A long story {tag}",
+            "max_tokens": max_stream,
+            "temperature": 0.0,
+            "ignore_eos": True,
+        }
+        *done, gone = s.all_at_once(
+            [
+                *(lambda b=b: s.post("/v1/completions", b) for b in bodies),
+                lambda story=story: s.stream("/v1/completions", story, read_chunks=chunks),
+            ]
+        )
+        after = s.settle()
+        delta = after.minus(before)
+        traced = request_tokens(s, after, [*done, gone])  # every wave's membership checked
+        speculating = sum(
+            preempted_while_speculating(s.sidecar.store_path, ENGINE, r) for r in done
+        )
+        if speculating:
+            break
+    delta.row("preempted_while_speculating")
+    preemptions = delta.v("vllm:num_preemptions_total")
+    assert speculating > 0, "no completed request was preempted while speculating in 3 rounds"
+    print(f"preempted while speculating: {speculating} (round {round_ + 1})")
+    hits = delta.v("vllm:prefix_cache_hits_total")
+    assert hits >= 3 * 32 and hits % 32 == 0  # whole blocks of the shared prefix
+    # per request: each completed one, preempted or not, sampled its completion tokens
+    *done_tokens, gone_tokens = traced
+    assert done_tokens == [r["usage"]["completion_tokens"] for r in done]
+    completion = usage_sum(done, "completion_tokens")
+    # in total: vLLM counted the gone client's request up to its front end dropping it, the
+    # guard until the abort reached the scheduler; everything else agrees exactly
+    counted_by_vllm = delta.generation - completion
+    assert chunks <= counted_by_vllm <= gone_tokens <= max_stream
+    assert delta.sampled() == completion + gone_tokens, guard_lines(after.guard)
+    assert delta.sampled() - delta.generation == gone_tokens - counted_by_vllm
+    # prefill and recompute as in the other rows
+    prefill = delta.scheduled("prefill")
+    assert prefill == delta.v("vllm:prompt_tokens_by_source_total", source="local_compute")
+    assert prefill == delta.prompt - delta.v("vllm:prompt_tokens_cached_total")
+    assert preemptions <= delta.scheduled("recompute") <= preemptions * 256
+    # drafts: vLLM's scheduler counts a wave's drafts as it takes the wave's output in, and
+    # skips a request aborted while the wave ran (the abort is taken first); the guard counts
+    # the wave it ran. So they agree, or differ by the gone request's last wave alone
+    drafted = delta.g("ascend_guard_spec_draft_tokens_total", method="ngram")
+    accepted = delta.g("ascend_guard_spec_accepted_tokens_total", method="ngram")
+    last = last_wave(s.sidecar.store_path, ENGINE, gone)
+    in_last = (last.scheduled - 1, last.sampled - 1) if last.kind == "decode" else (0, 0)
+    extra = (
+        drafted - delta.v("vllm:spec_decode_num_draft_tokens_total"),
+        accepted - delta.v("vllm:spec_decode_num_accepted_tokens_total"),
+    )
+    assert extra in {(0, 0), in_last}, (extra, last)
+    assert_ranks_agree(delta)
+    assert_clean(after)
 
 
 def assert_spec_counters_agree(delta) -> None:

@@ -90,3 +90,32 @@ def membership_vs_wave_records(path: Path, engine: str, first_wave: int = 1) -> 
         return len(records), mismatches
     finally:
         conn.close()
+
+
+def preempted_while_speculating(path: Path, engine: str, response: dict[str, Any]) -> int:
+    """How often a response's engine requests were preempted while speculating: the wave they
+    ran in just before the preemption verified drafts (a decode wave with more than one token
+    scheduled). Without async scheduling that wave's output is back when the next step
+    preempts, and the n-gram proposer has by then drafted again for the step that never
+    comes: those drafts are dropped with the preemption."""
+    conn = store.connect(path, readonly=True)
+    try:
+        count = 0
+        for trace in request_spans.request_traces(conn, response["id"], engine=engine):
+            waves = trace.waves
+            for before, wave in zip(waves, waves[1:], strict=False):
+                if wave.preempted and before.kind == "decode" and before.scheduled > 1:
+                    count += 1
+        return count
+    finally:
+        conn.close()
+
+
+def last_wave(path: Path, engine: str, response: dict[str, Any]) -> request_spans.RequestWave:
+    """The last wave a response's (one) engine request ran in."""
+    conn = store.connect(path, readonly=True)
+    try:
+        (trace,) = request_spans.request_traces(conn, response["id"], engine=engine)
+        return trace.waves[-1]
+    finally:
+        conn.close()

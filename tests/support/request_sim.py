@@ -29,6 +29,10 @@ from typing import Any
 from guard.config.runtime_guard import GuardConfig
 from guard.processor import GuardProcessor
 from guard.stream.streamer import Streamer
+from telemetry.ingest.validation import validate_batch
+from telemetry.pipeline.writer import Item, RankSource
+from telemetry.store import Store
+from telemetry.wire.labels import EngineLabels
 from telemetry.wire.proto import guard_pb2
 
 
@@ -234,3 +238,24 @@ def drive(processor: GuardProcessor, sim: Sim, max_waves: int = 10_000) -> list[
     if isinstance(streamer, _QuietStreamer):
         return streamer.batches(processor.membership)
     return []
+
+
+def store_batches(tmp_path: Any, batches: list[guard_pb2.Batch]) -> tuple[Store, str]:
+    """A real store at `tmp_path`/store.db holding `batches` (validated as ingest does), for the
+    request traces and wave records built from it; engine label "sim"."""
+    path = str(tmp_path / "store.db")
+    store = Store(path)
+    engine = EngineLabels().label("sim")
+    rank = None
+    items = []
+    for batch in batches:
+        validate_batch(batch, rank_known=rank is not None)
+        rank = rank or batch.rank
+        if not batch.HasField("rank"):
+            batch.rank.CopyFrom(rank)
+        labels = (engine, "0", str(rank.tp_rank), "0")
+        process = (rank.run_id, engine, 0, rank.tp_rank, 0, rank.pid)
+        source = RankSource(rank, engine, labels, process)
+        items.append(Item(source, batch, batch.ByteSize(), len(batch.wave_columns.wave)))
+    store.write(items)
+    return store, path

@@ -19,21 +19,19 @@ from guard.wave import request_membership
 from guard.wave.request_membership import RequestMembership
 from telemetry.ingest.validation import validate_batch
 from telemetry.metrics import requests as request_metrics
-from telemetry.pipeline.writer import Item, RankSource
 from telemetry.spans import requests as request_spans
 from telemetry.spans.query import load_trace
-from telemetry.store import Store, connect
+from telemetry.store import connect
 from telemetry.store import requests as request_store
 from telemetry.tempo_api.server import PROTOBUF, Request, route
 from telemetry.traceql.search import search as traceql_search
 from telemetry.wire import schema
-from telemetry.wire.labels import EngineLabels
 from telemetry.wire.proto import guard_pb2
 from telemetry.wire.request_columns import entries
 from telemetry.wire.schema import InvalidBatch
 from telemetry.wire.trace_ids import format_trace_id, request_trace_id, wave_trace_id
 from tests.support.metrics import samples, value
-from tests.support.request_sim import Sim, SimRequest, drive, guarded
+from tests.support.request_sim import Sim, SimRequest, drive, guarded, store_batches
 
 
 def _requests() -> list[SimRequest]:
@@ -42,25 +40,6 @@ def _requests() -> list[SimRequest]:
         SimRequest(f"cmpl-{i}-0", prompt=10 + 37 * i, max_tokens=4 + 3 * i, arrive_wave=1 + 2 * i)
         for i in range(5)
     ]
-
-
-def _store(tmp_path, batches) -> tuple[Store, str]:
-    path = str(tmp_path / "store.db")
-    store = Store(path)
-    engine = EngineLabels().label("sim")
-    rank = None
-    items = []
-    for batch in batches:
-        validate_batch(batch, rank_known=rank is not None)
-        rank = rank or batch.rank
-        if not batch.HasField("rank"):
-            batch.rank.CopyFrom(rank)
-        labels = (engine, "0", str(rank.tp_rank), "0")
-        process = (rank.run_id, engine, 0, rank.tp_rank, 0, rank.pid)
-        items.append(Item(RankSource(rank, engine, labels, process), batch, batch.ByteSize(),
-                          len(batch.wave_columns.wave)))  # fmt: skip
-    store.write(items)
-    return store, path
 
 
 # the runner's order: as requests joined; vLLM's persistent batch (slots reused, condensed);
@@ -79,7 +58,7 @@ def simulated(tmp_path, request):
     processor = guarded()
     batches = drive(processor, sim)
     assert processor.errors.total == 0
-    store, path = _store(tmp_path, batches)
+    store, path = store_batches(tmp_path, batches)
     yield reqs, store, path, batches
     store.close()
 
@@ -536,7 +515,7 @@ def test_churn_in_vllms_persistent_batch_is_predicted_and_every_request_still_ad
         assert membership.full_maps <= 4, (membership.full_maps, changed)
     else:
         assert membership.full_maps >= changed // 2, (membership.full_maps, changed)
-    store, path = _store(tmp_path, batches)
+    store, path = store_batches(tmp_path, batches)
     conn = connect(path, readonly=True)
     for req in reqs:
         (trace,) = request_spans.request_traces(conn, req.req_id)
