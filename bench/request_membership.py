@@ -7,7 +7,7 @@ scheduler output (request ids as new string objects each wave, as they arrive un
 TP > 1) and runner output (the runner's own id strings, a fresh list each wave), as
 tests/support/request_sim.py makes them. The two are timed block by block, interleaved (order
 rotated per block, GC off); the cost is the median over blocks of (on - off) per wave. The
-engine-thread call alone (`on_step`, with the read of the schedule's fields that the processor
+engine-thread call alone (`on_record`, with the read of the schedule's fields that the processor
 shares with its prefill tracker; it queues the fields and the counts) is timed too, and
 beside it the streamer thread's part: working the queued steps out into rows
 (`drain`, every FLUSH_WAVES waves, as the streamer packs) and `fill_batch`. The goal is on the
@@ -156,7 +156,7 @@ def run_waves(proc: GuardProcessor, waves: list[tuple], runner) -> tuple[int, in
 
 
 def call_alone(alone: RequestMembership, waves: list[tuple], counted: list, number: int) -> int:
-    """ns of the engine thread's call alone (`on_step`, with the schedule's read) over `waves`
+    """ns of the engine thread's call alone (`on_record`, with the schedule's read) over `waves`
     (numbered from `number` + 1), the queued steps worked out every FLUSH_WAVES waves,
     untimed."""
     took = 0
@@ -166,7 +166,7 @@ def call_alone(alone: RequestMembership, waves: list[tuple], counted: list, numb
             waves[at : at + FLUSH_WAVES], counted[at : at + FLUSH_WAVES], strict=True
         ):
             number += 1
-            alone.on_step(number, read_schedule(so), output, count, kept)
+            alone.on_record(number, read_schedule(so), output, count, kept)
         took += time.perf_counter_ns() - t0
         alone.drain()
         alone._rows.clear()

@@ -111,8 +111,8 @@ class GuardProcessor:
         self.observers.add(self.detector_host)  # it calls observers.refresh on a rebuild
         # phase and collective in shared memory, for the sidecar (None = off)
         self.live_record: LivenessRecord | None = None
-        # request membership per wave, on the rank that owns scheduling (None = off).
-        # Not an observer: it reads each wave's output and kept counts from _emit.
+        # request membership per wave, on the rank that owns scheduling (None = off); an
+        # observer from the start of streaming (its on_record hook)
         self.membership: RequestMembership | None = None
         try:
             security = config.transport.client_security()
@@ -149,15 +149,6 @@ class GuardProcessor:
     def add_observer(self, observer: Any) -> None:
         """Add a wave observer (any subset of `guard.wave.observers.WaveObserver`'s hooks)."""
         self.observers.add(observer)
-
-    @property
-    def observer(self) -> Any:
-        """The last observer added (kept for callers that set one observer)."""
-        return self.observers.members[-1] if self.observers.members else None
-
-    @observer.setter
-    def observer(self, observer: Any) -> None:
-        self.add_observer(observer)
 
     # -- decorator entry points ---------------------------------------------------------------
     def run_step(self, fn: Callable[..., Any], runner: Any, args: tuple, kwargs: dict) -> Any:
@@ -355,8 +346,11 @@ class GuardProcessor:
             recompute,
         )
         streamer.offer(_new_tuple(WaveTuple, record))
-        if self.membership is not None:  # the wave's schedule and output, in one call
-            self.membership.on_step(wave, fields, output, tokens, kept)
+        for hook in self.observers.on_record_hooks:  # request membership, on tp0
+            try:
+                hook(wave, fields, output, tokens, kept)
+            except Exception:  # noqa: BLE001 - never break the step
+                self.errors.record("observer_on_record")
 
     # -- sampling detectors and live config ----------------------------------------------------
     def on_logits(self, logits: Any, rows_per_req: list[int] | None) -> None:
@@ -393,10 +387,7 @@ class GuardProcessor:
             self.heartbeat().fill(batch)
             for name, value, labels in identity.readings():  # build_info, attach points
                 batch.probes.add(name=name, labels=labels, value=value)
-        self.observers.fill_batch(batch, with_heartbeat)  # detectors' readings, collectives
-        membership = self.membership
-        if membership is not None:
-            membership.fill_batch(batch, with_heartbeat)
+        self.observers.fill_batch(batch, with_heartbeat)  # detectors, collectives, membership
         batch.guard_errors_total += self.errors.total
 
     def heartbeat(self) -> HeartbeatState:
@@ -437,6 +428,7 @@ class GuardProcessor:
             self.membership = RequestMembership(
                 self.config.buffer_size, on_error=self.errors.record
             )
+            self.add_observer(self.membership)
 
     def _start_live_record(self, rank: guard_pb2.RankInfo) -> None:
         if not self.config.liveness_record:
@@ -444,10 +436,7 @@ class GuardProcessor:
         record = LivenessRecord.create(
             self.config.liveness_dir, rank.run_id, rank.dp_rank, rank.pp_rank, rank.tp_rank
         )
-        for observer in self.observers.members:  # the collectives' tracker writes its entries
-            tracker = getattr(observer, "tracker", None)
-            if tracker is not None:
-                tracker.record = record
+        self.observers.attach_record(record)  # the collectives' tracker writes its entries
         self.live_record = record
 
     def close(self) -> None:

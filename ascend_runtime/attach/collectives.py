@@ -164,7 +164,7 @@ def install_collective_guard(config: GuardConfig, processor: Any) -> None:
         new_event=_replay_events(),
         world_size=widest_group,
     )
-    processor.observer = guard
+    processor.add_observer(guard)
     if collectives.enabled:
         install_tracker(guard.tracker)  # the GroupCoordinator rows of the attach-point table
     elif fault.where == "collective":

@@ -12,6 +12,7 @@ vLLM short-cuts each collective. At the first wave, once vLLM's groups exist, th
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import structlog
 
@@ -101,6 +102,10 @@ class CollectiveGuard:
                 tracker.roll(0)
         except Exception:  # noqa: BLE001
             self.errors += 1
+
+    def attach_record(self, record: Any) -> None:
+        """The rank's liveness record: the tracker writes each collective's entry to it."""
+        self.tracker.record = record
 
     def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool) -> None:
         try:

@@ -2,8 +2,10 @@
 
 The processor counts waves and calls each observer at the wave's boundaries (engine thread);
 the streamer calls `fill_batch` on its thread. An observer implements any subset of the hooks:
-detectors, hot reload, collectives (guard/collectives/observer.py), probes. A hook that raises is
-counted as a guard-internal error and the others still run.
+detectors, collectives (guard/collectives/observer.py), request membership
+(guard/wave/request_membership.py), probes. A hook that raises is counted as a guard-internal
+error and the others still run. The processor walks these tuples and nothing else: every
+participant in a wave is an observer.
 
 The wave hooks run on the engine thread after the model's own work, where every Python frame
 costs a microsecond or so (its code and data are out of the caches), so the processor walks
@@ -19,7 +21,7 @@ from typing import Any, Protocol
 
 from telemetry.wire.proto import guard_pb2
 
-WAVE_HOOKS = ("begin_wave", "on_schedule", "on_output", "end_wave")
+WAVE_HOOKS = ("begin_wave", "on_schedule", "on_output", "end_wave", "on_record")
 
 
 class WaveObserver(Protocol):
@@ -31,6 +33,11 @@ class WaveObserver(Protocol):
     # None when the output carries no host-side token lists)
     def on_output(self, wave: int, runner: Any, output: Any, tokens: Any) -> None: ...
     def end_wave(self, wave: int) -> None: ...  # after sample_tokens
+    # as the wave's record is handed to the streamer: its schedule as the processor read it
+    # (`guard.wave.schedule.ScheduleFields`, None for a dummy wave), its output, its sampled
+    # tokens and what each request keeps (`read_sampled`)
+    def on_record(self, wave: int, fields: Any, output: Any, tokens: Any, kept: Any) -> None: ...
+    def attach_record(self, record: Any) -> None: ...  # the rank's liveness record, at start
     def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool) -> None: ...  # streamer
     def close(self) -> None: ...
 
@@ -46,6 +53,7 @@ class Observers:
         self.on_schedule_hooks: tuple[Callable[[int, Any], None], ...] = ()
         self.on_output_hooks: tuple[Callable[[int, Any, Any, Any], None], ...] = ()
         self.end_wave_hooks: tuple[Callable[[int], None], ...] = ()
+        self.on_record_hooks: tuple[Callable[[int, Any, Any, Any, Any], None], ...] = ()
         self._fill_batch: list[Callable[[guard_pb2.Batch, bool], None]] = []
         self._close: list[Callable[[], None]] = []
 
@@ -67,6 +75,13 @@ class Observers:
             m.fill_batch for m in self.members if callable(getattr(m, "fill_batch", None))
         ]
         self._close = [m.close for m in self.members if callable(getattr(m, "close", None))]
+
+    def attach_record(self, record: Any) -> None:
+        """Hand the rank's shared-memory liveness record to the observers that write to it."""
+        for member in self.members:
+            attach = getattr(member, "attach_record", None)
+            if callable(attach):
+                attach(record)
 
     def fill_batch(self, batch: guard_pb2.Batch, with_heartbeat: bool) -> None:
         for hook in self._fill_batch:

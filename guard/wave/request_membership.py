@@ -2,9 +2,9 @@
 
 Only the rank that owns scheduling records it (tp0 of each replica and PP stage: every rank of
 a TP group runs the same requests). Each wave has two steps: its schedule (new, finished and
-preempted requests, from the scheduler output: `on_schedule`, or `queue_schedule` with the
-fields already read) and its output (who ran, with what tokens: `on_wave`). The processor
-queues both in one call as it hands the wave's record over (`on_step`, with the fields it read
+preempted requests, from the scheduler output: `note_schedule`, or `queue_schedule` with the
+fields already read) and its output (who ran, with what tokens: `note_wave`). The processor
+queues both in one call as it hands the wave's record over (`on_record`, with the fields it read
 for its prefill tracker). They only queue what they were given (a tuple and a deque append
 each): the streamer thread works the queued steps out, oldest first, when it packs a batch
 (`fill_batch`: rows, then `RequestColumns`), so the work below runs off the engine's path,
@@ -114,12 +114,13 @@ class RequestMembership:
         self.full_maps = 0  # waves whose every id was looked up (the rest: reused or predicted)
 
     # -- engine thread ------------------------------------------------------------------------
-    def on_schedule(self, wave: int, scheduler_output: Any) -> None:
-        """Note the wave's scheduled requests (call after execute_model)."""
+    def note_schedule(self, wave: int, scheduler_output: Any) -> None:
+        """Note the wave's scheduled requests (call after execute_model); with `note_wave`,
+        the two-call form of `on_record`."""
         self.queue_schedule(wave, read_schedule(scheduler_output))
 
     def queue_schedule(self, wave: int, fields: ScheduleFields) -> None:
-        """`on_schedule` from the fields the processor already read. Only those are queued,
+        """`note_schedule` from the fields the processor already read. Only those are queued,
         not the scheduler output: its whole tree (a dozen objects the garbage collector
         tracks, in a decode wave) would live until the streamer's next batch, and each one
         counts towards the next young collection."""
@@ -135,7 +136,7 @@ class RequestMembership:
         if len(steps) > self._steps_kept:
             self._catch_up()
 
-    def on_wave(self, wave: int, output: Any, tokens: int | None, kept: Any = None) -> None:
+    def note_wave(self, wave: int, output: Any, tokens: int | None, kept: Any = None) -> None:
         """Record wave `wave`: `output` is the runner output (None: it sampled nothing here),
         `tokens` the sampled tokens the processor counted for it and `kept` how many tokens
         each request keeps (`read_sampled`: `ONE_EACH`, or an array in the output's order;
@@ -145,9 +146,9 @@ class RequestMembership:
         Only the output's request ids, its index of them and `kept` are queued, not the output:
         a queued object lives until the streamer's next batch, and its token lists (one per
         request) would each count towards the garbage collector's next young collection."""
-        self.on_step(wave, None, output, tokens, kept)
+        self.on_record(wave, None, output, tokens, kept)
 
-    def on_step(
+    def on_record(
         self,
         wave: int,
         fields: ScheduleFields | None,
@@ -155,9 +156,10 @@ class RequestMembership:
         tokens: int | None,
         kept: Any = None,
     ) -> None:
-        """The processor's one call a wave, as it hands the wave's record over: the wave's
-        schedule (`queue_schedule`; None for a dummy wave, which schedules nothing) and its
-        output (`on_wave`), queued in one call on the engine thread, not two."""
+        """The wave observer's hook (guard/wave/observers.py), called as the processor hands
+        the wave's record over: the wave's schedule (`queue_schedule`; None for a dummy wave,
+        which schedules nothing) and its output (`note_wave`), queued in one call on the
+        engine thread, not two."""
         steps = self._steps
         if fields is not None:
             if fields.new:  # new requests: their ids only

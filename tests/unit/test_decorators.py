@@ -560,7 +560,7 @@ class CollectivesLike:
 def test_observers_are_called_in_order_and_a_failing_hook_is_counted(guard):
     calls = []
     guard.processor.add_observer(Recorder(calls, "a"))
-    guard.processor.observer = CollectivesLike(calls)  # the collectives binding's way
+    guard.processor.add_observer(CollectivesLike(calls))  # the collectives binding's way
     runner = Runner(sample_result=Output([[1]]))
     for _ in range(2):
         runner.execute_model(sched(a=1))

@@ -219,12 +219,12 @@ def _sched(ids, tokens, new=(), finished=()):
 def test_membership_reuses_the_row_while_the_batch_is_unchanged_and_bounds_its_buffer() -> None:
     ids = [f"r{i}" for i in range(8)]
     m = RequestMembership(capacity=4)
-    m.on_schedule(1, _sched(ids, [3] * 8, new=ids))
+    m.note_schedule(1, _sched(ids, [3] * 8, new=ids))
     out = SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1]] * 8)
-    m.on_wave(1, out, 8)
+    m.note_wave(1, out, 8)
     for wave in range(2, 8):
-        m.on_schedule(wave, _sched(ids, [1] * 8))
-        m.on_wave(wave, SimpleNamespace(req_ids=out.req_ids, sampled_token_ids=[[1]] * 8), 8)
+        m.note_schedule(wave, _sched(ids, [1] * 8))
+        m.note_wave(wave, SimpleNamespace(req_ids=out.req_ids, sampled_token_ids=[[1]] * 8), 8)
     assert len(m) == 14 and not m.dropped_rows  # queued steps: worked out by the streamer
     m.drain()
     assert len(m) == 4 and m.dropped_rows == 3
@@ -248,19 +248,19 @@ def test_a_finished_request_stays_known_for_a_late_output_the_newest_retired_kep
     monkeypatch.setattr(request_membership, "RETIRED_KEPT", 3)
     ids = [f"r{i}" for i in range(6)]
     m = RequestMembership(capacity=100)
-    m.on_schedule(1, _sched(ids, [1] * 6, new=ids))
-    m.on_wave(1, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1]] * 6), 6)
+    m.note_schedule(1, _sched(ids, [1] * 6, new=ids))
+    m.note_wave(1, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1]] * 6), 6)
     first = guard_pb2.Batch(rank=guard_pb2.RankInfo(run_id="r"))
     m.fill_batch(first)
     cols = first.request_columns
     index = dict(zip(cols.name_request_id, cols.name_index, strict=True))
     for wave, req_id in enumerate(ids, 2):  # one finishes per wave, r0 first
         live = ids[ids.index(req_id) + 1 :]
-        m.on_schedule(wave, _sched(live, [1] * len(live), finished=[req_id]))
+        m.note_schedule(wave, _sched(live, [1] * len(live), finished=[req_id]))
         out = SimpleNamespace(req_ids=list(live), sampled_token_ids=[[1]] * len(live))
-        m.on_wave(wave, out, len(live))
-    m.on_schedule(8, _sched(["r2", "r3", "r5"], [1, 1, 1]))  # outputs a wave late
-    m.on_wave(8, SimpleNamespace(req_ids=["r2", "r3", "r5"], sampled_token_ids=[[1]] * 3), 3)
+        m.note_wave(wave, out, len(live))
+    m.note_schedule(8, _sched(["r2", "r3", "r5"], [1, 1, 1]))  # outputs a wave late
+    m.note_wave(8, SimpleNamespace(req_ids=["r2", "r3", "r5"], sampled_token_ids=[[1]] * 3), 3)
     later = guard_pb2.Batch()
     m.fill_batch(later)
     cols = later.request_columns
@@ -276,10 +276,10 @@ def test_the_engine_thread_only_queues_and_uses_its_own_counts_after_a_list_is_c
     row keeps the counts the engine thread made (`kept`)."""
     ids = ["a", "b", "c"]
     m = RequestMembership(capacity=100)
-    m.on_schedule(1, _sched(ids, [4] * 3, new=ids))
+    m.note_schedule(1, _sched(ids, [4] * 3, new=ids))
     out = SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1, 2, 3], [1], [1, 2]])
     kept = array("I", [3, 1, 2])
-    m.on_wave(1, out, 6, kept)
+    m.note_wave(1, out, 6, kept)
     assert len(m) == 2 and not m._rows  # two steps queued, nothing worked out yet
     del out.sampled_token_ids[0][1:]  # the scheduler: request "a" stopped at its first token
     batch = guard_pb2.Batch(rank=guard_pb2.RankInfo(run_id="r"))
@@ -317,11 +317,11 @@ def test_queued_steps_hold_no_vllm_object_and_one_each_rows_match_counted_rows()
         out = _Held(req_ids=list(ids), sampled_token_ids=[[7], [8], [9]])
         tokens, kept, _ = read_sampled(out)
         assert (tokens, kept) == (3, ONE_EACH)
-        m.on_schedule(1, so)
+        m.note_schedule(1, so)
         if counts_from_processor:
-            m.on_wave(1, out, tokens, kept)
+            m.note_wave(1, out, tokens, kept)
         else:
-            m.on_wave(1, out, tokens)  # no counts given: made from the lists
+            m.note_wave(1, out, tokens)  # no counts given: made from the lists
         held = weakref.ref(so), weakref.ref(out), new_req
         del so, out
         gc.collect()
@@ -341,10 +341,10 @@ def test_an_output_with_no_token_lists_leaves_its_rows_sampled_unknown() -> None
 
     ids = ["a", "b"]
     m = RequestMembership(capacity=100)
-    m.on_schedule(1, _sched(ids, [3, 3], new=ids))
+    m.note_schedule(1, _sched(ids, [3, 3], new=ids))
     out = SimpleNamespace(req_ids=list(ids), req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[])
     tokens, kept, _ = read_sampled(out)
-    m.on_wave(1, out, tokens, kept)
+    m.note_wave(1, out, tokens, kept)
     m.drain()
     (row,) = m._rows
     assert row[3] is None  # sampled: unknown
@@ -358,17 +358,17 @@ def test_queued_steps_are_bounded_by_the_engine_thread_catching_up(monkeypatch) 
     monkeypatch.setattr(request_membership, "STEPS_KEPT", 2)
     ids = ["a", "b"]
     m = RequestMembership(capacity=100)
-    m.on_schedule(1, _sched(ids, [3, 3], new=ids))
-    m.on_wave(1, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1], [1]]), 2)
+    m.note_schedule(1, _sched(ids, [3, 3], new=ids))
+    m.note_wave(1, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1], [1]]), 2)
     for wave in range(2, 9):
-        m.on_schedule(wave, _sched(ids, [1, 1]))
-        m.on_wave(wave, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1], [1]]), 2)
+        m.note_schedule(wave, _sched(ids, [1, 1]))
+        m.note_wave(wave, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1], [1]]), 2)
         assert len(m._steps) <= 4
     assert len(m._rows) == 6  # the engine thread's own catching up
     with m._lock:  # the streamer is packing: the engine thread queues and goes on
         for wave in range(9, 12):
-            m.on_schedule(wave, _sched(ids, [1, 1]))
-            m.on_wave(wave, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1], [1]]), 2)
+            m.note_schedule(wave, _sched(ids, [1, 1]))
+            m.note_wave(wave, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1], [1]]), 2)
     assert len(m._steps) == 10
     batch = guard_pb2.Batch(rank=guard_pb2.RankInfo(run_id="r"))
     m.fill_batch(batch)
@@ -393,16 +393,16 @@ def test_a_request_joining_lists_only_its_own_tokens_and_drafts_list_every_membe
     Drafts (4 tokens scheduled each, 1-4 kept): every member is listed, with what it kept."""
     ids = [f"r{i}" for i in range(6)]
     m = RequestMembership(capacity=100)
-    m.on_schedule(1, _sched(ids, [5] * 6, new=ids))
-    m.on_wave(1, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1]] * 6), 6)
+    m.note_schedule(1, _sched(ids, [5] * 6, new=ids))
+    m.note_wave(1, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1]] * 6), 6)
     live = ids[1:] + ["r6"]
-    m.on_schedule(2, _sched(live, [1] * 5 + [32], new=["r6"], finished=["r0"]))
-    m.on_wave(2, SimpleNamespace(req_ids=list(live), sampled_token_ids=[[1]] * 6), 6)
+    m.note_schedule(2, _sched(live, [1] * 5 + [32], new=["r6"], finished=["r0"]))
+    m.note_wave(2, SimpleNamespace(req_ids=list(live), sampled_token_ids=[[1]] * 6), 6)
     spec = SimpleNamespace(
         req_ids=list(live), sampled_token_ids=[[1] * (1 + i % 4) for i in range(6)]
     )
-    m.on_schedule(3, _sched(live, [4] * 6))
-    m.on_wave(3, spec, sum(1 + i % 4 for i in range(6)))
+    m.note_schedule(3, _sched(live, [4] * 6))
+    m.note_wave(3, spec, sum(1 + i % 4 for i in range(6)))
     batch = guard_pb2.Batch(rank=guard_pb2.RankInfo(run_id="r"))
     m.fill_batch(batch)
     cols = batch.request_columns
@@ -475,13 +475,13 @@ def test_a_membership_error_costs_neither_the_wave_record_nor_the_engine() -> No
 def test_names_go_once_per_stream_and_again_on_a_new_stream() -> None:
     ids = ["a", "b", "c"]
     m = RequestMembership(capacity=100)
-    m.on_schedule(1, _sched(ids[:2], [3, 3], new=ids[:2]))
-    m.on_wave(1, SimpleNamespace(req_ids=ids[:2], sampled_token_ids=[[1], [1]]), 2)
+    m.note_schedule(1, _sched(ids[:2], [3, 3], new=ids[:2]))
+    m.note_wave(1, SimpleNamespace(req_ids=ids[:2], sampled_token_ids=[[1], [1]]), 2)
     first = guard_pb2.Batch(rank=guard_pb2.RankInfo(run_id="r"))  # a stream's first batch
     m.fill_batch(first)
     assert list(first.request_columns.name_request_id) == ["a", "b"]
-    m.on_schedule(2, _sched(ids, [1, 1, 3], new=["c"]))
-    m.on_wave(2, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1]] * 3), 3)
+    m.note_schedule(2, _sched(ids, [1, 1, 3], new=["c"]))
+    m.note_wave(2, SimpleNamespace(req_ids=list(ids), sampled_token_ids=[[1]] * 3), 3)
     later = guard_pb2.Batch()
     m.fill_batch(later)
     assert list(later.request_columns.name_request_id) == ["c"]
