@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.ascend-guard-installed
 
-.PHONY: all deps venv prometheus deploy-tools deploy-render dashboards dashboard-schema docs demo test test-fast lint format proto bench clean
+.PHONY: all deps venv prometheus deploy-tools deploy-render dashboards dashboard-schema docs demo test test-fast lint format proto bench compat clean
 
 all: test
 
@@ -54,6 +54,13 @@ docs: $(STAMP)
 	$(PY) tools/gen_docs.py
 
 deps: $(STAMP) prometheus deploy-tools dashboard-schema
+
+# the attach points vLLM 0.33.0 and 0.34.0 really hold: their wheels' Python source (CUDA builds,
+# downloaded into .cache/compat, never installed or imported) read by `doctor --source`;
+# VLLM_ASCEND_SRC=<checkout> adds a vllm-ascend tree, COMPAT_ARGS=--record re-records
+# tests/data/vllm_layouts.json
+compat: $(STAMP)
+	$(PY) tools/compat_scan.py $(COMPAT_ARGS)
 
 demo: $(STAMP)
 	$(PY) tools/demo.py $(DEMO_ARGS)

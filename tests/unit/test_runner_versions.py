@@ -1,10 +1,12 @@
 """Version-aware attach points: which vLLM releases hold which runner, and what the binder, the
 doctor and its source scan make of a point a release cannot hold.
 
-The source trees are built by the tests from the attach-point table itself, laid out as the
-vLLM wheels lay them out: 0.33 holds both runners, 0.34 dropped `gpu_model_runner.py`,
-`cpu_model_runner.py` and the V1 samplers and added `cpu/standalone_model_runner.py` (read from
-the 0.33.0 and 0.34.0 wheels' sources; docs/compatibility.md has the scans of the real trees)."""
+The source trees are built by the tests, without downloading anything: from the attach-point
+table itself, laid out as the vLLM wheels lay them out (0.33 holds both runners; 0.34 dropped
+`gpu_model_runner.py`, `cpu_model_runner.py` and the V1 samplers and added
+`cpu/standalone_model_runner.py`), and from tests/data/vllm_layouts.json, which
+`tools/compat_scan.py --record` read from the real 0.33.0 and 0.34.0 wheels' Python source
+(module, class and the table's methods each class defines; no vLLM code)."""
 
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ from ascend_runtime.doctor.source_scan import scan_tree
 from telemetry.cli.main import main as cli_main
 
 VLLM_POINTS = [p for p in ATTACH_POINTS if p.package == "vllm"]
+LAYOUTS = json.loads((Path(__file__).parents[1] / "data" / "vllm_layouts.json").read_text())
 # the modules the 0.34.0 wheel no longer has (checked against its file list)
 GONE_IN_034 = {
     "vllm.v1.worker.gpu_model_runner",
@@ -232,6 +235,55 @@ def test_doctor_runtime_cpu_v1_on_034(tmp_path, capsys):
     out = capsys.readouterr().out
     v1 = [p for p in VLLM_POINTS if "cpu-v1" in p.runtimes and p.module in GONE_IN_034]
     assert f"{len(v1)} not in this version (V1 runner removed in 0.34)" in out
+
+
+def layout_tree(root: Path, version: str, *, drop_method=None) -> Path:
+    """The tree the recorded layout of `version`'s wheel describes; `drop_method` = (module,
+    class, method) leaves one method out."""
+    recorded = LAYOUTS[version]
+    for module, classes in recorded["modules"].items():
+        parts = module.split(".")
+        for i in range(1, len(parts)):
+            init = root.joinpath(*parts[:i], "__init__.py")
+            init.parent.mkdir(parents=True, exist_ok=True)
+            init.touch()
+        lines = ["class Base:", "    pass", ""]
+        for cls, methods in sorted(classes.items()):
+            lines.append(f"class {cls}(Base):")
+            kept = [m for m in methods if drop_method != (module, cls, m)]
+            for method in kept or ["unrelated"]:
+                lines.append(f"    def {method}(self, *args, **kwargs):\n        pass")
+        root.joinpath(*parts[:-1], parts[-1] + ".py").write_text("\n".join(lines) + "\n")
+    (root / "vllm" / "_version.py").write_text(f"__version__ = version = '{recorded['version']}'\n")
+    return root
+
+
+@pytest.mark.parametrize(
+    "version, absent, reason",
+    [
+        ("0.33.0", NEW_IN_034, "standalone MRV2 CPU runner added in 0.34"),
+        ("0.34.0", GONE_IN_034, "V1 runner removed in 0.34"),
+    ],
+)
+def test_each_recorded_release_has_no_missing_point(tmp_path, version, absent, reason):
+    """The real wheels' layouts: nothing missing for the runners each release holds, and the
+    points it cannot hold are exactly the other runner's, with the reason. A table change that
+    names a vLLM class these releases lack fails here until `make compat` re-records."""
+    results = scan_tree(layout_tree(tmp_path, version))
+    missing = [r.point.target for r in results if r.status == "missing"]
+    assert not missing, f"{missing}: re-record with tools/compat_scan.py --record if intended"
+    gone = [r for r in results if r.status == NOT_IN_VERSION]
+    assert {r.point.module for r in gone} == absent
+    assert {r.detail for r in gone} == {reason}
+    assert {r.point for r in results} == set(VLLM_POINTS)
+
+
+def test_a_method_dropped_from_the_recorded_034_is_missing(tmp_path):
+    target = ("vllm.v1.worker.gpu.model_runner", "GPUModelRunner", "execute_model")
+    results = scan_tree(layout_tree(tmp_path, "0.34.0", drop_method=target))
+    missing = [r for r in results if r.status == "missing"]
+    assert [r.point.target for r in missing] == [".".join(target)]
+    assert "defines no execute_model" in missing[0].detail
 
 
 # -- binder and detection in a process whose installed vLLM is a given release ---------------
