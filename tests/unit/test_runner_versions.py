@@ -340,3 +340,32 @@ def test_runtime_of_a_standalone_cpu_runner_is_mrv2():
     v1.__module__ = "vllm.v1.worker.cpu_model_runner"
     assert detect.runtime_of_runner(standalone(), "cpu") == "cpu-mrv2"
     assert detect.runtime_of_runner(v1(), "cpu") == "cpu-v1"
+
+
+def test_compat_scan_records_what_a_tree_holds(tmp_path):
+    """tools/compat_scan.py's record of a tree rebuilds a tree that scans the same, a renamed
+    method included (what the recorded layouts of the real wheels rest on)."""
+    from tools.compat_scan import layout
+
+    module, cls = "vllm.v1.worker.gpu.model_runner", "GPUModelRunner"
+    original = vllm_tree(
+        tmp_path / "a", "0.34.0", drop=GONE_IN_034,
+        rename_method=(module, cls, "sample_tokens", "sample_tokens_v3"),
+    )  # fmt: skip
+    recorded = layout(original)
+    assert recorded["version"] == "0.34.0"
+    assert set(recorded["modules"]) == {p.module for p in VLLM_POINTS} - GONE_IN_034
+    assert "sample_tokens" not in recorded["modules"][module][cls]
+    saved = dict(LAYOUTS)
+    try:
+        LAYOUTS["recorded"] = recorded
+        rebuilt = layout_tree(tmp_path / "b", "recorded")
+    finally:
+        LAYOUTS.clear()
+        LAYOUTS.update(saved)
+
+    def outcome(tree):
+        return {(r.point.target, r.status) for r in scan_tree(tree)}
+
+    assert outcome(rebuilt) == outcome(original)
+    assert (f"{module}.{cls}.sample_tokens", "missing") in outcome(rebuilt)
