@@ -252,6 +252,12 @@ ATTACH_POINTS: tuple[AttachPoint, ...] = tuple(
         "sampler", f"{_VA}.sample.rejection_sampler", "AscendRejectionSampler",
         {"forward": "verify_logits"}, ASCEND_V1,
     )
+    # MRV2's sampler: called with the logits after the grammar bitmask, before sampling (it
+    # copies them before changing any); its watermark subclass inherits __call__
+    + _points(
+        "sampler", "vllm.v1.worker.gpu.sample.sampler", "Sampler", {"__call__": "logits"},
+        UPSTREAM_MRV2,
+    )
     # -- KV cache: layout checks after initialisation ----------------------------------------
     + _points(
         "kv_cache", f"{_VA}.worker.v2.model_runner", "NPUModelRunner",
