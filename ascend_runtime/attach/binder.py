@@ -4,8 +4,10 @@ For each attach point the binder waits for its module to be imported (a module t
 imported costs nothing), then wraps the method the class defines in its own body with the
 action's wrapper (`ascend_runtime.attach.actions`). A class that only inherits the method is covered by
 the base class's attach point and never wrapped twice. A class or method missing in the
-installed version is skipped with one log line: version skew never stops start-up. The outcome
-of every attach point is kept in `BINDINGS`, which `ascend-guard doctor` reports.
+installed version is skipped with one log line: version skew never stops start-up; one the
+installed release cannot hold (the table's spans) is "not in this version", logged at debug
+only. The outcome of every attach point is kept in `BINDINGS`, which `ascend-guard doctor`
+reports.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from types import ModuleType
 import structlog
 
 from ascend_runtime.attach.import_hooks import when_imported
-from ascend_runtime.attach.points import ATTACH_POINTS, AttachPoint
+from ascend_runtime.attach.points import ATTACH_POINTS, NOT_IN_VERSION, AttachPoint
 from guard.decorators import (
     WRAPPED_ATTR,
     is_guarded,
@@ -40,7 +42,7 @@ FAILED = "failed"
 
 @dataclasses.dataclass(frozen=True)
 class Binding:
-    status: str  # bound | missing | not loaded | failed
+    status: str  # bound | missing | not loaded | failed | not in this version
     reason: str = ""
 
 
@@ -88,9 +90,17 @@ def bind_point(point: AttachPoint, module: ModuleType) -> Binding:
                 binding = Binding(BOUND, "wrapped")
             except Exception as exc:  # noqa: BLE001 - never stop start-up
                 binding = Binding(FAILED, f"{type(exc).__name__}: {exc}")
+    if binding.status == MISSING:
+        from ascend_runtime.detect import installed_versions
+
+        why_not = point.absent_from(installed_versions())
+        if why_not is not None:
+            binding = Binding(NOT_IN_VERSION, why_not)
     with _lock:
         BINDINGS[point] = binding
-    if binding.status == BOUND:
+    if binding.status == NOT_IN_VERSION:
+        log.debug("attach_point_not_in_version", target=point.target, reason=binding.reason)
+    elif binding.status == BOUND:
         log.debug("attach_point_bound", target=point.target, action=point.action)
     else:
         log.warning(

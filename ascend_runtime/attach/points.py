@@ -9,11 +9,17 @@ A runtime is `<platform>-<runner generation>`: platform `ascend` (vllm-ascend on
 applies to the runtimes it lists. `inherited=True` marks a class that only inherits the method
 from a base class listed elsewhere in the table: it is bound when the base is, and the binder
 never wraps it a second time.
+
+The table also knows which releases hold which runner: a point's `span` names the releases of
+its package that hold its class (`VLLM_V1_RUNNER`: upstream's V1 runner and sampler, removed in
+vLLM 0.34). In a release outside the span the point is "not in this version" (with the reason),
+neither bound nor missing: there is nothing to update when upstream removed a runner.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 PLATFORMS = ("ascend", "cuda", "cpu")
 GENERATIONS = ("mrv2", "v1")
@@ -69,6 +75,68 @@ UPSTREAM = ("cuda-mrv2", "cuda-v1", "cpu-mrv2", "cpu-v1")
 CUDA = ("cuda-mrv2", "cuda-v1")
 CPU = ("cpu-mrv2", "cpu-v1")
 
+# A point the installed (or scanned) release cannot hold: reported apart from "missing"
+NOT_IN_VERSION = "not in this version"
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """The releases of a package that hold a set of classes: from `since` (empty: every release
+    the table covers) up to, not including, `removed_in` (empty: still there)."""
+
+    what: str
+    since: str = ""
+    removed_in: str = ""
+
+    def holds(self, version: str) -> bool:
+        release = release_of(version)
+        if self.since and release < release_of(self.since):
+            return False
+        return not (self.removed_in and release >= release_of(self.removed_in))
+
+    def why_not(self, version: str) -> str:
+        if self.since and release_of(version) < release_of(self.since):
+            return f"{self.what} added in {self.since}"
+        return f"{self.what} removed in {self.removed_in}"
+
+
+# Upstream vLLM's runners by release. 0.33 holds both generations; 0.34 removed the V1 runner
+# (gpu_model_runner.py, cpu_model_runner.py) and the V1 samplers, and added a Triton-free MRV2
+# CPU runner that vLLM picks on non-x86 CPUs.
+VLLM_V1_RUNNER = Span("V1 runner", removed_in="0.34")
+VLLM_MRV2 = Span("Model Runner V2")
+VLLM_STANDALONE_CPU_RUNNER = Span("standalone MRV2 CPU runner", since="0.34")
+RUNNER_SPANS = {("vllm", "v1"): VLLM_V1_RUNNER, ("vllm", "mrv2"): VLLM_MRV2}
+
+
+def release_of(version: str) -> tuple[int, ...]:
+    """The numeric release of a version string: "0.34.0rc1.dev3+gabc" -> (0, 34, 0)."""
+    numbers = []
+    for part in version.lstrip("v").split("."):
+        digits = ""
+        for char in part:
+            if not char.isdigit():
+                break
+            digits += char
+        if not digits:
+            break
+        numbers.append(int(digits))
+        if len(digits) < len(part):
+            break
+    return tuple(numbers)
+
+
+def runner_generations(package: str, version: str | None) -> tuple[str, ...]:
+    """The runner generations a release of `package` holds (every generation the table knows
+    when the version is unknown or the package has no spans)."""
+    return tuple(
+        g
+        for g in GENERATIONS
+        if version is None
+        or (span := RUNNER_SPANS.get((package, g))) is None
+        or span.holds(version)
+    )
+
 
 @dataclasses.dataclass(frozen=True)
 class AttachPoint:
@@ -80,6 +148,7 @@ class AttachPoint:
     runtimes: tuple[str, ...]
     inherited: bool = False
     note: str = ""
+    span: Span | None = None  # the package releases that hold the class; None: every one
 
     @property
     def target(self) -> str:
@@ -92,6 +161,14 @@ class AttachPoint:
     def applies_to(self, runtime: str) -> bool:
         return runtime == "all" or runtime in self.runtimes
 
+    def absent_from(self, versions: Mapping[str, str | None]) -> str | None:
+        """Why a release cannot hold this point ("V1 runner removed in 0.34"), given the
+        versions by package (`vllm`, `vllm_ascend`); None when it can, or when unknown."""
+        version = versions.get(self.package)
+        if self.span is None or not version or not release_of(version):
+            return None
+        return None if self.span.holds(version) else self.span.why_not(version)
+
 
 def _points(
     component: str,
@@ -102,9 +179,10 @@ def _points(
     *,
     inherited: bool = False,
     note: str = "",
+    span: Span | None = None,
 ) -> list[AttachPoint]:
     return [
-        AttachPoint(component, module, qualname, method, action, runtimes, inherited, note)
+        AttachPoint(component, module, qualname, method, action, runtimes, inherited, note, span)
         for method, action in methods.items()
     ]
 
@@ -140,28 +218,45 @@ ATTACH_POINTS: tuple[AttachPoint, ...] = tuple(
         ASCEND_V1,
     )
     + _points("model_runner", "vllm.v1.worker.gpu.model_runner", "GPUModelRunner", _STEP_SAMPLE, MRV2)
-    + _points("model_runner", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", _STEP_SAMPLE, UPSTREAM_V1)
+    + _points(
+        "model_runner", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", _STEP_SAMPLE,
+        UPSTREAM_V1, span=VLLM_V1_RUNNER,
+    )
     + _points(
         "model_runner", "vllm.v1.worker.cpu_model_runner", "CPUModelRunner", _STEP_SAMPLE,
-        ("cpu-v1",), inherited=True,
+        ("cpu-v1",), inherited=True, span=VLLM_V1_RUNNER,
     )
     + _points(
         "model_runner", "vllm.v1.worker.cpu.model_runner", "CPUModelRunner", _STEP_SAMPLE,
-        ("cpu-mrv2",), inherited=True, note="MRV2 on CPU needs triton-cpu",
+        ("cpu-mrv2",), inherited=True, note="MRV2 on x86 CPUs; its kernels need triton-cpu",
+    )
+    + _points(
+        "model_runner", "vllm.v1.worker.cpu.standalone_model_runner", "StandaloneCPUModelRunner",
+        _STEP_SAMPLE, ("cpu-mrv2",), span=VLLM_STANDALONE_CPU_RUNNER,
+        note="MRV2 without Triton (vllm._cpu_ops); vLLM picks it on non-x86 CPUs",
     )
     # -- samplers: logits detectors (V1 samplers; vllm-ascend's AscendSampler inherits forward) -
-    + _points("sampler", "vllm.v1.sample.sampler", "Sampler", {"forward": "logits"}, UPSTREAM_V1 + ASCEND_V1)
+    + _points(
+        "sampler", "vllm.v1.sample.sampler", "Sampler", {"forward": "logits"},
+        UPSTREAM_V1 + ASCEND_V1, span=VLLM_V1_RUNNER,
+    )
     + _points(
         "sampler", f"{_VA}.sample.sampler", "AscendSampler", {"forward": "logits"}, ASCEND_V1,
         inherited=True,
     )
     + _points(
         "sampler", "vllm.v1.sample.rejection_sampler", "RejectionSampler",
-        {"forward": "verify_logits"}, UPSTREAM_V1,
+        {"forward": "verify_logits"}, UPSTREAM_V1, span=VLLM_V1_RUNNER,
     )
     + _points(
         "sampler", f"{_VA}.sample.rejection_sampler", "AscendRejectionSampler",
         {"forward": "verify_logits"}, ASCEND_V1,
+    )
+    # MRV2's sampler: called with the logits after the grammar bitmask, before sampling (it
+    # copies them before changing any); its watermark subclass inherits __call__
+    + _points(
+        "sampler", "vllm.v1.worker.gpu.sample.sampler", "Sampler", {"__call__": "logits"},
+        UPSTREAM_MRV2,
     )
     # -- KV cache: layout checks after initialisation ----------------------------------------
     + _points(
@@ -178,11 +273,15 @@ ATTACH_POINTS: tuple[AttachPoint, ...] = tuple(
     )
     + _points(
         "kv_cache", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
-        {"initialize_kv_cache": "kv_init"}, UPSTREAM_V1,
+        {"initialize_kv_cache": "kv_init"}, UPSTREAM_V1, span=VLLM_V1_RUNNER,
     )
     + _points(
         "kv_cache", "vllm.v1.worker.cpu_model_runner", "CPUModelRunner",
-        {"initialize_kv_cache": "kv_init"}, ("cpu-v1",),
+        {"initialize_kv_cache": "kv_init"}, ("cpu-v1",), span=VLLM_V1_RUNNER,
+    )
+    + _points(
+        "kv_cache", "vllm.v1.worker.cpu.standalone_model_runner", "StandaloneCPUModelRunner",
+        {"initialize_kv_cache": "kv_init"}, ("cpu-mrv2",), span=VLLM_STANDALONE_CPU_RUNNER,
     )
     + _points(
         "kv_cache", f"{_VA}.worker.v2.model_runner", "NPUModelRunner",
@@ -208,6 +307,7 @@ ATTACH_POINTS: tuple[AttachPoint, ...] = tuple(
     + _points(
         "graph", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
         {"capture_model": "graph_capture"}, ("cuda-v1",), note="CUDAGraphWrapper captures inside",
+        span=VLLM_V1_RUNNER,
     )
     # -- speculators: which one was dispatched, drafts proposed -----------------------------
     + _points(
@@ -261,7 +361,7 @@ ATTACH_POINTS: tuple[AttachPoint, ...] = tuple(
     + _points(
         "speculator", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
         {"propose_draft_token_ids": "speculator_propose"}, UPSTREAM_V1,
-        note="one place for every V1 proposer",
+        note="one place for every V1 proposer", span=VLLM_V1_RUNNER,
     )
     # -- device communicator (per-collective hooks: attach/collectives.py's GroupCoordinator) -----
     + _points(

@@ -3,8 +3,10 @@
 Live mode (default) detects the platform, runner generation and versions, arms the same binder
 the vLLM plugin uses, imports each module of the runtime's attach points and reports, per
 attach point, whether it is bound, missing (and why) or not importable here. `--source PATH`
-reads a vllm-ascend (or vLLM) checkout instead, without importing it. Exit status: 0 when every
-attach point that applies is bound (or found), 1 when any is not, 2 on bad arguments.
+reads a vllm-ascend (or vLLM) checkout instead, without importing it. A point the release
+cannot hold (the table's spans, e.g. upstream's V1 runner from vLLM 0.34 on) is "not in this
+version", with the reason, and counts neither way. Exit status: 0 when every other attach point
+that applies is bound (or found), 1 when any is not, 2 on bad arguments.
 """
 
 from __future__ import annotations
@@ -21,9 +23,13 @@ from typing import Any
 from ascend_runtime.attach.points import (
     ATTACH_POINTS,
     COMPONENTS,
+    GENERATIONS,
+    NOT_IN_VERSION,
+    RUNNER_SPANS,
     RUNTIMES,
     AttachPoint,
     points_for,
+    runner_generations,
 )
 from telemetry.cli.table import render_table
 
@@ -62,6 +68,32 @@ def _import(module: str) -> str | None:
     return None
 
 
+def in_version(rows: Sequence[Row], versions: dict[str, str | None]) -> list[Row]:
+    """Rows whose point is not bound or found, and that the release cannot hold (by package:
+    `vllm`, `vllm_ascend`), become "not in this version" with the reason."""
+    out = []
+    for row in rows:
+        why = None if row.status in OK_STATUSES else row.point.absent_from(versions)
+        out.append(row if why is None else Row(row.point, NOT_IN_VERSION, why))
+    return out
+
+
+def runners_line(versions: dict[str, str | None]) -> str | None:
+    """Which runner generations the vLLM release holds, and what it lost: for the header."""
+    version = versions.get("vllm")
+    if not version:
+        return None
+    held = runner_generations("vllm", version)
+    gone = [
+        RUNNER_SPANS[("vllm", g)].why_not(version)
+        for g in GENERATIONS
+        if g not in held and ("vllm", g) in RUNNER_SPANS
+    ]
+    return f"vllm {version} holds {', '.join(held) or 'no runner'}" + (
+        f" ({'; '.join(gone)})" if gone else ""
+    )
+
+
 def live_rows(points: Sequence[AttachPoint], platform: str) -> list[Row]:
     from ascend_runtime.attach.binder import bind_all, binding_of
 
@@ -78,7 +110,9 @@ def live_rows(points: Sequence[AttachPoint], platform: str) -> list[Row]:
             continue
         binding = binding_of(point)
         rows.append(Row(point, binding.status, binding.reason))
-    return rows
+    from ascend_runtime.detect import installed_versions
+
+    return in_version(rows, installed_versions())
 
 
 def source_rows(points: Sequence[AttachPoint], root: str) -> list[Row]:
@@ -275,10 +309,13 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         except SourceTreeError as exc:
             print(f"ascend-guard doctor: {exc}", file=sys.stderr)
             return 2
+        info = tree_info(args.source)
         header = {
-            "source": str(Path(args.source).resolve()), "runtime": runtime,
-            "versions": tree_info(args.source),
+            "source": str(Path(args.source).resolve()), "runtime": runtime, "versions": info,
         }  # fmt: skip
+        runners = runners_line({"vllm": info.get("vllm")})
+        if runners:
+            header["runners"] = runners
     else:
         from ascend_runtime.attach.detect import detect
 
@@ -291,11 +328,15 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
             "platform": info.platform, "runtime": runtime, "detected_runtime": info.runtime,
             "why": info.reason, "versions": info.versions,
         }  # fmt: skip
+        runners = runners_line({"vllm": info.versions.get("vllm")})
+        if runners:
+            header["runners"] = runners
     ok = [r for r in rows if r.status in OK_STATUSES]
-    not_ok = [r for r in rows if r.status not in OK_STATUSES]
+    absent = [r for r in rows if r.status == NOT_IN_VERSION]
+    not_ok = [r for r in rows if r.status not in (*OK_STATUSES, NOT_IN_VERSION)]
     hccl, problem = hccl_lines()
     visibility = collective_lines(rows, runtime)
-    fully = not not_ok and bool(rows) and problem is None
+    fully = not not_ok and bool(ok) and problem is None
     if args.json:
         document = {
             **header, "ok": fully, "attach_points": [r.as_dict() for r in rows],
@@ -311,21 +352,28 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     print(render(rows, show_runtimes=runtime == "all"), file=out)
     print("", file=out)
     verb = "found" if args.source is not None else "bound"
+    gone = ""
+    if absent:
+        reasons = ", ".join(sorted({r.detail for r in absent}))
+        gone = f"; {len(absent)} {NOT_IN_VERSION} ({reasons})"
     print(
-        f"{len(ok)} of {len(rows)} attach points {verb} for runtime {runtime}; "
-        f"{len(not_ok)} not ({', '.join(sorted({r.status for r in not_ok})) or 'none'})",
+        f"{len(ok)} of {len(rows) - len(absent)} attach points {verb} for runtime {runtime}; "
+        f"{len(not_ok)} not ({', '.join(sorted({r.status for r in not_ok})) or 'none'}){gone}",
         file=out,
     )
-    print("next: " + _next_step(not_ok, problem, args.source is not None), file=out)
+    print("next: " + _next_step(not_ok, problem, args.source is not None, bool(absent)), file=out)
     return 0 if fully else 1
 
 
-def _next_step(not_ok: Sequence[Row], problem: str | None, source: bool) -> str:
+def _next_step(
+    not_ok: Sequence[Row], problem: str | None, source: bool, absent: bool = False
+) -> str:
     if problem:
         return "lower the hang deadline or raise HCCL_EXEC_TIMEOUT, then run doctor again"
     if not not_ok:
+        held = " its release holds" if absent else ""
         return (
-            "this tree carries every attach point; deploy it with the guard enabled"
+            f"this tree carries every attach point{held}; deploy it with the guard enabled"
             if source
             else "the guard is fully bound; start vLLM with --additional-config runtime_guard"
         )
@@ -335,7 +383,8 @@ def _next_step(not_ok: Sequence[Row], problem: str | None, source: bool) -> str:
     first = next(r for r in not_ok if r.status not in ("not installed",))
     return (
         f"{first.point.module}.{first.point.qualname}.{first.point.method}: {first.detail}; "
-        "update ascend_runtime/attach/points.py for this version (the guard skips it until then)"
+        "the class moved or changed in this version: update ascend_runtime/attach/points.py "
+        "(the guard skips it until then; a class removed upstream gets a span there)"
     )
 
 

@@ -4,7 +4,9 @@
 release can be checked on any machine before it is deployed to Ascend hosts. For each attach
 point whose package directory is in the tree, the module file is parsed and the class looked up
 at module level (nested qualnames by walking class bodies); the method must be defined in the
-class body, or, for an inherited point, the class must exist.
+class body, or, for an inherited point, the class must exist. A point the tree's release cannot
+hold (the table's spans: upstream's V1 runner is gone from vLLM 0.34 on) and does not have is
+"not in this version", with the reason, not missing.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import re
 from collections.abc import Iterable
 from pathlib import Path
 
-from ascend_runtime.attach.points import ATTACH_POINTS, AttachPoint
+from ascend_runtime.attach.points import ATTACH_POINTS, NOT_IN_VERSION, AttachPoint
 
 FOUND = "found"
 MISSING = "missing"
@@ -24,7 +26,7 @@ MISSING = "missing"
 @dataclasses.dataclass(frozen=True)
 class ScanResult:
     point: AttachPoint
-    status: str  # found | missing
+    status: str  # found | missing | not in this version
     detail: str
     file: str = ""
     line: int = 0
@@ -105,8 +107,13 @@ def packages_in(root: Path) -> list[str]:
     )
 
 
-def scan_tree(root: str | Path, points: Iterable[AttachPoint] = ATTACH_POINTS) -> list[ScanResult]:
-    """Scan every attach point whose package is in `root`."""
+def scan_tree(
+    root: str | Path,
+    points: Iterable[AttachPoint] = ATTACH_POINTS,
+    versions: dict[str, str | None] | None = None,
+) -> list[ScanResult]:
+    """Scan every attach point whose package is in `root`. `versions` (package -> release)
+    defaults to what the tree declares (`tree_version`)."""
     root = Path(root)
     if not root.is_dir():
         raise SourceTreeError(f"--source {root}: not a directory")
@@ -117,8 +124,22 @@ def scan_tree(root: str | Path, points: Iterable[AttachPoint] = ATTACH_POINTS) -
             f"--source {root}: holds none of the packages {', '.join(wanted)} "
             "(give the repository root, the directory that contains vllm_ascend/)"
         )
+    if versions is None:
+        versions = {package: tree_version(root, package) for package in packages}
     cache: dict[Path, ast.Module] = {}
-    return [scan_point(root, p, cache) for p in points if p.package in packages]
+    return [
+        _in_version(scan_point(root, p, cache), versions) for p in points if p.package in packages
+    ]
+
+
+def _in_version(result: ScanResult, versions: dict[str, str | None]) -> ScanResult:
+    """A missing point that the tree's release cannot hold becomes "not in this version"."""
+    if result.status != MISSING:
+        return result
+    why = result.point.absent_from(versions)
+    if why is None:
+        return result
+    return ScanResult(result.point, NOT_IN_VERSION, why, result.file, result.line)
 
 
 _VERSION_RE = re.compile(

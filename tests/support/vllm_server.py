@@ -38,6 +38,19 @@ def cpu_env(tp: int, extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+TRITON_INTERP = Path(__file__).resolve().parent / "triton_interp"
+
+
+def mrv2_env(overlay: Path | None = None) -> dict[str, str]:
+    """Environment for a `vllm serve` whose workers run Model Runner V2 on this CPU build: MRV2
+    switched on, and Triton's interpreter behind the triton-cpu stand-in (tests/support/
+    triton_interp says why and what it replaces). `overlay` (tools/mrv2_overlay.py) goes first
+    on PYTHONPATH: another vLLM release's Python over the installed compiled CPU ops."""
+    parts = (str(overlay or ""), str(TRITON_INTERP), os.environ.get("PYTHONPATH", ""))
+    path = os.pathsep.join(p for p in parts if p)
+    return {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1", "PYTHONPATH": path}
+
+
 class VllmServer:
     def __init__(self, proc: subprocess.Popen, port: int, model: str, log_path: Path) -> None:
         self.proc = proc

@@ -180,10 +180,14 @@ def test_runner_attach_points_name_the_installed_classes():
     pytest.importorskip("vllm")
     import vllm.v1.worker.cpu.shm  # noqa: F401
 
+    from ascend_runtime.detect import installed_versions
+
     found = {}
     for point in ATTACH_POINTS:
         if point.component != "model_runner" or not point.module.startswith("vllm."):
             continue
+        if point.absent_from(installed_versions()) is not None:
+            continue  # a runner this release does not hold (the table's spans)
         cls = getattr(importlib.import_module(point.module), point.qualname)
         found[(point.module, point.qualname)] = cls
         assert isinstance(cls, type)
