@@ -91,7 +91,7 @@ def bind_point(point: AttachPoint, module: ModuleType) -> Binding:
             except Exception as exc:  # noqa: BLE001 - never stop start-up
                 binding = Binding(FAILED, f"{type(exc).__name__}: {exc}")
     if binding.status == MISSING:
-        from ascend_runtime.detect import installed_versions
+        from ascend_runtime.attach.detect import installed_versions
 
         why_not = point.absent_from(installed_versions())
         if why_not is not None:

@@ -110,7 +110,7 @@ def live_rows(points: Sequence[AttachPoint], platform: str) -> list[Row]:
             continue
         binding = binding_of(point)
         rows.append(Row(point, binding.status, binding.reason))
-    from ascend_runtime.detect import installed_versions
+    from ascend_runtime.attach.detect import installed_versions
 
     return in_version(rows, installed_versions())
 

@@ -125,7 +125,7 @@ def test_real_upstream_classes_are_bound(runtime, fresh_runs):
     name. A point whose class the installed release cannot hold (the table's spans: the
     standalone MRV2 CPU runner came in 0.34) is "not in this version", and only such a point."""
     pytest.importorskip("vllm")
-    from ascend_runtime.detect import installed_versions
+    from ascend_runtime.attach.detect import installed_versions
 
     out = fresh_runs[runtime].result()
     assert out.returncode == 0, out.stderr[-3000:]

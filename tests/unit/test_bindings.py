@@ -180,7 +180,7 @@ def test_runner_attach_points_name_the_installed_classes():
     pytest.importorskip("vllm")
     import vllm.v1.worker.cpu.shm  # noqa: F401
 
-    from ascend_runtime.detect import installed_versions
+    from ascend_runtime.attach.detect import installed_versions
 
     found = {}
     for point in ATTACH_POINTS:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ascend_runtime import detect
+from ascend_runtime.attach import detect
 from ascend_runtime.attach.binder import BINDINGS, bind_point
 from ascend_runtime.attach.points import (
     ATTACH_POINTS,
