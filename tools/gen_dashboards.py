@@ -6,7 +6,7 @@
 The overview (dashboards/ascend-guard-overview.json) stays hand-edited and is the one home of
 its panels' queries, variables and Tempo links: a focused dashboard takes those panels by title,
 unchanged but for their place on the grid, and adds panels of its own (the cross-node rank
-gauges, a non-finite logits rate). `make dashboards` runs this; tests/unit/test_dashboards.py
+gauges, a non-finite logits rate). `make dashboards` runs this; tests/unit/dashboards/test_dashboards.py
 fails on drift, and tools/dashboard_schema.py checks all six against Grafana's schema.
 """
 

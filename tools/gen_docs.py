@@ -1,7 +1,7 @@
 """Generate the reference tables of docs/ (and the README's compatibility table) from the code.
 
     python tools/gen_docs.py          # rewrite the generated blocks
-    python tools/gen_docs.py --check  # exit 1 when a block differs (tests/unit/test_docs.py)
+    python tools/gen_docs.py --check  # exit 1 when a block differs (tests/unit/docs/test_docs.py)
 
 - configuration: every `runtime_guard` key from the config dataclasses (guard/config/runtime_guard.py and its
   sections): type, default, allowed range or choices, and the comment above the field;

@@ -6,7 +6,7 @@
                                            # the alerts link your copy of docs/runbooks/
 
 The rules file and the dashboard JSON stay the one source (plain Prometheus and Grafana users
-load them as they are); tests/unit/test_deploy.py fails when deploy/ drifts from them.
+load them as they are); tests/unit/deploy/test_deploy.py fails when deploy/ drifts from them.
 """
 
 from __future__ import annotations

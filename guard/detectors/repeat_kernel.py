@@ -13,7 +13,7 @@ hash, its count and where in the history ring it last started; two n-grams with 
 are told apart by comparing their tokens there. The window never holds more n-grams than
 half the table, so probes are short.
 
-The rules are those of `tests/unit/test_repeat_batches.py`'s plain model:
+The rules are those of `tests/unit/guard/test_repeat_batches.py`'s plain model:
 - an n-gram episode starts when some n-gram of the window reaches `ngram_max_count` while
   none was; it is reported at the wave of that token, unless the request is in a loop at the
   batch's end; the episode lasts while some n-gram of the window is at the limit;

@@ -8,7 +8,7 @@ names both sizes. What the store may use is the free space plus what its own fil
 its -wal and -shm) hold already: a sidecar restarted on a store at its cap still starts.
 
 A statfs cannot see an emptyDir's sizeLimit (the volume reports the node's disk), so deploy/
-sizes the cap below the limit itself (tests/unit/test_deploy.py checks the sum); this check
+sizes the cap below the limit itself (tests/unit/deploy/test_deploy.py checks the sum); this check
 catches a budget above a real volume: a tmpfs, a PersistentVolume, a node's disk.
 
 Runs on the sidecar's main thread, before the store is opened for writing.

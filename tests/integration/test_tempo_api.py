@@ -514,7 +514,7 @@ def test_a_busy_query_port_stops_start_up(tmp_path, sock_dir):
 def test_the_dashboards_wave_links_query_this_api(api):
     """Each rank panel's data link, filled in as Grafana fills it for tp1's series, opens a
     TraceQL search this API answers with tp1's waves (501 while the evaluator is absent)."""
-    from tests.unit.test_tempo_api_units import render_link, wave_links
+    from tests.unit.telemetry.test_tempo_api_units import render_link, wave_links
 
     now_ms = int(time.time() * 1000)
     labels = {"engine": "eng", "dp": "0", "tp": str(SLOW_TP), "pp": "0"}

@@ -1,5 +1,5 @@
 // Reads a JSON list of TraceQL queries on stdin; prints {query: offset of lezer's first error
-// node, or null}. Run by tests/unit/test_traceql_lezer.py with @grafana/lezer-traceql installed.
+// node, or null}. Run by tests/unit/telemetry/test_traceql_lezer.py with @grafana/lezer-traceql installed.
 import { parser } from "@grafana/lezer-traceql";
 import { readFileSync } from "fs";
 

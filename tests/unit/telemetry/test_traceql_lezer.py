@@ -22,7 +22,7 @@ import pytest
 
 from telemetry.traceql import parse
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 CHECK = ROOT / "tests" / "support" / "lezer" / "check.mjs"
 LEZER = Path(
     os.environ.get("ASCEND_GUARD_LEZER_DIR", ROOT / "tools" / "dashboard-schema")
@@ -51,7 +51,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def _queries() -> list[str]:
-    import tests.unit.test_traceql_search as search_tests
+    import tests.unit.telemetry.test_traceql_search as search_tests
     from bench import query as bench_query
 
     text = (ROOT / "docs" / "traceql.md").read_text()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from telemetry.cli import main as cli
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 EXPECTED = {
     "sidecar",
     "query",

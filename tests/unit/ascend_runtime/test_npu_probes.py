@@ -15,7 +15,7 @@ from ascend_runtime.attach.points import AttachPoint
 from ascend_runtime.probes import graphs, hccl, report
 from ascend_runtime.probes.device_time import PhaseTimer, event_factory
 
-FAKES = Path(__file__).resolve().parents[1] / "fakes"
+FAKES = Path(__file__).resolve().parents[2] / "fakes"
 
 
 def guard_processor():

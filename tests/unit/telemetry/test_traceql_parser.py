@@ -287,7 +287,7 @@ def test_random_strings_parse_or_raise_the_parse_error(text):
 def test_every_example_in_the_docs_parses():
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "docs" / "traceql.md").read_text()
+    text = (Path(__file__).resolve().parents[3] / "docs" / "traceql.md").read_text()
     blocks = [b.split("```")[0] for b in text.split("```traceql\n")[1:]]
     examples = [line for block in blocks for line in block.splitlines() if line.strip()]
     assert len(examples) >= 10

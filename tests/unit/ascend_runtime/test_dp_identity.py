@@ -20,7 +20,7 @@ import pytest
 
 from ascend_runtime.attach.ranks import DpIdentity, dp_identity
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 COMMON = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256"]
 COMMON += ["--skip-tokenizer-init"]
 

@@ -31,7 +31,7 @@ from guard.processor import GuardProcessor
 from telemetry.wire.proto import guard_pb2
 from tests.support.side_by_side import side_by_side
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.timeout(300)
 
 

@@ -21,7 +21,7 @@ from telemetry.wire.liveness_record import (
     proc_stat,
     record_path,
 )
-from tests.unit.test_hangs_ranksync import Clock, batch
+from tests.unit.telemetry.test_hangs_ranksync import Clock, batch
 
 
 def test_a_record_round_trips_phase_and_collective(tmp_path):

@@ -33,7 +33,7 @@ from ascend_runtime.doctor.source_scan import scan_tree
 from telemetry.cli.main import main as cli_main
 
 VLLM_POINTS = [p for p in ATTACH_POINTS if p.package == "vllm"]
-LAYOUTS = json.loads((Path(__file__).parents[1] / "data" / "vllm_layouts.json").read_text())
+LAYOUTS = json.loads((Path(__file__).parents[2] / "data" / "vllm_layouts.json").read_text())
 # the modules the 0.34.0 wheel no longer has (checked against its file list)
 GONE_IN_034 = {
     "vllm.v1.worker.gpu_model_runner",

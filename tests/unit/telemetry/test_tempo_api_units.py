@@ -16,7 +16,7 @@ from telemetry.tempo_api.params import BadParameter
 from telemetry.tempo_api.server import tag_identifier
 from telemetry.wire import paths
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TEMPO_YAML = ROOT / "dashboards" / "provisioning" / "datasources" / "ascend-guard-tempo.yaml"
 OVERVIEW = ROOT / "dashboards" / "ascend-guard-overview.json"
 LABELS = {"engine": "eng", "dp": "0", "tp": "1", "pp": "0"}

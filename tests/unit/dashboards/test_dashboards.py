@@ -18,10 +18,10 @@ import pytest
 import yaml
 
 from tests.support.dashboard import iter_panels, load_dashboard, panel_queries, render_expr
-from tests.unit.test_dashboard_static import ALLOWED, EXPORTED, family, promtool
+from tests.unit.dashboards.test_dashboard_static import ALLOWED, EXPORTED, family, promtool
 from tools import dashboard_schema, gen_dashboards, render_deploy
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DASHBOARDS = ROOT / "dashboards"
 FILES = sorted(DASHBOARDS.glob("*.json"))
 PROVIDERS_YAML = DASHBOARDS / "provisioning" / "dashboards" / "ascend-guard.yaml"
@@ -85,7 +85,7 @@ def test_every_family_and_rank_gauge_has_a_panel(dashboards):
 
 @pytest.mark.parametrize("name", sorted(NAMES))
 def test_query_rules_of_the_overview_hold_everywhere(dashboards, name):
-    """The overview's rules (tests/unit/test_dashboard_static.py) on every dashboard: per-replica
+    """The overview's rules (tests/unit/dashboards/test_dashboard_static.py) on every dashboard: per-replica
     grouping and filters, $__rate_interval windows, `le` kept, a layout without overlaps."""
     dash = dashboards[name]
     cells: dict[tuple[int, int], str] = {}

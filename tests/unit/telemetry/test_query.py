@@ -504,7 +504,7 @@ def test_wave_trace_id_is_deterministic_across_calls_and_processes():
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-        cwd=Path(__file__).resolve().parents[2], env={"PYTHONHASHSEED": "123", "PATH": ""},
+        cwd=Path(__file__).resolve().parents[3], env={"PYTHONHASHSEED": "123", "PATH": ""},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert [int(x) for x in proc.stdout.split()] == here

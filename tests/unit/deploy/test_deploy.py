@@ -23,7 +23,7 @@ import yaml
 from telemetry.wire import paths
 from tools import render_deploy
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
 OVERLAYS = ("base", "overlays/daemonset", "overlays/in-pod")
 # the guarded example workloads, applied on their own after their topology's overlay

@@ -219,7 +219,7 @@ def wave(n: int, dummy: bool = False) -> guard_pb2.WaveRecord:
 
 
 # Wave traces per replica are built from the store since issue 9 (telemetry/spans/builders.py); their
-# test is tests/unit/test_query.py::test_each_dp_replica_has_its_own_trace_and_root. Lockstep
+# test is tests/unit/telemetry/test_query.py::test_each_dp_replica_has_its_own_trace_and_root. Lockstep
 # span links (traces.lockstep_links) are not yet emitted by the span builder.
 
 

@@ -392,7 +392,7 @@ def test_cli_since_engine_and_stdout(store_path, capsys):
 
 def test_cli_request_that_is_not_stored(store_path, tmp_path, capsys):
     """A request the store has no trace of: exit 1, no file (the request's own waves are
-    tested in tests/unit/test_request_traces.py)."""
+    tested in tests/unit/telemetry/test_request_traces.py)."""
     out = tmp_path / "r.json"
     argv = ["timeline", "--request", "cmpl-1", "-o", str(out), "--store", str(store_path)]
     assert cli.main(argv) == 1

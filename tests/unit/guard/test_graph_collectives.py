@@ -27,7 +27,7 @@ from guard.config.collectives import CollectivesConfig
 from telemetry.wire.collective_columns import to_waves
 from telemetry.wire.proto import guard_pb2
 
-FAKES = Path(__file__).resolve().parents[1] / "fakes"
+FAKES = Path(__file__).resolve().parents[2] / "fakes"
 HIDDEN = 16
 PIECE_MS = 2.0  # simulated device time of one replayed piece
 

@@ -13,7 +13,7 @@ import yaml
 
 from tools import render_deploy
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PROM = ROOT / "dashboards" / "prometheus"
 TESTS = ("alerts_test.yml", "cluster_test.yml")
 

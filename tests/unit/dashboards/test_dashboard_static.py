@@ -22,7 +22,7 @@ from tests.support.dashboard import (
     render_expr,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 DASHBOARDS = ROOT / "dashboards"
 DASHBOARD_FILES = sorted(DASHBOARDS.glob("*.json"))

@@ -9,7 +9,7 @@ from pathlib import Path
 from tests.compat_record import TESTED
 from tools import gen_docs
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 README = ROOT / "README.md"
 
 
