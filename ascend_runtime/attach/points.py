@@ -25,6 +25,7 @@ PLATFORMS = ("ascend", "cuda", "cpu")
 GENERATIONS = ("mrv2", "v1")
 RUNTIMES = tuple(f"{p}-{g}" for p in PLATFORMS for g in GENERATIONS)
 
+# a table: one row per line, columns aligned (fmt: skip)
 COMPONENTS = (
     "worker", "model_runner", "sampler", "kv_cache", "graph", "speculator", "communicator",
     "scheduler", "collective",
@@ -54,6 +55,7 @@ ACTIONS = {
 # GroupCoordinator methods that carry a collective: the out-of-place all-reduce / all-gather /
 # reduce-scatter are what both the direct and the custom-op paths reach; the rest are wrapped
 # where they are defined. How each one's payload is read is in ascend_runtime/attach/collectives.py.
+# a table: one row per line, columns aligned (fmt: skip)
 COLLECTIVE_METHODS = (
     "_all_reduce_out_place", "_all_gather_out_place", "_reduce_scatter_out_place", "all_gatherv",
     "reduce_scatterv", "gather", "broadcast", "broadcast_object", "broadcast_object_list",
@@ -200,213 +202,382 @@ ATTACH_POINTS: tuple[AttachPoint, ...] = tuple(
     _points("worker", f"{_VA}.worker.worker", "NPUWorker", _WORKER, ASCEND)
     + _points("worker", "vllm.v1.worker.gpu_worker", "Worker", _WORKER, UPSTREAM)
     + _points(
-        "worker", "vllm.v1.worker.cpu_worker", "CPUWorker", _WORKER, CPU, inherited=True,
+        "worker",
+        "vllm.v1.worker.cpu_worker",
+        "CPUWorker",
+        _WORKER,
+        CPU,
+        inherited=True,
         note="inherits the GPU worker's methods",
     )
     # -- model runner: the wave ------------------------------------------------------------
     + _points(
-        "model_runner", f"{_VA}.worker.v2.model_runner", "NPUModelRunner",
-        {"execute_model": "step"}, ASCEND_MRV2,
+        "model_runner",
+        f"{_VA}.worker.v2.model_runner",
+        "NPUModelRunner",
+        {"execute_model": "step"},
+        ASCEND_MRV2,
     )
     + _points(
-        "model_runner", f"{_VA}.worker.v2.model_runner", "NPUModelRunner",
-        {"sample_tokens": "sample"}, ASCEND_MRV2, inherited=True,
+        "model_runner",
+        f"{_VA}.worker.v2.model_runner",
+        "NPUModelRunner",
+        {"sample_tokens": "sample"},
+        ASCEND_MRV2,
+        inherited=True,
         note="sample_tokens comes from upstream MRV2",
     )
     + _points(
-        "model_runner", f"{_VA}.worker.model_runner_v1", "NPUModelRunner", _STEP_SAMPLE,
+        "model_runner",
+        f"{_VA}.worker.model_runner_v1",
+        "NPUModelRunner",
+        _STEP_SAMPLE,
         ASCEND_V1,
     )
-    + _points("model_runner", "vllm.v1.worker.gpu.model_runner", "GPUModelRunner", _STEP_SAMPLE, MRV2)
     + _points(
-        "model_runner", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner", _STEP_SAMPLE,
-        UPSTREAM_V1, span=VLLM_V1_RUNNER,
+        "model_runner", "vllm.v1.worker.gpu.model_runner", "GPUModelRunner", _STEP_SAMPLE, MRV2
     )
     + _points(
-        "model_runner", "vllm.v1.worker.cpu_model_runner", "CPUModelRunner", _STEP_SAMPLE,
-        ("cpu-v1",), inherited=True, span=VLLM_V1_RUNNER,
+        "model_runner",
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner",
+        _STEP_SAMPLE,
+        UPSTREAM_V1,
+        span=VLLM_V1_RUNNER,
     )
     + _points(
-        "model_runner", "vllm.v1.worker.cpu.model_runner", "CPUModelRunner", _STEP_SAMPLE,
-        ("cpu-mrv2",), inherited=True, note="MRV2 on x86 CPUs; its kernels need triton-cpu",
+        "model_runner",
+        "vllm.v1.worker.cpu_model_runner",
+        "CPUModelRunner",
+        _STEP_SAMPLE,
+        ("cpu-v1",),
+        inherited=True,
+        span=VLLM_V1_RUNNER,
     )
     + _points(
-        "model_runner", "vllm.v1.worker.cpu.standalone_model_runner", "StandaloneCPUModelRunner",
-        _STEP_SAMPLE, ("cpu-mrv2",), span=VLLM_STANDALONE_CPU_RUNNER,
+        "model_runner",
+        "vllm.v1.worker.cpu.model_runner",
+        "CPUModelRunner",
+        _STEP_SAMPLE,
+        ("cpu-mrv2",),
+        inherited=True,
+        note="MRV2 on x86 CPUs; its kernels need triton-cpu",
+    )
+    + _points(
+        "model_runner",
+        "vllm.v1.worker.cpu.standalone_model_runner",
+        "StandaloneCPUModelRunner",
+        _STEP_SAMPLE,
+        ("cpu-mrv2",),
+        span=VLLM_STANDALONE_CPU_RUNNER,
         note="MRV2 without Triton (vllm._cpu_ops); vLLM picks it on non-x86 CPUs",
     )
     # -- samplers: logits detectors (V1 samplers; vllm-ascend's AscendSampler inherits forward) -
     + _points(
-        "sampler", "vllm.v1.sample.sampler", "Sampler", {"forward": "logits"},
-        UPSTREAM_V1 + ASCEND_V1, span=VLLM_V1_RUNNER,
+        "sampler",
+        "vllm.v1.sample.sampler",
+        "Sampler",
+        {"forward": "logits"},
+        UPSTREAM_V1 + ASCEND_V1,
+        span=VLLM_V1_RUNNER,
     )
     + _points(
-        "sampler", f"{_VA}.sample.sampler", "AscendSampler", {"forward": "logits"}, ASCEND_V1,
+        "sampler",
+        f"{_VA}.sample.sampler",
+        "AscendSampler",
+        {"forward": "logits"},
+        ASCEND_V1,
         inherited=True,
     )
     + _points(
-        "sampler", "vllm.v1.sample.rejection_sampler", "RejectionSampler",
-        {"forward": "verify_logits"}, UPSTREAM_V1, span=VLLM_V1_RUNNER,
+        "sampler",
+        "vllm.v1.sample.rejection_sampler",
+        "RejectionSampler",
+        {"forward": "verify_logits"},
+        UPSTREAM_V1,
+        span=VLLM_V1_RUNNER,
     )
     + _points(
-        "sampler", f"{_VA}.sample.rejection_sampler", "AscendRejectionSampler",
-        {"forward": "verify_logits"}, ASCEND_V1,
+        "sampler",
+        f"{_VA}.sample.rejection_sampler",
+        "AscendRejectionSampler",
+        {"forward": "verify_logits"},
+        ASCEND_V1,
     )
     # MRV2's sampler: called with the logits after the grammar bitmask, before sampling (it
     # copies them before changing any); its watermark subclass inherits __call__
     + _points(
-        "sampler", "vllm.v1.worker.gpu.sample.sampler", "Sampler", {"__call__": "logits"},
+        "sampler",
+        "vllm.v1.worker.gpu.sample.sampler",
+        "Sampler",
+        {"__call__": "logits"},
         UPSTREAM_MRV2,
     )
     # -- KV cache: layout checks after initialisation ----------------------------------------
     + _points(
-        "kv_cache", f"{_VA}.worker.v2.model_runner", "NPUModelRunner",
-        {"initialize_kv_cache": "kv_init"}, ASCEND_MRV2,
+        "kv_cache",
+        f"{_VA}.worker.v2.model_runner",
+        "NPUModelRunner",
+        {"initialize_kv_cache": "kv_init"},
+        ASCEND_MRV2,
     )
     + _points(
-        "kv_cache", f"{_VA}.worker.model_runner_v1", "NPUModelRunner",
-        {"initialize_kv_cache": "kv_init"}, ASCEND_V1,
+        "kv_cache",
+        f"{_VA}.worker.model_runner_v1",
+        "NPUModelRunner",
+        {"initialize_kv_cache": "kv_init"},
+        ASCEND_V1,
     )
     + _points(
-        "kv_cache", "vllm.v1.worker.gpu.model_runner", "GPUModelRunner",
-        {"initialize_kv_cache": "kv_init"}, UPSTREAM_MRV2,
+        "kv_cache",
+        "vllm.v1.worker.gpu.model_runner",
+        "GPUModelRunner",
+        {"initialize_kv_cache": "kv_init"},
+        UPSTREAM_MRV2,
     )
     + _points(
-        "kv_cache", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
-        {"initialize_kv_cache": "kv_init"}, UPSTREAM_V1, span=VLLM_V1_RUNNER,
+        "kv_cache",
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner",
+        {"initialize_kv_cache": "kv_init"},
+        UPSTREAM_V1,
+        span=VLLM_V1_RUNNER,
     )
     + _points(
-        "kv_cache", "vllm.v1.worker.cpu_model_runner", "CPUModelRunner",
-        {"initialize_kv_cache": "kv_init"}, ("cpu-v1",), span=VLLM_V1_RUNNER,
+        "kv_cache",
+        "vllm.v1.worker.cpu_model_runner",
+        "CPUModelRunner",
+        {"initialize_kv_cache": "kv_init"},
+        ("cpu-v1",),
+        span=VLLM_V1_RUNNER,
     )
     + _points(
-        "kv_cache", "vllm.v1.worker.cpu.standalone_model_runner", "StandaloneCPUModelRunner",
-        {"initialize_kv_cache": "kv_init"}, ("cpu-mrv2",), span=VLLM_STANDALONE_CPU_RUNNER,
+        "kv_cache",
+        "vllm.v1.worker.cpu.standalone_model_runner",
+        "StandaloneCPUModelRunner",
+        {"initialize_kv_cache": "kv_init"},
+        ("cpu-mrv2",),
+        span=VLLM_STANDALONE_CPU_RUNNER,
     )
     + _points(
-        "kv_cache", f"{_VA}.worker.v2.model_runner", "NPUModelRunner",
-        {"__init__": "rotary_capacity"}, ASCEND_MRV2, note="MLA cos/sin tables",
+        "kv_cache",
+        f"{_VA}.worker.v2.model_runner",
+        "NPUModelRunner",
+        {"__init__": "rotary_capacity"},
+        ASCEND_MRV2,
+        note="MLA cos/sin tables",
     )
     + _points(
-        "kv_cache", f"{_VA}.worker.model_runner_v1", "NPUModelRunner",
-        {"__init__": "rotary_capacity"}, ASCEND_V1, note="MLA cos/sin tables",
+        "kv_cache",
+        f"{_VA}.worker.model_runner_v1",
+        "NPUModelRunner",
+        {"__init__": "rotary_capacity"},
+        ASCEND_V1,
+        note="MLA cos/sin tables",
     )
     # -- graph managers: ACL-graph / CUDA-graph capture --------------------------------------
     + _points(
-        "graph", f"{_VA}.worker.v2.aclgraph_utils", "ModelAclGraphManager",
-        {"capture": "graph_capture"}, ASCEND_MRV2, note="FULL mode: workspaces watched",
+        "graph",
+        f"{_VA}.worker.v2.aclgraph_utils",
+        "ModelAclGraphManager",
+        {"capture": "graph_capture"},
+        ASCEND_MRV2,
+        note="FULL mode: workspaces watched",
     )
     + _points(
-        "graph", f"{_VA}.worker.model_runner_v1", "NPUModelRunner",
-        {"capture_model": "graph_capture"}, ASCEND_V1, note="ACLGraphWrapper captures inside",
+        "graph",
+        f"{_VA}.worker.model_runner_v1",
+        "NPUModelRunner",
+        {"capture_model": "graph_capture"},
+        ASCEND_V1,
+        note="ACLGraphWrapper captures inside",
     )
     + _points(
-        "graph", "vllm.v1.worker.gpu.cudagraph_utils", "ModelCudaGraphManager",
-        {"capture": "graph_capture"}, ("cuda-mrv2",),
+        "graph",
+        "vllm.v1.worker.gpu.cudagraph_utils",
+        "ModelCudaGraphManager",
+        {"capture": "graph_capture"},
+        ("cuda-mrv2",),
     )
     + _points(
-        "graph", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
-        {"capture_model": "graph_capture"}, ("cuda-v1",), note="CUDAGraphWrapper captures inside",
+        "graph",
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner",
+        {"capture_model": "graph_capture"},
+        ("cuda-v1",),
+        note="CUDAGraphWrapper captures inside",
         span=VLLM_V1_RUNNER,
     )
     # -- speculators: which one was dispatched, drafts proposed -----------------------------
     + _points(
-        "speculator", f"{_VA}.worker.v2.spec_decode.autoregressive.speculator",
-        "AscendAutoRegressiveSpeculator", {"propose": "speculator_propose"}, ASCEND_MRV2,
+        "speculator",
+        f"{_VA}.worker.v2.spec_decode.autoregressive.speculator",
+        "AscendAutoRegressiveSpeculator",
+        {"propose": "speculator_propose"},
+        ASCEND_MRV2,
         note="EAGLE and MTP",
     )
     + _points(
-        "speculator", f"{_VA}.worker.v2.spec_decode.dflash.speculator", "AscendDFlashSpeculator",
-        {"propose": "speculator_propose"}, ASCEND_MRV2,
+        "speculator",
+        f"{_VA}.worker.v2.spec_decode.dflash.speculator",
+        "AscendDFlashSpeculator",
+        {"propose": "speculator_propose"},
+        ASCEND_MRV2,
     )
     + _points(
-        "speculator", f"{_VA}.worker.v2.spec_decode.dspark.speculator", "AscendDSparkSpeculator",
-        {"propose": "speculator_propose"}, ASCEND_MRV2,
+        "speculator",
+        f"{_VA}.worker.v2.spec_decode.dspark.speculator",
+        "AscendDSparkSpeculator",
+        {"propose": "speculator_propose"},
+        ASCEND_MRV2,
     )
     + _points(
-        "speculator", f"{_VA}.worker.model_runner_v1", "NPUModelRunner",
-        {"propose_draft_token_ids": "speculator_propose"}, ASCEND_V1,
+        "speculator",
+        f"{_VA}.worker.model_runner_v1",
+        "NPUModelRunner",
+        {"propose_draft_token_ids": "speculator_propose"},
+        ASCEND_V1,
         note="one place for every V1 proposer: EAGLE, MTP, DFlash, DSpark, n-gram, "
         "extract-hidden-states",
     )
     + _points(
-        "speculator", "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator",
-        "TargetDependentARSpeculator", {"propose": "speculator_propose"}, ("cuda-mrv2",),
+        "speculator",
+        "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator",
+        "TargetDependentARSpeculator",
+        {"propose": "speculator_propose"},
+        ("cuda-mrv2",),
         note="EAGLE and MTP",
     )
     + _points(
-        "speculator", "vllm.v1.worker.gpu.spec_decode.eagle.speculator", "EagleSpeculator",
-        {"propose": "speculator_propose"}, ("cuda-mrv2",), inherited=True,
+        "speculator",
+        "vllm.v1.worker.gpu.spec_decode.eagle.speculator",
+        "EagleSpeculator",
+        {"propose": "speculator_propose"},
+        ("cuda-mrv2",),
+        inherited=True,
     )
     + _points(
-        "speculator", "vllm.v1.worker.gpu.spec_decode.mtp.speculator", "MTPSpeculator",
-        {"propose": "speculator_propose"}, ("cuda-mrv2",), inherited=True,
+        "speculator",
+        "vllm.v1.worker.gpu.spec_decode.mtp.speculator",
+        "MTPSpeculator",
+        {"propose": "speculator_propose"},
+        ("cuda-mrv2",),
+        inherited=True,
     )
     + _points(
-        "speculator", "vllm.v1.worker.gpu.spec_decode.dflash.speculator", "DFlashSpeculator",
-        {"propose": "speculator_propose"}, ("cuda-mrv2",),
+        "speculator",
+        "vllm.v1.worker.gpu.spec_decode.dflash.speculator",
+        "DFlashSpeculator",
+        {"propose": "speculator_propose"},
+        ("cuda-mrv2",),
     )
     + _points(
-        "speculator", "vllm.v1.worker.gpu.spec_decode.dspark.speculator", "DSparkSpeculator",
-        {"propose": "speculator_propose"}, ("cuda-mrv2",), inherited=True,
+        "speculator",
+        "vllm.v1.worker.gpu.spec_decode.dspark.speculator",
+        "DSparkSpeculator",
+        {"propose": "speculator_propose"},
+        ("cuda-mrv2",),
+        inherited=True,
     )
     + _points(
-        "speculator", "vllm.v1.worker.gpu.spec_decode.ngram.speculator", "NgramGPUSpeculator",
-        {"propose": "speculator_propose"}, ("cuda-mrv2",),
+        "speculator",
+        "vllm.v1.worker.gpu.spec_decode.ngram.speculator",
+        "NgramGPUSpeculator",
+        {"propose": "speculator_propose"},
+        ("cuda-mrv2",),
     )
     + _points(
-        "speculator", "vllm.v1.worker.gpu.spec_decode.extract_hidden_states",
-        "ExtractHiddenStatesSpeculator", {"propose": "speculator_propose"}, ("cuda-mrv2",),
+        "speculator",
+        "vllm.v1.worker.gpu.spec_decode.extract_hidden_states",
+        "ExtractHiddenStatesSpeculator",
+        {"propose": "speculator_propose"},
+        ("cuda-mrv2",),
     )
     + _points(
-        "speculator", "vllm.v1.worker.gpu_model_runner", "GPUModelRunner",
-        {"propose_draft_token_ids": "speculator_propose"}, UPSTREAM_V1,
-        note="one place for every V1 proposer", span=VLLM_V1_RUNNER,
+        "speculator",
+        "vllm.v1.worker.gpu_model_runner",
+        "GPUModelRunner",
+        {"propose_draft_token_ids": "speculator_propose"},
+        UPSTREAM_V1,
+        note="one place for every V1 proposer",
+        span=VLLM_V1_RUNNER,
     )
     # -- device communicator (per-collective hooks: attach/collectives.py's GroupCoordinator) -----
     + _points(
-        "communicator", f"{_VA}.distributed.device_communicators.npu_communicator",
-        "NPUCommunicator", {"__init__": "communicator_init"}, ASCEND, note="HCCL",
+        "communicator",
+        f"{_VA}.distributed.device_communicators.npu_communicator",
+        "NPUCommunicator",
+        {"__init__": "communicator_init"},
+        ASCEND,
+        note="HCCL",
     )
     + _points(
-        "communicator", "vllm.distributed.device_communicators.cuda_communicator",
-        "CudaCommunicator", {"__init__": "communicator_init"}, CUDA, note="NCCL",
+        "communicator",
+        "vllm.distributed.device_communicators.cuda_communicator",
+        "CudaCommunicator",
+        {"__init__": "communicator_init"},
+        CUDA,
+        note="NCCL",
     )
     + _points(
-        "communicator", "vllm.distributed.device_communicators.cpu_communicator",
-        "CpuCommunicator", {"__init__": "communicator_init"}, CPU, note="gloo / shared memory",
+        "communicator",
+        "vllm.distributed.device_communicators.cpu_communicator",
+        "CpuCommunicator",
+        {"__init__": "communicator_init"},
+        CPU,
+        note="gloo / shared memory",
     )
     # -- scheduler (engine core process): hot-reloaded config stamped on each step -------------
     + _points(
-        "scheduler", "vllm.v1.core.sched.scheduler", "Scheduler", {"schedule": "schedule"},
+        "scheduler",
+        "vllm.v1.core.sched.scheduler",
+        "Scheduler",
+        {"schedule": "schedule"},
         RUNTIMES,
     )
     # -- collectives: every platform's GroupCoordinator (HCCL, NCCL, gloo, shm) ----------------
     + _points(
-        "collective", "vllm.distributed.parallel_state", "GroupCoordinator",
-        dict.fromkeys(COLLECTIVE_METHODS, "collective"), RUNTIMES,
-    )  # fmt: skip
+        "collective",
+        "vllm.distributed.parallel_state",
+        "GroupCoordinator",
+        dict.fromkeys(COLLECTIVE_METHODS, "collective"),
+        RUNTIMES,
+    )
     # -- collectives inside torch.compile'd graphs: every compiled graph vLLM's backend returns -
     + _points(
-        "collective", "vllm.compilation.caching", "VllmSerializableFunction",
-        {"__call__": "compiled_graph"}, RUNTIMES,
+        "collective",
+        "vllm.compilation.caching",
+        "VllmSerializableFunction",
+        {"__call__": "compiled_graph"},
+        RUNTIMES,
         note="VLLM_COMPILE: counted per compiled-graph call from its FX graph",
-    )  # fmt: skip
+    )
     + _points(
-        "collective", "vllm.config.compilation", "CompilationConfig",
-        {"init_backend": "compiled_graph"}, RUNTIMES,
+        "collective",
+        "vllm.config.compilation",
+        "CompilationConfig",
+        {"init_backend": "compiled_graph"},
+        RUNTIMES,
         note="DYNAMO_TRACE_ONCE / stock torch.compile (CPU default): the backend counts",
-    )  # fmt: skip
+    )
     # -- collectives inside captured graphs: the device graph classes' capture and replay ------
     + _points(
-        "graph", "torch.cuda.graphs", "CUDAGraph", dict.fromkeys(GRAPH_METHODS, "graph_collectives"),
-        CUDA, note="CUDA graph, piecewise and FULL: collectives counted per replay",
-    )  # fmt: skip
+        "graph",
+        "torch.cuda.graphs",
+        "CUDAGraph",
+        dict.fromkeys(GRAPH_METHODS, "graph_collectives"),
+        CUDA,
+        note="CUDA graph, piecewise and FULL: collectives counted per replay",
+    )
     + _points(
-        "graph", "torch_npu.npu", "NPUGraph", dict.fromkeys(GRAPH_METHODS, "graph_collectives"),
-        ASCEND, note="ACL graph, piecewise and FULL: collectives counted per replay",
-    )  # fmt: skip
-)  # fmt: skip
+        "graph",
+        "torch_npu.npu",
+        "NPUGraph",
+        dict.fromkeys(GRAPH_METHODS, "graph_collectives"),
+        ASCEND,
+        note="ACL graph, piecewise and FULL: collectives counted per replay",
+    )
+)
 
 
 def points_for(runtime: str, component: str | None = None) -> list[AttachPoint]:

@@ -45,10 +45,16 @@ class Row:
     def as_dict(self) -> dict[str, Any]:
         p = self.point
         return {
-            "component": p.component, "module": p.module, "class": p.qualname, "method": p.method,
-            "action": p.action, "runtimes": list(p.runtimes), "inherited": p.inherited,
-            "status": self.status, "detail": self.detail,
-        }  # fmt: skip
+            "component": p.component,
+            "module": p.module,
+            "class": p.qualname,
+            "method": p.method,
+            "action": p.action,
+            "runtimes": list(p.runtimes),
+            "inherited": p.inherited,
+            "status": self.status,
+            "detail": self.detail,
+        }
 
 
 def _sorted(points: Sequence[AttachPoint]) -> list[AttachPoint]:
@@ -220,10 +226,12 @@ def collective_lines(rows: Sequence[Row], runtime: str, config: Any = None) -> d
 
     def unbound(action: str, component: str | None = None) -> list[Row]:
         return [
-            r for r in rows
-            if r.point.action == action and (component is None or r.point.component == component)
+            r
+            for r in rows
+            if r.point.action == action
+            and (component is None or r.point.component == component)
             and r.status not in OK_STATUSES
-        ]  # fmt: skip
+        ]
 
     def present(action: str) -> bool:
         return any(r.point.action == action for r in rows)
@@ -235,9 +243,10 @@ def collective_lines(rows: Sequence[Row], runtime: str, config: Any = None) -> d
 
     coordinator = unbound("collective")
     eager = (
-        why_not(coordinator) if coordinator
+        why_not(coordinator)
+        if coordinator
         else "per call: GroupCoordinator methods (host time, bytes, seq per group)"
-    )  # fmt: skip
+    )
     if coordinator:
         compiled = eager
     elif present("compiled_graph"):
@@ -262,11 +271,15 @@ def collective_lines(rows: Sequence[Row], runtime: str, config: Any = None) -> d
         graphs = "none captured: vLLM captures no device graph on CPU"
     elif present("graph_collectives"):
         missing = unbound("graph_collectives")
-        graphs = why_not(missing) if missing else (
-            "per replay: collectives noted at capture (op, group, bytes per batch size), "
-            "counted at each replay as replayed; device time from events around the replay; "
-            "no per-call host time"
-        )  # fmt: skip
+        graphs = (
+            why_not(missing)
+            if missing
+            else (
+                "per replay: collectives noted at capture (op, group, bytes per batch size), "
+                "counted at each replay as replayed; device time from events around the replay; "
+                "no per-call host time"
+            )
+        )
     else:
         graphs = "not at all: no device graph attach point for this runtime"
     return {
@@ -285,10 +298,12 @@ def _parser() -> argparse.ArgumentParser:
         "--source", default=None, help="read a vllm-ascend (or vLLM) source tree, without import"
     )
     parser.add_argument(
-        "--runtime", default=None, choices=(*RUNTIMES, "all"),
+        "--runtime",
+        default=None,
+        choices=(*RUNTIMES, "all"),
         help="check this runtime's attach points (default: the one detected here; "
         "with --source: every runtime of the tree's packages)",
-    )  # fmt: skip
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
 
@@ -311,8 +326,10 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
             return 2
         info = tree_info(args.source)
         header = {
-            "source": str(Path(args.source).resolve()), "runtime": runtime, "versions": info,
-        }  # fmt: skip
+            "source": str(Path(args.source).resolve()),
+            "runtime": runtime,
+            "versions": info,
+        }
         runners = runners_line({"vllm": info.get("vllm")})
         if runners:
             header["runners"] = runners
@@ -324,6 +341,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
             info = detect()
             runtime = args.runtime or info.runtime
             rows = live_rows(points_for(runtime), info.platform)
+        # a table: one row per line, columns aligned (fmt: skip)
         header = {
             "platform": info.platform, "runtime": runtime, "detected_runtime": info.runtime,
             "why": info.reason, "versions": info.versions,
@@ -338,6 +356,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     visibility = collective_lines(rows, runtime)
     fully = not not_ok and bool(ok) and problem is None
     if args.json:
+        # a table: one row per line, columns aligned (fmt: skip)
         document = {
             **header, "ok": fully, "attach_points": [r.as_dict() for r in rows],
             "hccl": hccl, "hang_deadline_problem": problem, "collectives": visibility,

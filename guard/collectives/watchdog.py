@@ -96,6 +96,7 @@ class CollectiveWatchdog:
         if current is None and replaying is not None:
             replaying = tracker.replay_pending()  # the device is still inside a replayed graph
             if replaying is not None:
+                # a table: one row per line, columns aligned (fmt: skip)
                 current = (
                     replaying.op, replaying.group, replaying.backend, replaying.seq,
                     replaying.start_ns,
@@ -112,6 +113,7 @@ class CollectiveWatchdog:
         self._fired = (group, seq)
         self.fired += 1
         age_s = round(age / 1e9, 3)
+        # a table: one row per line, columns aligned (fmt: skip)
         evidence = {
             "op": op, "group": group, "backend": backend, "seq": seq, "age_s": age_s,
             "deadline_s": self._deadline_ns / 1e9, "wave": self._wave_source(),
@@ -122,8 +124,10 @@ class CollectiveWatchdog:
             evidence.update(graph=replaying.graph.label, graph_holds=holds)
             where = f"replay of graph {replaying.graph.label} (holds {holds}) at {where}"
         self._report(
-            "hang_suspected", "critical", f"{where} has not returned after {age_s}s",
+            "hang_suspected",
+            "critical",
+            f"{where} has not returned after {age_s}s",
             evidence=evidence,
-        )  # fmt: skip
+        )
         log.warning("hang_suspected", op=op, group=group, seq=seq, age_s=age_s)
         return True

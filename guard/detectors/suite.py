@@ -22,6 +22,7 @@ from guard.config.detectors import DetectorsConfig
 from guard.detectors import compiled
 from guard.detectors import logits as logit_checks
 from guard.detectors.evidence import EvidenceDumper, request_kv_blocks
+from guard.detectors.findings import repeat_finding, spec_finding, stats_finding
 from guard.detectors.runner_reads import request_ids, requests_in_rows, vocab_size
 from guard.detectors.spec import AcceptanceTracker, Judged
 from guard.detectors.token_log import LoggedFinish, LoggedWave, all_in_range, overdue_waves
@@ -217,10 +218,16 @@ class DetectorSuite:
                 if bad >= 0:  # rare: the row maxima, read in this wave
                     self._resolve(
                         logit_checks.PendingCheck(
-                            wave, logit_checks.row_max(logits), None, None, rows_per_req,
-                            None, None, runner,
+                            wave,
+                            logit_checks.row_max(logits),
+                            None,
+                            None,
+                            rows_per_req,
+                            None,
+                            None,
+                            runner,
                         )
-                    )  # fmt: skip
+                    )
                 return rows
         self._defer_host_check(wave, runner, logit_checks.row_max(logits), rows_per_req)
         return None
@@ -402,50 +409,33 @@ class DetectorSuite:
     def _out_of_range(self, wave: int, runner: Any, req_id: str, tokens, vocab: int) -> None:
         bad = out_of_range(tokens, vocab)
         self._hit(
-            "token_range", "critical", wave, req_id,
+            "token_range",
+            "critical",
+            wave,
+            req_id,
             f"sampled id {bad[0]} outside the vocabulary [0, {vocab})",
-            {"ids": bad[:16], "vocab_size": vocab}, self.config.token_range.action, runner,
-        )  # fmt: skip
+            {"ids": bad[:16], "vocab_size": vocab},
+            self.config.token_range.action,
+            runner,
+        )
 
     def _report_repeats(self, runner: Any, found) -> None:
         """A screened batch's findings, each with the wave it belongs to."""
-        for wave, req_id, (kind, size, extent, block) in found:
-            if kind == "loop":
-                summary = f"loop of period {size} over the last {extent} tokens"
-                evidence = {"kind": kind, "period": size, "span": extent, "block": block[:32]}
-            else:
-                summary = f"{size}-gram repeated {extent} times in the window"
-                evidence = {"kind": kind, "n": size, "count": extent, "ngram": block}
-            self._hit(
-                "token_repeat", "warning", wave, req_id, summary, evidence,
-                self.config.token_repeat.action, runner,
-            )  # fmt: skip
+        action = self.config.token_repeat.action
+        for wave, req_id, finding in found:
+            summary, evidence = repeat_finding(*finding)
+            self._hit("token_repeat", "warning", wave, req_id, summary, evidence, action, runner)
 
     def _report_spec(self, runner: Any, found: list[Judged]) -> None:
         """A judged batch's windows found out of line, each with the wave it belongs to."""
         if not found:
             return
-        spec, method = self.spec, self.spec_method
-        band = f"[{spec.config.min_rate:g}, {spec.config.max_rate:g}]"
+        action = self.config.spec_acceptance.action
         for wave, key, window, kind, baseline in found:
-            scope = f"request {key}" if key else "wave window"
-            rate = window.rate
-            if kind == "band":
-                summary = f"{method} acceptance {rate:.2f} in the {scope} is outside {band}"
-            else:
-                summary = (
-                    f"{method} acceptance {rate:.2f} in the {scope} jumped "
-                    f"{rate - baseline:+.2f} above the baseline {baseline:.2f} "
-                    "(repetitive output raises acceptance)"
-                )
-            self._hit(
-                "spec_acceptance", "warning", wave, key, summary,
-                {"method": method, "kind": kind, "rate": round(rate, 4),
-                 "drafted": window.drafted, "accepted": window.accepted,
-                 "band": [spec.config.min_rate, spec.config.max_rate],
-                 "baseline": round(baseline, 4), "scope": "request" if key else "wave"},
-                self.config.spec_acceptance.action, runner,
-            )  # fmt: skip
+            summary, evidence = spec_finding(
+                self.spec_method, self.spec.config, key, window, kind, baseline
+            )
+            self._hit("spec_acceptance", "warning", wave, key, summary, evidence, action, runner)
 
     # -- logits checks resolved after sampling ----------------------------------------------
     def resolve_ready(self, force: bool = False) -> None:
@@ -475,12 +465,17 @@ class DetectorSuite:
             if check.logits is not None:
                 evidence.update(logit_checks.describe_row(check.logits[rows[0]]))
             self._hit(
-                "logits_finite", "error", check.wave, req_id,
+                "logits_finite",
+                "error",
+                check.wave,
+                req_id,
                 f"non-finite logits in {len(rows)} row(s) of request {req_id}",
-                evidence, self.config.logits_finite.action, check.runner,
+                evidence,
+                self.config.logits_finite.action,
+                check.runner,
                 logits_row=check.logits[rows[0]] if check.logits is not None else None,
                 row=rows[0],
-            )  # fmt: skip
+            )
 
     def _report_stats(self, wave: int, summary: tuple[float, float] | None) -> None:
         """A stats wave's readings (None: no healthy row was sampled, so there is none)."""
@@ -491,11 +486,8 @@ class DetectorSuite:
         self._probe("logits_entropy_nats", entropy, {})
         limit = self.config.logits_stats.max_abs_limit
         if limit and max_abs >= limit:
-            self._hit(
-                "logits_stats", "warning", wave, "",
-                f"max |logit| {max_abs:.4g} reached the limit {limit:g}",
-                {"max_abs": max_abs, "entropy_nats": entropy, "limit": limit}, "report", None,
-            )  # fmt: skip
+            summary, evidence = stats_finding(max_abs, entropy, limit)
+            self._hit("logits_stats", "warning", wave, "", summary, evidence, "report", None)
 
     # -- reporting --------------------------------------------------------------------------
     def _hit(
@@ -537,9 +529,14 @@ class DetectorSuite:
                 row = None
         kv = request_kv_blocks(runner, row) if runner is not None and row is not None else None
         return self.dumper.dump(
-            type_, wave, req_id, meta={"evidence": evidence}, tokens=tokens, logits_row=logits_row,
+            type_,
+            wave,
+            req_id,
+            meta={"evidence": evidence},
+            tokens=tokens,
+            logits_row=logits_row,
             kv_blocks=kv,
-        )  # fmt: skip
+        )
 
     def probe_values(self) -> list[tuple[str, float, dict[str, str]]]:
         """Readings taken by the streamer thread with each heartbeat: nothing on the hot path."""

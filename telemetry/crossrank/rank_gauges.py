@@ -87,9 +87,14 @@ class RankGauges:
     def collect(self):
         facts = sorted(
             self._facts(),
-            key=lambda f: (f.replica.engine, f.replica.run_id, f.replica.dp, f.rank.pp_rank,
-                           f.rank.tp_rank),
-        )  # fmt: skip
+            key=lambda f: (
+                f.replica.engine,
+                f.replica.run_id,
+                f.replica.dp,
+                f.rank.pp_rank,
+                f.rank.tp_rank,
+            ),
+        )
         omitted = max(0, len(facts) - MAX_RANKS)
         facts = facts[:MAX_RANKS]
         seen = GaugeMetricFamily(
@@ -125,16 +130,23 @@ class RankGauges:
             labels=RANK_FACT_LABELS,
         )
         live = {
-            (f.replica.run_id, f.replica.engine, f.rank.dp_rank, f.rank.tp_rank, f.rank.pp_rank,
-             f.rank.pid)
+            (
+                f.replica.run_id,
+                f.replica.engine,
+                f.rank.dp_rank,
+                f.rank.tp_rank,
+                f.rank.pp_rank,
+                f.rank.pid,
+            )
             for f in facts
-        }  # fmt: skip
+        }
         with self._lock:
             for key in [k for k in self._waits if k not in live]:
                 del self._waits[key]  # its stream ended (or it is over MAX_RANKS)
             waits = {k: list(v) for k, v in self._waits.items()}
         for fact in facts:
             r = fact.rank
+            # a table: one row per line, columns aligned (fmt: skip)
             rank_labels = (
                 clean(fact.replica.run_id), clean(fact.replica.engine),
                 str(r.dp_rank), str(r.tp_rank), str(r.pp_rank), clean(r.node), str(r.pid),

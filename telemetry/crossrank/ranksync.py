@@ -100,7 +100,7 @@ class _Judged(NamedTuple):
                         for tp, d in zip(tps, self.injected_ns[i].tolist(), strict=True)
                         if d
                     },
-                )  # fmt: skip
+                )
             )
         return out
 
@@ -202,10 +202,15 @@ class RankSync:
                 cutoff = w[starts[~complete][unaligned - 1]]
                 keep &= w > cutoff
             pending.wave, pending.tp, pending.arrival, pending.wait, pending.injected = (
-                w[keep], t[keep], a[keep], d[keep], x[keep]
-            )  # fmt: skip
+                w[keep],
+                t[keep],
+                a[keep],
+                d[keep],
+                x[keep],
+            )
             judged = None
             if complete.any():
+                # a table: one row per line, columns aligned (fmt: skip)
                 judged = self._judge(
                     engine, rank.dp_rank, rank.pp_rank, ranks,
                     w[done_rows], t[done_rows], a[done_rows], d[done_rows], x[done_rows],
@@ -248,9 +253,7 @@ class RankSync:
         arrived = a > 0
         latest = np.where(arrived, a, np.iinfo(np.int64).min).max(axis=1)
         earliest = np.where(arrived, a, _NO_TIME).min(axis=1)
-        arrival_skew = np.where(
-            arrived.sum(axis=1) > 1, (latest - earliest) / 1e9, 0.0
-        )  # fmt: skip
+        arrival_skew = np.where(arrived.sum(axis=1) > 1, (latest - earliest) / 1e9, 0.0)
         # the rank with the least time inside is the one the others waited for
         least = t[np.arange(len(t)), d.argmin(axis=1)]
         straggler = np.where(skew >= self.straggler_threshold_s, least, -1)

@@ -41,6 +41,7 @@ ATTR_REQUEST = schema.attr("request_id")
 
 
 # attribute keys of request spans (TraceQL's short names come from these: telemetry/traceql/fields.py)
+# a table: one row per line, columns aligned (fmt: skip)
 REQUEST_ATTRIBUTE_KEYS = (
     schema.ATTR_RUN, schema.ATTR_ENGINE, schema.ATTR_DP, schema.ATTR_WAVE, schema.ATTR_PP,
     ATTR_REQUEST,
@@ -190,9 +191,20 @@ def build_trace(conn: sqlite3.Connection, rows: Sequence[RequestRow]) -> Request
         root_attrs[schema.attr("request.first_wave")] = waves[0].wave
         root_attrs[schema.attr("request.last_wave")] = waves[-1].wave
     spans = [
-        Span(trace_id, root_id, None, REQUEST_SPAN, start, end, head.run_id, head.engine,
-             waves[0].wave if waves else head.first_wave, head.dp, attributes=root_attrs)
-    ]  # fmt: skip
+        Span(
+            trace_id,
+            root_id,
+            None,
+            REQUEST_SPAN,
+            start,
+            end,
+            head.run_id,
+            head.engine,
+            waves[0].wave if waves else head.first_wave,
+            head.dp,
+            attributes=root_attrs,
+        )
+    ]
     for item in waves:
         attrs = {
             **common,
@@ -210,18 +222,35 @@ def build_trace(conn: sqlite3.Connection, rows: Sequence[RequestRow]) -> Request
             "attributes": {schema.ATTR_WAVE: item.wave},
         }
         spans.append(
-            Span(trace_id, request_wave_span_id(trace_id, item.wave, item.pp), root_id, item.kind,
-                 item.start_ns or start, item.end_ns or item.start_ns or start, head.run_id,
-                 head.engine, item.wave, head.dp, None, item.pp, attributes=attrs, links=[link])
-        )  # fmt: skip
+            Span(
+                trace_id,
+                request_wave_span_id(trace_id, item.wave, item.pp),
+                root_id,
+                item.kind,
+                item.start_ns or start,
+                item.end_ns or item.start_ns or start,
+                head.run_id,
+                head.engine,
+                item.wave,
+                head.dp,
+                None,
+                item.pp,
+                attributes=attrs,
+                links=[link],
+            )
+        )
     for incident in _incidents(conn, head):
         span = incident_span(incident)
         span.trace_id = trace_id
         span.span_id = request_incident_span_id(trace_id, incident["id"])
         span.parent_id = root_id
         span.attributes[ATTR_REQUEST] = head.request_id
-        span.links = [{"trace_id": wave_trace_id(head.run_id, span.wave, head.dp),
-                       "span_id": wave_span_id(head.run_id, span.wave, head.dp)}]  # fmt: skip
+        span.links = [
+            {
+                "trace_id": wave_trace_id(head.run_id, span.wave, head.dp),
+                "span_id": wave_span_id(head.run_id, span.wave, head.dp),
+            }
+        ]
         spans.append(span)
     spans.sort(key=lambda s: (s.start_ns, s.name != REQUEST_SPAN, s.name))
     return RequestTrace(trace_id, list(rows), waves, spans)
@@ -293,7 +322,7 @@ def link_wave_spans(conn: sqlite3.Connection, spans: list[Span]) -> None:
                         "trace_id": trace,
                         "span_id": request_span_id(trace),
                         "attributes": {ATTR_REQUEST: req_id},
-                    }  # fmt: skip
+                    }
                 )
 
 
