@@ -132,6 +132,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="where the workers on this node keep their liveness records (default "
         f"{paths.DEFAULT_LIVENESS_DIR}; the guard's liveness_dir)",
     )
+    side.add_argument(
+        "--bundle-dir",
+        default=d("bundle_dir"),
+        help="where hang evidence bundles are written (default "
+        f"${paths.STATE_DIR_ENV}/{paths.BUNDLES_NAME} [{paths.DEFAULT_STATE_DIR}]); off: none",
+    )
     side.add_argument("--tls-cert", default="", help="PEM certificate: TLS on gRPC and HTTP")
     side.add_argument("--tls-key", default="", help="PEM private key of --tls-cert")
     side.add_argument(
@@ -236,6 +242,7 @@ def run(args: argparse.Namespace) -> int:
         else (paths.GROUP_SOCKET_MODE if args.socket_group else paths.DEFAULT_SOCKET_MODE),
         hang_frozen_s=frozen_s,
         liveness_dir=args.liveness_dir,
+        bundle_dir=args.bundle_dir,
         security=ServerSecurity(
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
