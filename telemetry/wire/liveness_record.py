@@ -21,12 +21,15 @@ Layout: native byte order and word size (writer and reader are on one machine), 
     names (from byte 256): a count word, then 48-byte NUL-padded names; id = index + 1
     ring (from byte 4096, past what a reader of the first layout maps; absent in older files)
       a header of 8 words (ring magic, slots, words per slot), then `slots` slots of 6 words:
-      call number, op id << 32 | group id, seq, start, end (0 = not returned), bytes
+      call number, op id << 32 | group id, seq, start, end, bytes
 
 The ring holds the last `slots` collectives of the engine thread, so an evidence bundle can list
-them while the rank is frozen or waits holding the GIL (telemetry/crossrank/bundle.py). A slot is
-its own small seqlock: its call-number word is 0 while the engine thread fills it, and the reader
-keeps a slot only if that word reads the same non-zero number before and after the other words.
+them while the rank is frozen or waits holding the GIL (telemetry/crossrank/bundle.py). The
+engine thread writes a slot's call number last and its end before word 17, so the reader needs
+no lock: it keeps a slot whose call number reads the same before and after its other words and
+lies within the last `slots` calls entered (word 12, read after the slots: a slot being refilled
+still shows the number of the call `slots` before); a call is returned when its number is at
+most word 17, and only then is its end word its own.
 A reader retries while the counter is odd or changed under it. Each store is one aligned word
 (memoryview of format "Q"), so no word is ever torn; x86's store order makes the seqlock exact,
 and on weaker orders (aarch64) a rare mixed read lasts one look: every judgement that uses it
@@ -223,11 +226,9 @@ class LivenessRecord:
         ring = self._ring
         if ring is not None:
             at = (call & self._mask) * _SLOT_WORDS
-            ring[at] = 0  # the slot is being filled
             ring[at + 1] = op_id << 32 | group_id
             ring[at + 2] = seq
             ring[at + 3] = since_ns
-            ring[at + 4] = 0
             try:
                 nbytes = getattr(data, "nbytes", None)
                 ring[at + 5] = nbytes if nbytes is not None else _nbytes(data)
@@ -349,14 +350,19 @@ class RecordReader:
         if width < _SLOT_WORDS or first + slots * width > len(words):
             return None
         mono, wall = time.monotonic_ns(), time.time()
-        entries = []
+        seen = []
         for slot in range(slots):
             base = first + slot * width
             call = words[base]
             body = words[base + 1 : base + _SLOT_WORDS].tolist()
-            if not call or words[base] != call:
-                continue  # empty, or being filled right now
-            ids, seq, start, end, nbytes = body
+            if call and words[base] == call:
+                seen.append((call, body))
+        latest, left = words[_CALL], words[_LEFT]  # after the slots: see the module docstring
+        entries = []
+        for call, (ids, seq, start, end, nbytes) in seen:
+            if not latest - slots < call <= latest:
+                continue  # being refilled for a newer call right now
+            end = end if call <= left else 0
             entries.append(
                 RingEntry(
                     call=call,

@@ -126,11 +126,15 @@ def test_ring_keeps_the_last_slots_oldest_first_with_the_stuck_call_not_returned
     assert abs(last.start_unix - time.time()) < 5
 
 
-def test_a_slot_being_written_is_skipped_and_an_old_layout_has_no_ring(record, tmp_path):
-    _fill(record, 3, stuck=False)
-    record._ring[1 * 6] = 0  # call 1's slot is being refilled by the engine thread
+def test_a_slot_being_refilled_is_skipped_and_an_old_layout_has_no_ring(record, tmp_path):
+    _fill(record, 70, stuck=False)
+    # the engine thread is inside enter() of call 71: word 12 already says 71, and call 7's slot
+    # (71 mod 64) holds some of call 71's words under call 7's number
+    record._words[12] = 71
+    record._ring[(71 % RING_SLOTS) * 6 + 2] = 999
     reader = RecordReader(str(tmp_path / "live"))
-    assert [e.seq for e in reader.ring(RUN, 0, 0, 0, os.getpid())] == [2, 3]
+    ring = reader.ring(RUN, 0, 0, 0, os.getpid())
+    assert [e.call for e in ring] == list(range(8, 71)) and 999 not in [e.seq for e in ring]
     bare = LivenessRecord.create(str(tmp_path / "old"), RUN, 0, 0, 1, ring_slots=0)
     assert bare is not None and os.path.getsize(bare.path) == SIZE
     bare.enter("all_reduce", "tp", 1, time.perf_counter_ns(), Tensor(8))
