@@ -495,8 +495,12 @@ def test_the_evidence_bundle_of_a_stopped_worker_holds_both_rings_and_the_peer_s
     stream's collective waves, not from the ring) is a returned entry of its ring; the two
     rings agree call by call where they overlap (same op and bytes per seq: one program order);
     rank 0's unreturned call, if any, is the one the verdict names."""
-    pids = {r["tp"]: r["pid"] for r in dep.get(f"/live/{ENGINE}")[1]["ranks"]}
-    victim = pids[1]
+    dep.server.complete_many(PROMPTS[:1], 4)  # run alone, the ranks have not streamed yet
+    deadline = time.monotonic() + 30
+    while len(ranks := dep.get(f"/live/{ENGINE}")[1].get("ranks", [])) < 2:
+        assert time.monotonic() < deadline, "both ranks stream"
+        time.sleep(0.1)
+    victim = {r["tp"]: r["pid"] for r in ranks}[1]
     decoding: list[bool] = []
     pool = ThreadPoolExecutor(max_workers=4)
     jobs = [
@@ -513,8 +517,8 @@ def test_the_evidence_bundle_of_a_stopped_worker_holds_both_rings_and_the_peer_s
         deadline = time.monotonic() + 15
         while True:
             new = [
-                e for e in dep.get("/hangs")[1]["standing"]
-                if e.get("bundle", {}).get("id") not in before
+                e for e in dep.get("/hangs")[1]["history"]
+                if e["event"] == "hang_verdict" and e["bundle"]["id"] not in before
             ]  # fmt: skip
             if new and Path(new[0]["bundle"]["path"]).exists():
                 break
