@@ -27,6 +27,7 @@ needs ptrace rights the sidecar should not have.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
 import json
 import os
@@ -120,11 +121,27 @@ def _backend_and_rank() -> tuple[str, int | None]:
     return "", None
 
 
+def _kernel_handler(sig: int) -> int | None:
+    """The handler the kernel holds for `sig` (0: SIG_DFL), read with sigaction(2): unlike
+    `signal.getsignal`, it also sees handlers that C code (or faulthandler) installed after
+    start-up. None where it cannot be read. The handler is the first field of glibc's
+    `struct sigaction` on x86-64 and aarch64; the buffer is larger than the struct."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        old = ctypes.create_string_buffer(256)
+        if libc.sigaction(ctypes.c_int(sig), None, old) != 0:
+            return None
+        return ctypes.c_void_p.from_buffer(old).value or 0
+    except (OSError, AttributeError, TypeError):
+        return None
+
+
 def _free_signal() -> int | None:
-    """The first real-time signal from SIGRTMIN+6 that nothing handles (SIG_DFL)."""
+    """The first real-time signal from SIGRTMIN+6 that nothing handles (SIG_DFL both in
+    Python's table and in the kernel)."""
     for sig in range(signal.SIGRTMIN + FIRST_SIGNAL_OFFSET, signal.SIGRTMAX):
         with contextlib.suppress(ValueError, OSError):
-            if signal.getsignal(sig) == signal.SIG_DFL:
+            if signal.getsignal(sig) == signal.SIG_DFL and _kernel_handler(sig) in (0, None):
                 return sig
     return None
 

@@ -171,6 +171,22 @@ def test_the_stack_signal_answers_with_the_engine_thread_marked(record, tmp_path
     assert signal.getsignal(ev.signal) == signal.SIG_DFL
 
 
+def test_a_signal_taken_outside_python_is_not_chosen(record):
+    """A handler installed from C (here: faulthandler, which Python's signal table does not see)
+    makes the guard pick the next free signal."""
+    import faulthandler
+
+    first = evidence._free_signal()
+    faulthandler.register(first, file=sys.stderr, chain=False)
+    try:
+        assert signal.getsignal(first) == signal.SIG_DFL  # invisible to the signal module
+        assert evidence._kernel_handler(first) not in (0, None)
+        assert evidence._free_signal() == first + 1
+    finally:
+        faulthandler.unregister(first)
+    assert evidence._kernel_handler(first) == 0
+
+
 def test_the_stack_file_is_emptied_past_its_bound(record, monkeypatch):
     ev = RankEvidence.install(record.path)
     assert ev is not None
