@@ -75,7 +75,10 @@ def read_facts(path: str, pid: int) -> tuple[dict[str, Any] | None, str]:
         if owner != os.stat(f"/proc/{pid}").st_uid:
             return None, "facts file has another owner than the process"
     except FileNotFoundError:
-        return None, "the rank wrote no evidence facts (an older guard, or its liveness record is off)"
+        return (
+            None,
+            "the rank wrote no evidence facts (an older guard, or its liveness record is off)",
+        )
     except (OSError, ValueError) as exc:
         return None, f"facts file unreadable ({exc})"
     if not isinstance(facts, dict) or facts.get("pid") != pid:
