@@ -2,8 +2,10 @@
 
 In-process, side by side in one run, interleaved rounds (best round and median reported):
 
-- **per collective**: `CollectiveTracker.run` around a no-op call, with no record and with a
-  record (enter + leave: the words written on the engine thread for every collective);
+- **per collective**: `CollectiveTracker.run` around a no-op call carrying a 512-byte stand-in
+  tensor, with no record, with a record without its ring (`ring_slots=0`) and with the record
+  and its ring of the last collectives (enter + leave: the words written on the engine thread
+  for every collective; the ring adds a slot of six words and the payload's bytes);
 - **per phase change**: `LivenessRecord.phase` (four per wave: execute, idle, sample, idle);
 - **sidecar look**: `RecordReader.read` (the record plus `/proc/<pid>/stat`), paid only for a
   rank that has been silent on its stream for 0.25 s;
@@ -46,8 +48,12 @@ def _noop(group: Group, value: int) -> int:
     return value
 
 
-def _no_payload(args: tuple, kwargs: dict, result: object) -> None:
-    return None
+class _Tensor:
+    nbytes = 512
+
+
+def _first_arg(args: tuple, kwargs: dict, result: object) -> object:
+    return args[0] if args else None
 
 
 def _per_call(fn, calls: int) -> float:
@@ -71,11 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     wave = {"n": 1}
     plain = CollectiveTracker(CollectivesConfig(), wave_source=lambda: wave["n"])
     recorded = CollectiveTracker(CollectivesConfig(), wave_source=lambda: wave["n"])
+    ringless = CollectiveTracker(CollectivesConfig(), wave_source=lambda: wave["n"])
     record = LivenessRecord.create(directory, "bench", 0, 0, 0)
-    assert record is not None
+    bare = LivenessRecord.create(directory, "bench", 0, 0, 1, ring_slots=0)
+    assert record is not None and bare is not None
     recorded.record = record
-    groups = {"no record": Group(), "record": Group()}
-    trackers = {"no record": plain, "record": recorded}
+    ringless.record = bare
+    names = ("no record", "record, no ring", "record")
+    groups = {name: Group() for name in names}
+    trackers = {"no record": plain, "record, no ring": ringless, "record": recorded}
+    tensor = _Tensor()
 
     def collectives(name: str):
         tracker, group = trackers[name], groups[name]
@@ -85,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             for i in range(n):
                 if i % CALLS_PER_WAVE == 0:
                     wave["n"] += 1
-                run("all_reduce", _noop, group, (i,), {}, _no_payload)
+                run("all_reduce", _noop, group, (tensor,), {}, _first_arg)
             tracker.finished.clear()
 
         return loop
@@ -121,10 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(n):
             make([], True).SerializeToString()
 
-    samples: dict[str, list[float]] = {"no record": [], "record": []}
+    samples: dict[str, list[float]] = {name: [] for name in names}
     other: dict[str, list[float]] = {"phase": [], "look": [], "heartbeat": []}
     for r in range(args.rounds + 1):
-        order = ["no record", "record"] if r % 2 else ["record", "no record"]
+        order = list(names) if r % 2 else list(reversed(names))
         got = {name: _per_call(collectives(name), args.calls) for name in order}
         got_phase = _per_call(phases, args.calls)
         got_look = _per_call(looks, max(1, args.calls // 10))
@@ -136,14 +147,22 @@ def main(argv: list[str] | None = None) -> int:
             other["look"].append(got_look)
             other["heartbeat"].append(got_beat)
     record.close()
+    bare.close()
 
     best = {k: min(v) for k, v in samples.items()}
     median = {k: statistics.median(v) for k, v in samples.items()}
     pairs = [b - a for a, b in zip(samples["no record"], samples["record"], strict=True)]
     added = statistics.median(pairs)
+    ring_pairs = [b - a for a, b in zip(samples["record, no ring"], samples["record"], strict=True)]
+    ring = statistics.median(ring_pairs)
     rows = [
         ("tracker.run, no record", f"{best['no record']:.0f}", f"{median['no record']:.0f}"),
-        ("tracker.run, with record", f"{best['record']:.0f}", f"{median['record']:.0f}"),
+        (
+            "tracker.run, record without ring",
+            f"{best['record, no ring']:.0f}",
+            f"{median['record, no ring']:.0f}",
+        ),
+        ("tracker.run, record and ring", f"{best['record']:.0f}", f"{median['record']:.0f}"),
         ("record.phase", f"{min(other['phase']):.0f}", f"{statistics.median(other['phase']):.0f}"),
         ("sidecar look", f"{min(other['look']):.0f}", f"{statistics.median(other['look']):.0f}"),
         (
@@ -160,12 +179,16 @@ def main(argv: list[str] | None = None) -> int:
         f"range {min(pairs):+.0f}..{max(pairs):+.0f} ns"
     )
     print(
+        f"paired (record and ring - record without ring) per collective: median {ring:+.0f} ns, "
+        f"range {min(ring_pairs):+.0f}..{max(ring_pairs):+.0f} ns"
+    )
+    print(
         f"heartbeat CPU per rank: {beat / 1e3:.1f} us each = {100 * beat / 1e9:.4f}% of a core "
         f"at 1 s, {400 * beat / 1e9:.4f}% at 0.25 s"
     )
     print(
         f"liveness record: {added:+.0f} ns per collective "
-        f"({median['no record']:.0f} -> {median['record']:.0f} ns), "
+        f"({median['no record']:.0f} -> {median['record']:.0f} ns; its ring {ring:+.0f} ns), "
         f"{statistics.median(other['phase']):.0f} ns per phase change, "
         f"sidecar look {statistics.median(other['look']) / 1e3:.1f} us"
     )

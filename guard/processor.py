@@ -28,6 +28,7 @@ from guard.config.reload import LiveConfig
 from guard.config.runtime_guard import RUN_ID_ENV, GuardConfig
 from guard.detectors.host import DetectorHost
 from guard.stream import identity
+from guard.stream.evidence import RankEvidence
 from guard.stream.reporter import IncidentReporter
 from guard.stream.spool import IncidentSpool
 from guard.stream.streamer import HeartbeatState, Streamer, WaveTuple
@@ -111,6 +112,7 @@ class GuardProcessor:
         self.observers.add(self.detector_host)  # it calls observers.refresh on a rebuild
         # phase and collective in shared memory, for the sidecar (None = off)
         self.live_record: LivenessRecord | None = None
+        self.evidence: RankEvidence | None = None
         # request membership per wave, on the rank that owns scheduling (None = off); an
         # observer from the start of streaming (its on_record hook)
         self.membership: RequestMembership | None = None
@@ -385,6 +387,8 @@ class GuardProcessor:
         """Streamer thread: this rank's heartbeat, error count, readings, then the observers'."""
         if with_heartbeat:
             self.heartbeat().fill(batch)
+            if self.evidence is not None:
+                self.evidence.keep_bounded()
             for name, value, labels in identity.readings():  # build_info, attach points
                 batch.probes.add(name=name, labels=labels, value=value)
         self.observers.fill_batch(batch, with_heartbeat)  # detectors, collectives, membership
@@ -438,10 +442,14 @@ class GuardProcessor:
         )
         self.observers.attach_record(record)  # the collectives' tracker writes its entries
         self.live_record = record
+        if record is not None:  # the stack signal and facts for hang bundles, next to it
+            self.evidence = RankEvidence.install(record.path)
 
     def close(self) -> None:
         if self.live_record is not None:
             self.live_record.close()
+        if self.evidence is not None:
+            self.evidence.close()
         self.observers.close()  # the detectors drain their queued waves
         opened, self._open = self._open, None
         if opened is not None:

@@ -137,6 +137,9 @@ def metric_rows() -> list[tuple[str, ...]]:
     OtlpExporter(ExportSettings("http://localhost:4317"), drops, registry, "docs").close()
     refused_counter(registry)  # the query API's (telemetry/tempo_api/server.py)
     StoreMetrics(registry)  # the store's health (telemetry/metrics/store.py)
+    from telemetry.metrics.bundles import BundleMetrics
+
+    BundleMetrics(registry)  # hang evidence bundles (telemetry/crossrank/bundle.py)
     from telemetry.metrics.requests import RequestMetrics
 
     registry.register(RequestMetrics())  # request membership shed by the workers

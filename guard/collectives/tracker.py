@@ -199,8 +199,12 @@ class CollectiveTracker:
         start = time.perf_counter_ns()
         self.current = (op, meta.label, meta.backend, seq, start)
         record = self.record
-        if record is not None:
-            record.enter(op, meta.label, seq, start)
+        if record is not None:  # its ring keeps the bytes sent (what comes back is not known yet)
+            try:
+                data = payload(args, kwargs, None)
+            except Exception:  # noqa: BLE001 - never break the collective
+                data = None
+            record.enter(op, meta.label, seq, start, data)
         self._depth = 1
         try:
             result = fn(group, *args, **kwargs)
@@ -209,7 +213,7 @@ class CollectiveTracker:
             self._depth = 0
             self.current = None
             if record is not None:
-                record.leave()
+                record.leave(end)
         if self.wave:  # outside any wave (model load, warm-up): sequence numbers only
             try:
                 self._record(op, meta, seq, start, end - start, payload(args, kwargs, result))

@@ -35,6 +35,7 @@ from typing import Any
 
 import structlog
 
+from telemetry.crossrank.bundle import BundleWriter
 from telemetry.crossrank.peers import NOT_SEEN, unseen_ranks
 from telemetry.metrics.collectives import CollectiveMetrics
 from telemetry.store.incidents import RECOVERY, VERDICT
@@ -201,6 +202,7 @@ class HangDetector:
         self._id_prefix = f"sidecar-{os.getpid()}-{time.time_ns()}"
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.bundles: BundleWriter | None = None  # evidence bundle per verdict (None: off)
 
     # -- ingest side ----------------------------------------------------------------------------
     def observe(self, engine: str, batch: guard_pb2.Batch) -> None:
@@ -461,6 +463,9 @@ class HangDetector:
     # -- reporting ------------------------------------------------------------------------------
     def _raise(self, verdict: Verdict) -> dict[str, Any]:
         event = {"event": VERDICT, **verdict.as_dict()}
+        if self.bundles is not None:  # named in the incident; written on the bundle thread
+            ranks = self._ranks.get(Replica(verdict.run_id, verdict.engine, verdict.dp), {})
+            event["bundle"] = self.bundles.request(event, [r.rank for r in ranks.values()])
         m = self.metrics
         m.wedged.labels(verdict.engine, str(verdict.dp)).set(1)
         for r in verdict.stopped:

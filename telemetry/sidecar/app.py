@@ -21,6 +21,7 @@ import grpc
 import structlog
 from prometheus_client import Counter, start_http_server
 
+from telemetry.crossrank.bundle import BundleSettings, BundleWriter
 from telemetry.crossrank.hangs import HangSettings
 from telemetry.crossrank.liveness import LivenessServer
 from telemetry.crossrank.rank_gauges import RankGauges
@@ -28,6 +29,7 @@ from telemetry.crossrank.roster import EngineRoster
 from telemetry.crossrank.view import CrossRankView
 from telemetry.export.otlp import ExportSettings, OtlpExporter
 from telemetry.ingest.service import IngestService
+from telemetry.metrics.bundles import BundleMetrics
 from telemetry.metrics.requests import RequestMetrics
 from telemetry.metrics.sink import MetricsSink
 from telemetry.metrics.store import StoreMetrics
@@ -95,6 +97,7 @@ class Sidecar:
             incident_sink=self.incidents.add,
             records=RecordReader(settings.liveness_dir),
         )
+        self.bundles = self._bundle_writer()
         self.rank_gauges = RankGauges(self.cross_rank.hangs.rank_facts)
         self.metrics.registry.register(self.rank_gauges)
         self.queue = BoundedQueue(settings.queue_bytes, self.drops, self.metrics.registry)
@@ -135,6 +138,18 @@ class Sidecar:
         self._http = None
         self._token: str | None = None
         self._stopped = threading.Event()
+
+    def _bundle_writer(self) -> BundleWriter | None:
+        """The evidence bundle writer, hooked into the hang checker (None: --bundle-dir off)."""
+        directory = self.settings.bundle_dir or paths.bundle_dir()
+        if directory == "off":
+            return None
+        writer = BundleWriter(
+            BundleSettings(os.path.abspath(directory), liveness_dir=self.settings.liveness_dir),
+            BundleMetrics(self.metrics.registry),
+        )
+        self.cross_rank.hangs.bundles = writer
+        return writer
 
     def _build_sinks(self) -> tuple[Store, OtlpExporter | None, list]:
         """The writer's sinks, in order: metrics, store, OTLP exporter (when configured)."""
@@ -265,6 +280,8 @@ class Sidecar:
             except SidecarStartError:
                 self.stop(0)
                 raise
+        if self.bundles is not None:
+            self.bundles.start()
         self.cross_rank.start()
         if settings.publish:
             self._publish()
@@ -288,6 +305,8 @@ class Sidecar:
                 self._server.stop(grace_s).wait(grace_s + 1)
         with steps("cross_rank"):
             self.cross_rank.stop()
+            if self.bundles is not None:
+                self.bundles.stop()
         with steps("roster"):
             self.roster.stop()
         if self.settings.publish:
@@ -388,6 +407,7 @@ class Sidecar:
             "health_url": f"{scheme}://{local}:{self.liveness.port}" if self.liveness else "",
             "query_url": f"{scheme}://{query}:{self.query_api.port}" if self.query_api else "",
             "version": self.build_labels["version"], "wire": self.build_labels["wire"],
+            "bundle_dir": self.bundles.settings.directory if self.bundles else "",
         }  # fmt: skip
         try:
             where = paths.write_discovery(facts)

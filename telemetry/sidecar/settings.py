@@ -191,6 +191,12 @@ class SidecarSettings:
         help="where the workers on this node keep their liveness records (default "
         f"{paths.DEFAULT_LIVENESS_DIR}; the guard's liveness_dir)",
     )
+    # hang evidence bundles (telemetry/crossrank/bundle.py; bounds in BundleSettings)
+    bundle_dir: str = setting(
+        "",
+        flag="--bundle-dir",
+        help="where hang evidence bundles go (default $ASCEND_GUARD_STATE_DIR/bundles); off: none",
+    )
     straggler_threshold_s: float = setting(
         DEFAULT_STRAGGLER_S,
         flag="--straggler-threshold",

@@ -19,14 +19,24 @@ Layout: native byte order and word size (writer and reader are on one machine), 
       12 call number  13 op name id  14 group name id  15 seq  16 call since (CLOCK_MONOTONIC ns)
       17 number of the call that returned last (one word, outside the seqlock)
     names (from byte 256): a count word, then 48-byte NUL-padded names; id = index + 1
+    ring (from byte 4096, past what a reader of the first layout maps; absent in older files)
+      a header of 8 words (ring magic, slots, words per slot), then `slots` slots of 6 words:
+      call number, op id << 32 | group id, seq, start, end, bytes
 
+The ring holds the last `slots` collectives of the engine thread, so an evidence bundle can list
+them while the rank is frozen or waits holding the GIL (telemetry/crossrank/bundle.py). The
+engine thread writes a slot's call number last and its end before word 17, so the reader needs
+no lock: it keeps a slot whose call number reads the same before and after its other words and
+lies within the last `slots` calls entered (word 12, read after the slots: a slot being refilled
+still shows the number of the call `slots` before); a call is returned when its number is at
+most word 17, and only then is its end word its own.
 A reader retries while the counter is odd or changed under it. Each store is one aligned word
 (memoryview of format "Q"), so no word is ever torn; x86's store order makes the seqlock exact,
 and on weaker orders (aarch64) a rare mixed read lasts one look: every judgement that uses it
 needs the same answer over a second or more of looks.
 
-Cost on the engine thread: about 0.2 µs per collective (enter + leave) and per phase change
-(bench/collectives.py measures it). Files live in `DEFAULT_DIR` unless configured; one per
+Cost on the engine thread: a handful of word stores per collective (enter + leave, ring
+included) and per phase change (bench/liveness.py measures both, ring on and off). Files live in `DEFAULT_DIR` unless configured; one per
 (run, dp, pp, tp), replaced when the worker restarts and removed when it closes.
 """
 
@@ -54,12 +64,40 @@ _CALL, _OP, _GROUP, _SEQ, _CALL_SINCE, _LEFT = 12, 13, 14, 15, 16, 17
 _NAMES_AT = 256
 _NAME_BYTES = 48
 MAX_NAMES = (SIZE - _NAMES_AT - 8) // _NAME_BYTES
+RING_MAGIC = 0x31474E5247  # "GRNG1"
+RING_SLOTS = 64  # a power of two: the slot is the call number's low bits
+_RING_AT = SIZE  # byte offset of the ring header
+_RING_HEADER_WORDS = 8
+_SLOT_WORDS = 6
+_MAX_MAP = 1 << 20  # a reader maps no more of a record than this
+
+
+def _file_size(slots: int) -> int:
+    """The record's size with a ring of `slots` (0: the first layout alone), in whole pages."""
+    if not slots:
+        return SIZE
+    raw = _RING_AT + 8 * (_RING_HEADER_WORDS + slots * _SLOT_WORDS)
+    return -(-raw // mmap.PAGESIZE) * mmap.PAGESIZE
+
+
+def _nbytes(data: object) -> int:
+    """Bytes of a tensor, or of a list / dict of tensors; 0 for anything else."""
+    if isinstance(data, dict):
+        data = data.values()
+    elif not isinstance(data, (list, tuple)):
+        return 0
+    return sum(int(getattr(item, "nbytes", 0) or 0) for item in data)
 
 
 def record_path(directory: str, run_id: str, dp: int, pp: int, tp: int) -> str:
     """Where the record of one rank lives; the run id is hashed (any text is safe in a name)."""
     run = hashlib.sha1(run_id.encode()).hexdigest()[:16]
     return os.path.join(directory or DEFAULT_DIR, f"rank-{run}-dp{dp}-pp{pp}-tp{tp}.live")
+
+
+def companion_path(path: str, kind: str) -> str:
+    """A file that goes with a record (`stacks`, `facts.json`: guard/stream/evidence.py)."""
+    return f"{path.removesuffix('.live')}.{kind}"
 
 
 def proc_stat(pid: int) -> tuple[str, int] | None:
@@ -89,36 +127,49 @@ def _make_shared_dir(directory: str) -> None:
 class LivenessRecord:
     """The engine thread's side. Every method is a handful of word stores; none raises."""
 
-    def __init__(self, path: str, mm: mmap.mmap) -> None:
+    def __init__(self, path: str, mm: mmap.mmap, slots: int = 0) -> None:
         self.path = path
         self._mm = mm
-        self._words = memoryview(mm).cast("Q")
+        self._words = memoryview(mm)[:SIZE].cast("Q")
+        # the ring's slots as one word array (None: no ring), and the mask that picks a slot
+        self._ring = (
+            memoryview(mm)[_RING_AT + 8 * _RING_HEADER_WORDS :].cast("Q") if slots else None
+        )
+        self._mask = slots - 1
         self._ids: dict[str, int] = {}
         self._counter = 0
         self._call = 0
 
     @classmethod
     def create(
-        cls, directory: str, run_id: str, dp: int, pp: int, tp: int
+        cls, directory: str, run_id: str, dp: int, pp: int, tp: int, ring_slots: int = RING_SLOTS
     ) -> LivenessRecord | None:
         """Make the record of this process (None, with a warning, if the directory will not
-        take it: the sidecar then judges this rank from its stream alone)."""
+        take it: the sidecar then judges this rank from its stream alone). `ring_slots`: how
+        many of the latest collectives it keeps (a power of two; 0: none)."""
+        if ring_slots & (ring_slots - 1):
+            raise ValueError(f"ring_slots: {ring_slots} is not a power of two (or 0)")
         path = record_path(directory, run_id, dp, pp, tp)
         pid = os.getpid()
         stat = proc_stat(pid)
         tmp = f"{path}.{pid}.tmp"
+        size = _file_size(ring_slots)
         try:
             _make_shared_dir(os.path.dirname(path))
             fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             try:
-                os.ftruncate(fd, SIZE)
-                mm = mmap.mmap(fd, SIZE)
+                os.ftruncate(fd, size)
+                mm = mmap.mmap(fd, size)
             finally:
                 os.close(fd)
             words = memoryview(mm).cast("Q")
             words[1], words[2], words[3] = VERSION, pid, stat[1] if stat else 0
             words[4], words[5], words[6] = dp, tp, pp
             words[_PHASE_SINCE] = time.monotonic_ns()
+            if ring_slots:
+                at = _RING_AT // 8
+                words[at + 1], words[at + 2] = ring_slots, _SLOT_WORDS
+                words[at] = RING_MAGIC
             words[0] = MAGIC
             words.release()
             os.replace(tmp, path)
@@ -127,7 +178,7 @@ class LivenessRecord:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             return None
-        return cls(path, mm)
+        return cls(path, mm, ring_slots)
 
     def _name(self, name: str) -> int:
         """The id of a name, adding it to the table on first use (0 when the table is full)."""
@@ -156,8 +207,9 @@ class LivenessRecord:
         words[_PHASE_SINCE] = since_ns
         words[_COUNTER] = self._counter = n + 2
 
-    def enter(self, op: str, group: str, seq: int, since_ns: int) -> None:
-        """The engine thread entered collective (op, group, seq) at `since_ns`."""
+    def enter(self, op: str, group: str, seq: int, since_ns: int, data: object = None) -> None:
+        """The engine thread entered collective (op, group, seq) at `since_ns`, carrying `data`
+        (a tensor, a list or dict of them, or None: its bytes go into the ring)."""
         ids = self._ids
         op_id = ids.get(op) or self._name(op)
         group_id = ids.get(group) or self._name(group)
@@ -171,16 +223,49 @@ class LivenessRecord:
         words[_SEQ] = seq
         words[_CALL_SINCE] = since_ns
         words[_COUNTER] = self._counter = n + 2
+        ring = self._ring
+        if ring is not None:
+            at = (call & self._mask) * _SLOT_WORDS
+            ring[at + 1] = op_id << 32 | group_id
+            ring[at + 2] = seq
+            ring[at + 3] = since_ns
+            try:
+                nbytes = getattr(data, "nbytes", None)
+                ring[at + 5] = nbytes if nbytes is not None else _nbytes(data)
+            except (TypeError, ValueError, OverflowError):  # not a plain size: never raise here
+                ring[at + 5] = 0
+            ring[at] = call
 
-    def leave(self) -> None:
-        """The collective entered last returned."""
-        self._words[_LEFT] = self._call
+    def leave(self, end_ns: int = 0) -> None:
+        """The collective entered last returned (at `end_ns`, perf_counter_ns; 0: now)."""
+        call = self._call
+        ring = self._ring
+        if ring is not None:
+            ring[(call & self._mask) * _SLOT_WORDS + 4] = end_ns or time.perf_counter_ns()
+        self._words[_LEFT] = call
 
     def close(self) -> None:
         """Remove the file. The mapping stays until the process exits: the engine thread may
         still be in a collective that writes to it."""
         with contextlib.suppress(OSError):
             os.unlink(self.path)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingEntry:
+    """One collective from a rank's ring, oldest first in `RecordReader.ring`."""
+
+    call: int  # the rank's call number (every collective it entered, counted from 1)
+    op: str
+    group: str
+    seq: int
+    nbytes: int
+    start_unix: float  # wall clock, converted from the rank's monotonic clock
+    end_unix: float | None  # None: not returned (yet)
+
+    @property
+    def returned(self) -> bool:
+        return self.end_unix is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,6 +334,49 @@ class RecordReader:
             moves=(before, left),
         )
 
+    def ring(self, run_id: str, dp: int, pp: int, tp: int, pid: int) -> list[RingEntry] | None:
+        """The rank's latest collectives, oldest first (None: no record this sidecar can trust,
+        or a record without a ring). Readable while the rank is stopped: no help from it."""
+        path = record_path(self.directory, run_id, dp, pp, tp)
+        stat = proc_stat(pid)
+        words = self._words(path, pid) if stat is not None else None
+        if words is None or words[3] != stat[1]:
+            return None
+        at = _RING_AT // 8
+        if len(words) <= at + _RING_HEADER_WORDS or words[at] != RING_MAGIC:
+            return None
+        slots, width = words[at + 1], words[at + 2]
+        first = at + _RING_HEADER_WORDS
+        if width < _SLOT_WORDS or first + slots * width > len(words):
+            return None
+        mono, wall = time.monotonic_ns(), time.time()
+        seen = []
+        for slot in range(slots):
+            base = first + slot * width
+            call = words[base]
+            body = words[base + 1 : base + _SLOT_WORDS].tolist()
+            if call and words[base] == call:
+                seen.append((call, body))
+        latest, left = words[_CALL], words[_LEFT]  # after the slots: see the module docstring
+        entries = []
+        for call, (ids, seq, start, end, nbytes) in seen:
+            if not latest - slots < call <= latest:
+                continue  # being refilled for a newer call right now
+            end = end if call <= left else 0
+            entries.append(
+                RingEntry(
+                    call=call,
+                    op=self._name(path, ids >> 32),
+                    group=self._name(path, ids & 0xFFFFFFFF),
+                    seq=seq,
+                    nbytes=nbytes,
+                    start_unix=wall - (mono - start) / 1e9,
+                    end_unix=wall - (mono - end) / 1e9 if end else None,
+                )
+            )
+        entries.sort(key=lambda e: e.call)
+        return entries
+
     def _words(self, path: str, pid: int) -> memoryview | None:
         held = self._open.get(path)
         if held is not None and held[0] == pid:
@@ -263,7 +391,9 @@ class RecordReader:
             # the record must be written by the streaming process's owner
             if info.st_size < SIZE or info.st_uid != os.stat(f"/proc/{pid}").st_uid:
                 return None
-            mm = mmap.mmap(fd, SIZE, prot=mmap.PROT_READ)
+            # the whole file: the ring lies past the first layout's SIZE
+            size = min(info.st_size, _MAX_MAP) // 8 * 8
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ)
         except OSError:
             return None
         finally:

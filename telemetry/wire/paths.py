@@ -7,7 +7,8 @@ CLI and the workers started the same way, with no flags:
   `guard.sock` and `sidecar.json`, which the running sidecar writes to say where its store and
   HTTP endpoints are;
 - state directory `/var/lib/ascend-guard/` (env `ASCEND_GUARD_STATE_DIR`): the trace store
-  `store.db`, the workers' incident `spool/` and evidence `dumps/`;
+  `store.db`, the workers' incident `spool/` and evidence `dumps/`, the hang evidence
+  `bundles/` (telemetry/crossrank/bundle.py);
 - `ASCEND_GUARD_SIDECAR` overrides the gRPC address and `ASCEND_GUARD_STORE` the store file.
 
 A developer or test run that is not root points the two directory variables at a folder of its
@@ -47,6 +48,7 @@ DISCOVERY_NAME = "sidecar.json"
 STORE_NAME = "store.db"
 SPOOL_NAME = "spool"
 DUMPS_NAME = "dumps"
+BUNDLES_NAME = "bundles"
 
 DEFAULT_METRICS_PORT = 9464
 DEFAULT_HEALTH_PORT = 9465
@@ -88,6 +90,17 @@ def spool_dir(environ: Mapping[str, str] | None = None) -> str:
 
 def dump_dir(environ: Mapping[str, str] | None = None) -> str:
     return os.path.join(state_dir(environ), DUMPS_NAME)
+
+
+def bundle_dir(environ: Mapping[str, str] | None = None) -> str:
+    """Where the sidecar writes hang evidence bundles unless given `--bundle-dir`."""
+    return os.path.join(state_dir(environ), BUNDLES_NAME)
+
+
+def cli_bundle_dir(environ: Mapping[str, str] | None = None) -> str:
+    """The bundles `ascend-guard hangs --bundle` reads: the running local sidecar's (from
+    `sidecar.json`), else the default under the state directory."""
+    return str(read_discovery(environ).get("bundle_dir") or "") or bundle_dir(environ)
 
 
 def health_port(environ: Mapping[str, str] | None = None) -> int:

@@ -5,7 +5,8 @@ One server serves the whole module (a vLLM start is the expensive part); the tes
 file order: first the collective counts (against the tiny model's shapes and the API's token
 counts), then the fire drill that delays rank 1 at a known wave (skew and straggler), then a
 SIGSTOP of rank 1's worker process (verdict, liveness, recovery). No hang verdict may appear
-before the SIGSTOP: warm-up and the drill must not be taken for hangs.
+before the SIGSTOP: warm-up and the drill must not be taken for hangs. Last, a second SIGSTOP
+whose evidence bundle is read while rank 1 is still stopped.
 
 Hang thresholds and heartbeats are the product defaults. Timing bounds come from measured
 distributions (bench/README.md, "Hang verdict timing"); each bound says which.
@@ -65,7 +66,7 @@ class Deployment:
             root, address=f"unix://{sock}",
             extra_args=("--health-port", str(self.health_port), "--health-host", "127.0.0.1",
                         "--liveness-dir", str(live), "--query-port", str(self.query_port),
-                        "--query-host", "127.0.0.1"),
+                        "--query-host", "127.0.0.1", "--bundle-dir", str(root / "bundles")),
         )  # fmt: skip
         guard = {
             "sidecar": f"unix://{sock}", "engine": ENGINE, "flush_interval_ms": 20,
@@ -480,3 +481,89 @@ def test_sigstop_of_a_worker_is_named_within_3s_and_recovery_is_recorded(dep: De
         assert "watchdog" in table
     incidents = dep.cli("incidents", "--type", "hang_verdict", "--json")
     assert json.loads(incidents.splitlines()[0])["trace_id"], "the verdict sits in a wave trace"
+
+
+def test_the_evidence_bundle_of_a_stopped_worker_holds_both_rings_and_the_peer_stack(
+    dep: Deployment,
+) -> None:
+    """Rank 1 SIGSTOPped while four requests decode; the verdict names its bundle. Read while
+    rank 1 is still stopped, the bundle holds both workers' last collectives (written by the real
+    tracker into the shared-memory ring), rank 1's process state and no stack (stopped: never
+    signalled), and rank 0's Python stack (it answers from faulthandler while it waits).
+
+    Cross-checks: rank 1's latest sequence number in the sidecar's metrics (read from the
+    stream's collective waves, not from the ring) is a returned entry of its ring; the two
+    rings agree call by call where they overlap (same op and bytes per seq: one program order);
+    rank 0's unreturned call, if any, is the one the verdict names."""
+    dep.server.complete_many(PROMPTS[:1], 4)  # run alone, the ranks have not streamed yet
+    deadline = time.monotonic() + 30
+    while len(ranks := dep.get(f"/live/{ENGINE}")[1].get("ranks", [])) < 2:
+        assert time.monotonic() < deadline, "both ranks stream"
+        time.sleep(0.1)
+    victim = {r["tp"]: r["pid"] for r in ranks}[1]
+    decoding: list[bool] = []
+    pool = ThreadPoolExecutor(max_workers=4)
+    jobs = [
+        pool.submit(dep.server.complete_streamed, p, LONG, lambda: decoding.append(True))
+        for p in PROMPTS[:4]
+    ]
+    deadline = time.monotonic() + 60
+    while len(decoding) < 4:
+        assert time.monotonic() < deadline, f"{len(decoding)} of 4 requests decode after 60 s"
+        time.sleep(0.005)
+    before = {e.get("bundle", {}).get("id") for e in dep.get("/hangs")[1]["history"]}
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            new = [
+                e for e in dep.get("/hangs")[1]["history"]
+                if e["event"] == "hang_verdict" and e["bundle"]["id"] not in before
+            ]  # fmt: skip
+            if new and Path(new[0]["bundle"]["path"]).exists():
+                break
+            assert time.monotonic() < deadline, "no bundle within 15 s of the stop"
+            time.sleep(0.1)
+        verdict = new[0]
+        bundle = json.loads(Path(verdict["bundle"]["path"]).read_text())
+        metric_seq = value(dep.metrics(), "ascend_guard_collective_last_seq", group="tp", **rank(1))
+        shown = dep.cli(
+            "hangs", "--bundle", bundle["id"], "--bundle-dir", str(dep.root / "bundles")
+        )
+    finally:
+        os.kill(victim, signal.SIGCONT)
+    for job in jobs:
+        assert len(job.result(120)["choices"][0]["token_ids"]) == LONG, "serving completes"
+    pool.shutdown()
+    assert [(r["tp"], r["pid"]) for r in verdict["stopped"]] == [(1, victim)], verdict
+    ranks = {r["tp"]: r for r in bundle["ranks"]}
+    stuck, peer = ranks[1], ranks[0]
+    assert stuck["role"] == "stopped" and stuck["process"]["state"].startswith("T")
+    assert not stuck["stack"]["answered"] and "SIGCONT" in stuck["stack"]["note"]
+    ring1 = stuck["collectives"]["entries"]
+    assert len(ring1) == bundle["settings"]["collectives"], "a worker that served fills its ring"
+    assert {e["group"] for e in ring1} == {"tp"} and [e["seq"] for e in ring1] == list(
+        range(ring1[0]["seq"], ring1[0]["seq"] + len(ring1))
+    ), "consecutive sequence numbers: every collective of the group is in the ring"
+    returned1 = {e["seq"] for e in ring1 if e["end_unix"] != "not returned"}
+    # the stream can lag the ring (waves not yet sent when the rank stopped), never lead it
+    assert 0 < metric_seq <= max(returned1), (metric_seq, sorted(returned1))
+    if metric_seq >= ring1[0]["seq"]:
+        assert metric_seq in returned1, (metric_seq, sorted(returned1))
+    ring0 = peer["collectives"]["entries"]
+    by_seq = {e["seq"]: e for e in ring0}
+    common = [e for e in ring1 if e["seq"] in by_seq]
+    assert common, "the two rings overlap"
+    assert all((e["op"], e["bytes"]) == (by_seq[e["seq"]]["op"], by_seq[e["seq"]]["bytes"])
+               for e in common), "the two ranks disagree on a collective"  # fmt: skip
+    open0 = [e for e in ring0 if e["end_unix"] == "not returned"]
+    if verdict["waiting"]:  # rank 0 waits in the call rank 1 has not finished
+        assert [(e["op"], e["seq"]) for e in open0] == [(verdict["op"], verdict["seq"])]
+        assert max(e["seq"] for e in ring1) in (verdict["seq"] - 1, verdict["seq"])
+    assert peer["stack"]["answered"], peer["stack"]
+    engine = peer["stack"]["threads"][0]
+    assert engine["engine"] and any("vllm" in f for f in engine["frames"]), engine
+    fr = peer["flight_recorder"]  # vLLM on CPU: gloo process groups, no flight recorder
+    assert not fr["available"] and "gloo" in fr["note"], fr
+    assert "NOT RETURNED" in shown or not open0
+    assert "STOPPED" in shown and "engine thread" in shown, shown

@@ -4,6 +4,7 @@ tests freeze one rank with SIGSTOP without starting vLLM.
 
     python -m tests.support.rank_process ADDRESS --engine E --tp 1 --tp-size 2 [--in-collective]
         [--record-dir DIR] [--hold-gil-after S] [--node NAME] [--enter-on-usr1] [--seq-done N]
+        [--tracker-calls N] [--evidence]
 
 `--enter-on-usr1`: heartbeats say "in all_reduce on tp, seq 31" from the moment SIGUSR1 arrives
 (a peer that starts waiting when the test says so). `--seq-done N`: the first batch reports
@@ -17,6 +18,13 @@ that waits inside a collective holding the GIL, as vLLM's CPU shared-memory all-
 inside a custom op. It is reliable where a busy loop in Python is not (the interpreter hands
 the GIL over every 5 ms) and where a regex blow-up is not (its duration depends on the CPU).
 SIGTERM ends the sleep (EINTR), so the process still stops cleanly.
+
+`--tracker-calls N` (with --record-dir): the real `CollectiveTracker` makes N all-reduces on a
+stand-in TP group (each returns at once; a wave every 6 calls, 512 bytes each) before streaming,
+so its liveness record's ring and the stream's collective waves both come from the tracker, as in
+a worker. With --in-collective, the main thread then stays inside call N+1 through the tracker
+(the wait, or the GIL-holding sleep, is the collective's body). `--evidence`: the worker's stack
+signal and facts file (guard/stream/evidence.py), as the guard installs them.
 """
 
 from __future__ import annotations
@@ -27,6 +35,10 @@ import signal
 import threading
 import time
 
+from guard.collectives.payload import first_arg
+from guard.collectives.tracker import CollectiveTracker
+from guard.config.collectives import CollectivesConfig
+from guard.stream.evidence import RankEvidence
 from guard.stream.streamer import HeartbeatState, Streamer
 from telemetry.wire.liveness_record import LivenessRecord
 from telemetry.wire.proto import guard_pb2
@@ -54,6 +66,9 @@ def main() -> None:
                         help="on SIGUSR1, enter all_reduce on tp, seq 31, and stay (heartbeats)")  # fmt: skip
     parser.add_argument("--seq-done", type=int, default=0,
                         help="the first batch reports collectives on tp up to this seq")  # fmt: skip
+    parser.add_argument("--tracker-calls", type=int, default=0,
+                        help="the real tracker makes this many all-reduces first")  # fmt: skip
+    parser.add_argument("--evidence", action="store_true", help="install the stack signal")
     args = parser.parse_args()
     started = time.perf_counter_ns()
     rank = guard_pb2.RankInfo(
@@ -77,17 +92,31 @@ def main() -> None:
             hb.collective_backend = "shm"
             hb.collective_age_ns = time.perf_counter_ns() - entered[0]
 
+    tracker = None
+    wave = [1]
+    if args.tracker_calls:
+        tracker = CollectiveTracker(CollectivesConfig(), wave_source=lambda: wave[0])
     streamer = Streamer(
         args.address, rank, buffer_size=64, batch_max=16, flush_interval_s=0.02,
         heartbeat_interval_s=0.2, max_backoff_s=0.2,
-        fillers=[FixedHeartbeat(HeartbeatState(WAVE, "execute_model", 0), fill)],
+        fillers=[FixedHeartbeat(HeartbeatState(WAVE, "execute_model", 0), fill),
+                 *([tracker] if tracker is not None else [])],
     )  # fmt: skip
-    record = None
+    record = evidence = None
     if args.record_dir is not None:
         record = LivenessRecord.create(args.record_dir, args.run_id, 0, 0, args.tp)
         assert record is not None, "the liveness record could not be made"
         record.phase("execute_model", started, WAVE)
-        if args.in_collective:
+        if args.evidence:
+            evidence = RankEvidence.install(record.path)
+            assert evidence is not None, "the stack signal could not be installed"
+        if tracker is not None:
+            tracker.record = record
+            for call in range(args.tracker_calls):
+                wave[0] = call // 6 + 1
+                tracker.run("all_reduce", _returns, _TP, (_Payload(),), {}, first_arg)
+            tracker.end_wave(wave[0])
+        elif args.in_collective:
             record.enter("all_reduce", "tp", SEQ, started)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
@@ -95,17 +124,45 @@ def main() -> None:
         signal.signal(signal.SIGUSR1, lambda *_: entered.__setitem__(0, time.perf_counter_ns()))
     streamer.start()
     print("started", flush=True)
-    if args.hold_gil_after is not None:
-        while not streamer.connected and not done.is_set():
-            time.sleep(0.01)
-        done.wait(args.hold_gil_after)
-        if not done.is_set():
-            print("holding the GIL", flush=True)
-            ctypes.PyDLL(None).sleep(3600)  # returns early on SIGTERM (EINTR)
-    done.wait()
+
+    def hold(*_: object) -> None:
+        if args.hold_gil_after is not None:
+            while not streamer.connected and not done.is_set():
+                time.sleep(0.01)
+            done.wait(args.hold_gil_after)
+            if not done.is_set():
+                print("holding the GIL", flush=True)
+                # returns early on any signal (EINTR): SIGTERM's handler then sets done, a stack
+                # signal's (C, no Python handler) does not, and the sleep goes on
+                while not done.is_set():
+                    ctypes.PyDLL(None).sleep(3600)
+        done.wait()
+
+    if tracker is not None and args.in_collective:  # inside call N+1, as the engine thread
+        wave[0] += 1
+        tracker.run("all_reduce", lambda group, *a: hold(), _TP, (_Payload(),), {}, first_arg)
+    else:
+        hold()
     streamer.stop()
+    if evidence is not None:
+        evidence.close()
     if record is not None:
         record.close()
+
+
+class _Payload:
+    nbytes = 512  # what the ring and the stream read of a tensor
+
+
+class _Group:
+    unique_name, world_size, rank_in_group, backend = "tp:0", 2, 0, "gloo"
+
+
+_TP = _Group()
+
+
+def _returns(group: _Group, data: _Payload) -> _Payload:
+    return data
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """`ascend-guard hangs`: hang verdicts, recoveries and watchdog reports, newest first.
 
 From the trace store (what every sidecar on the node recorded), or with `--live URL` from a
-running sidecar's liveness endpoint (verdicts standing right now).
+running sidecar's liveness endpoint (verdicts standing right now). `--bundle ID` shows the
+evidence bundle of one verdict (telemetry/crossrank/bundle.py), `--bundle` alone lists them.
 """
 
 from __future__ import annotations
@@ -41,6 +42,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         const=paths.cli_health_url(),
         metavar="URL",
         help="ask the running sidecar instead (without URL: the local one, from sidecar.json)",
+    )
+    hangs.add_argument(
+        "--bundle",
+        default=None,
+        nargs="?",
+        const="",
+        metavar="ID",
+        help="show the evidence bundle of a verdict (its incident names the id); alone: list them",
+    )
+    hangs.add_argument(
+        "--bundle-dir",
+        default=paths.cli_bundle_dir(),
+        help="bundles folder (default: the local sidecar's from sidecar.json, else "
+        f"${paths.STATE_DIR_ENV}/{paths.BUNDLES_NAME})",
     )
     hangs.add_argument("--json", action="store_true", help="one JSON object per line")
     add_token_argument(hangs)
@@ -99,6 +114,8 @@ HEADER = ("time (UTC)", "event", "engine", "dp", "stopped", "collective", "waiti
 def run(args: argparse.Namespace) -> int:
     if args.limit < 1:
         raise QueryError(f"--limit: {args.limit} must be 1 or more")
+    if args.bundle is not None:
+        return _bundle(args)
     if args.live:
         return _live(args)
     since = parse_time_ns(args.since, "--since")
@@ -142,6 +159,11 @@ def run(args: argparse.Namespace) -> int:
         table.append(_row(r["time_ns"], r["type"], ev))
     print(render_table(HEADER, table))
     print(f"\n{len(rows)} event(s); details: ascend-guard incidents --type hang_verdict --json")
+    for r in rows:
+        bundle = json.loads(r["evidence"] or "{}").get("bundle") if r["type"] == VERDICT else None
+        if bundle and bundle.get("show"):
+            print(f"evidence of the newest verdict: {bundle['show']}")
+            break
     return 0
 
 
@@ -175,3 +197,129 @@ def _live(args: argparse.Namespace) -> int:
             "the cluster alerts judge them (AscendGuardClusterRankSilent, ...NotArrived)"
         )
     return 3 if standing else 0  # like a failed probe: an engine is wedged
+
+
+# -- evidence bundles -------------------------------------------------------------------------
+def _bundle(args: argparse.Namespace) -> int:
+    from telemetry.crossrank.bundle import list_bundles, read_bundle
+
+    if not args.bundle:
+        ids = list_bundles(args.bundle_dir)
+        if not ids:
+            print(f"no evidence bundles in {args.bundle_dir}")
+            return 0
+        rows = []
+        for bundle_id in ids[: args.limit]:
+            try:
+                verdict = read_bundle(args.bundle_dir, bundle_id).get("verdict", {})
+            except (OSError, ValueError):
+                verdict = {}
+            rows.append((bundle_id, verdict.get("kind", "?"), verdict.get("summary", "")))
+        print(render_table(("bundle", "kind", "verdict"), rows))
+        print("\nshow one: ascend-guard hangs --bundle ID")
+        return 0
+    try:
+        bundle = read_bundle(args.bundle_dir, args.bundle)
+    except ValueError as exc:
+        print(f"ascend-guard hangs: {exc}")
+        return 2
+    except FileNotFoundError:
+        print(
+            f"ascend-guard hangs: no bundle {args.bundle} in {args.bundle_dir} (removed by "
+            "rotation, another node's, or another --bundle-dir); list: ascend-guard hangs --bundle"
+        )
+        return 1
+    if args.json:
+        print(json.dumps(bundle, sort_keys=True))
+        return 0
+    print(render_bundle(bundle))
+    return 0
+
+
+def _ms(seconds: float) -> str:
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    return f"{seconds * 1e3:.1f} ms" if seconds < 1 else f"{seconds:.1f} s"
+
+
+def render_bundle(bundle: dict) -> str:
+    """A bundle for people: a heading, then one section per rank."""
+    verdict = bundle.get("verdict", {})
+    created = bundle.get("created_unix", 0.0)
+    lines = [
+        f"bundle {bundle.get('id')}  node {bundle.get('node')}  "
+        f"written {clock(int(created * 1e9))} UTC",
+        f"verdict {verdict.get('summary', '?')}",
+        f"        onset {clock(int(verdict.get('onset_unix', 0) * 1e9))} UTC, "
+        f"verdict {clock(int(verdict.get('verdict_unix', 0) * 1e9))} UTC",
+    ]
+    if bundle.get("cut"):
+        lines.append("cut to fit its size: " + ", ".join(bundle["cut"]))
+    for rank in bundle.get("ranks", []):
+        lines += ["", _rank_heading(rank), *_rank_sections(rank, created)]
+    return "\n".join(lines)
+
+
+def _rank_heading(rank: dict) -> str:
+    return (
+        f"== dp{rank.get('dp')} tp{rank.get('tp')} pp{rank.get('pp')}  pid {rank.get('pid')}  "
+        f"{rank.get('role', '').upper()}  node {rank.get('node')}"
+    )
+
+
+def _rank_sections(rank: dict, created: float) -> list[str]:
+    proc = rank.get("process", {})
+    out = [
+        f"process      state {proc.get('state', '?')}  wchan {proc.get('wchan', '-')}"
+        + (f"  ({proc['note']})" if proc.get("note") else "")
+    ]
+    if proc.get("kernel_stack"):
+        out.append("kernel stack " + proc["kernel_stack"][0])
+        out += ["             " + line for line in proc["kernel_stack"][1:]]
+    elif proc.get("kernel_stack_note"):
+        out.append(f"kernel stack {proc['kernel_stack_note']}")
+    coll = rank.get("collectives", {})
+    entries = coll.get("entries", [])
+    if entries:
+        out.append(f"collectives  the last {len(entries)}, oldest first")
+        rows = []
+        for e in entries:
+            start = e.get("start_unix", 0.0)
+            end = e.get("end_unix")
+            if isinstance(end, (int, float)):
+                took = _ms(end - start)
+            else:
+                took = f"NOT RETURNED ({_ms(max(0.0, created - start))} at writing)"
+            row = (e.get("call"), e.get("op"), e.get("group"), e.get("seq"), e.get("bytes"))
+            rows.append((*row, clock(int(start * 1e9)), took))
+        table = render_table(
+            ("call", "op", "group", "seq", "bytes", "start (UTC)", "took"), rows, right=(0, 3, 4)
+        )
+        out += ["  " + line for line in table.splitlines()]
+    else:
+        out.append(f"collectives  none: {coll.get('note', '')}")
+    stack = rank.get("stack", {})
+    if stack.get("answered"):
+        threads = stack.get("threads", [])
+        out.append(
+            f"python stack answered in {stack.get('answer_s')} s, {len(threads)} thread(s)"
+            + (f" shown, {stack['threads_cut']} cut" if stack.get("threads_cut") else "")
+        )
+        for thread in threads:
+            tag = "engine thread" if thread.get("engine") else "thread"
+            out.append(f"  {tag} {thread.get('thread')} (most recent call first)")
+            out += ["    " + frame for frame in thread.get("frames", [])]
+    else:
+        out.append(f"python stack none: {stack.get('note', '')}")
+    fr = rank.get("flight_recorder", {})
+    if fr.get("triggered"):
+        size = fr.get("dump_bytes")
+        out.append(
+            f"flight rec.  triggered via {fr.get('pipe')}; dump {fr.get('dump')} "
+            + (f"({size} bytes)" if size is not None else "(not written yet)")
+        )
+    elif fr.get("available"):
+        out.append(f"flight rec.  not triggered: {fr.get('note', '')}")
+    else:
+        out.append(f"flight rec.  not available: {fr.get('note', '')}")
+    return out
