@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from telemetry.ingest.validation import validate_batch  # noqa: E402
 from telemetry.pipeline.writer import Item, RankSource  # noqa: E402
-from telemetry.spans.timeline import TimelineQuery, build_timeline, write_timeline  # noqa: E402
+from telemetry.spans.timeline import build_timeline, write_timeline  # noqa: E402
+from telemetry.spans.timeline_select import TimelineQuery  # noqa: E402
 from telemetry.store import Store, connect  # noqa: E402
 from telemetry.wire.proto import guard_pb2  # noqa: E402
 from telemetry.wire.wave_columns import to_columns  # noqa: E402

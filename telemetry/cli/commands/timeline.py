@@ -10,13 +10,8 @@ from telemetry.cli.args import parse_duration_ns, parse_time_ns
 from telemetry.cli.common import add_store_argument
 from telemetry.spans.query import QueryError
 from telemetry.spans.requests import request_traces
-from telemetry.spans.timeline import (
-    DEFAULT_MAX_RANK_WAVES,
-    TimelineQuery,
-    build_timeline,
-    parse_wave_range,
-    write_timeline,
-)
+from telemetry.spans.timeline import build_timeline, write_timeline
+from telemetry.spans.timeline_select import DEFAULT_MAX_RANK_WAVES, TimelineQuery, parse_wave_range
 from telemetry.store import connect
 
 OPEN_HINT = (

@@ -23,7 +23,8 @@ from telemetry.ingest.validation import validate_batch
 from telemetry.pipeline.writer import Item, RankSource
 from telemetry.spans.builders import incident_span
 from telemetry.spans.query import QueryError, load_trace
-from telemetry.spans.timeline import TimelineQuery, build_timeline, parse_wave_range
+from telemetry.spans.timeline import build_timeline
+from telemetry.spans.timeline_select import TimelineQuery, parse_wave_range
 from telemetry.store import Store, connect
 from telemetry.store.incidents import IncidentLedger
 from telemetry.wire.proto import guard_pb2
