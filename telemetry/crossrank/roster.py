@@ -67,12 +67,16 @@ class EngineRoster:
         linger_s: float = DEFAULT_LINGER_S,
         connected_gauge: Any = None,
         on_forget: Callable[[str], None] | None = None,
+        held: Callable[[str], bool] | None = None,
     ) -> None:
         self.registry = registry
         self._connected_gauge = connected_gauge
         self._streams = streams
         self.linger_s = linger_s
         self._on_forget = on_forget
+        # whether the hang detector still holds ranks of the engine (a stopped local rank
+        # with no stream, a lost remote one): its series, wedged included, stay meanwhile
+        self._held = held
         self._timers: dict[str, threading.Timer] = {}
         self._lock = threading.Lock()
         self.forgotten = 0
@@ -117,6 +121,9 @@ class EngineRoster:
             self._timers.pop(engine, None)
         if any(e == engine for e, _ in self._streams()):
             return  # a rank came back meanwhile
+        if self._held is not None and self._held(engine):
+            self.idle(engine, clean=False)  # its ranks are still judged: wait another linger
+            return
         removed = forget_label(self.registry, "engine", engine)
         if self._on_forget is not None:
             self._on_forget(engine)

@@ -101,6 +101,16 @@ class SidecarSettings:
     hang_stale_s: float = 2.0
     hang_wait_s: float = 3.0
     hang_frozen_s: float = 1.0
+    # gRPC's own checks on a worker's connection. gRPC closes a connection whose ping (a
+    # keepalive, or the flow-control probe it sends after reading data) goes unacknowledged for
+    # its ping timeout, one minute by default: the stream of a rank that is merely stopped
+    # (SIGSTOP, a debugger, a starved host) then ends, as if the worker had closed it. A stopped
+    # rank is a hang to report, not a connection to drop, and a process that exits closes its
+    # socket itself; so pings may go unanswered for an hour, and keepalives are gRPC's default
+    # (every 2 hours). Both are settings so that tests can make gRPC drop a stopped rank's
+    # stream within seconds (and show that the verdict does not depend on it).
+    stream_ping_timeout_s: float = 3600.0
+    stream_keepalive_s: float = 7200.0
     # liveness records of ranks on this node (telemetry/wire/liveness_record.py); "" = its default
     liveness_dir: str = ""
     # TLS / mTLS / bearer token of the gRPC and HTTP listeners (telemetry/wire/transport.py)
@@ -109,6 +119,18 @@ class SidecarSettings:
     # OTLP tail sampling (telemetry/export/otlp.py)
     otlp_slow_wave_s: float = ExportSettings.slow_wave_s
     otlp_keep_one_in: int = ExportSettings.keep_one_in
+
+
+def _stream_checks(settings: SidecarSettings) -> list[tuple[str, int]]:
+    """gRPC server options: how often it pings a worker's connection, and how long a ping (or
+    a settings change) may go unacknowledged before it closes the connection."""
+    ping_ms = max(1, int(settings.stream_ping_timeout_s * 1000))
+    return [
+        ("grpc.keepalive_time_ms", max(1, int(settings.stream_keepalive_s * 1000))),
+        ("grpc.keepalive_timeout_ms", ping_ms),
+        ("grpc.http2.ping_timeout_ms", ping_ms),
+        ("grpc.http2.settings_timeout", ping_ms),
+    ]
 
 
 def setting_default(name: str):
@@ -213,6 +235,7 @@ class Sidecar:
                 stale_s=settings.hang_stale_s,
                 wait_s=settings.hang_wait_s,
                 frozen_s=settings.hang_frozen_s,
+                lost_linger_s=settings.engine_linger_s,
             ),
             straggler_threshold_s=settings.straggler_threshold_s,
             incident_sink=self.incidents.add,
@@ -237,6 +260,7 @@ class Sidecar:
             self.ingest.connected,
             linger_s=settings.engine_linger_s,
             connected_gauge=self.metrics.ranks_connected,
+            held=self.cross_rank.hangs.holds,
         )
         self.ingest.on_engine_joined = self.roster.joined
         self.ingest.on_engine_idle = self.roster.idle
@@ -321,6 +345,7 @@ class Sidecar:
                     max(GRPC_HARD_CAP_BYTES, settings.max_message_bytes * 2),
                 ),
                 ("grpc.so_reuseport", 0),
+                *_stream_checks(settings),
             ],
         )
         # no moment in which the socket is open to everyone: bind under a tight umask, then

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import structlog
 
-from telemetry.crossrank.hangs import RECOVERY, VERDICT
+from telemetry.crossrank.hangs import CLOSED_VERDICT, EXIT, RECOVERY, VERDICT
 from telemetry.ingest.labels import BoundedValues
 from telemetry.store.records import connect
 from telemetry.wire.proto import guard_pb2
@@ -90,7 +90,7 @@ def open_incident_table(path: str | os.PathLike) -> sqlite3.Connection:
     return conn
 
 
-SIDECAR_TYPES = (VERDICT, RECOVERY)  # incidents the sidecar raises itself
+SIDECAR_TYPES = (VERDICT, RECOVERY, CLOSED_VERDICT, EXIT)  # incidents the sidecar raises itself
 
 
 class IncidentLedger:

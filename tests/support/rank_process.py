@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
 import signal
 import threading
 import time
@@ -89,6 +90,7 @@ def main() -> None:
         record.phase("execute_model", started, WAVE)
         if args.in_collective:
             record.enter("all_reduce", "tp", SEQ, started)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # a stack dump for a stuck test
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     if args.enter_on_usr1:
@@ -102,7 +104,10 @@ def main() -> None:
         if not done.is_set():
             print("holding the GIL", flush=True)
             ctypes.PyDLL(None).sleep(3600)  # returns early on SIGTERM (EINTR)
-    done.wait()
+    # with a timeout: a SIGTERM the kernel hands to another thread (gRPC's, say) does not wake a
+    # main thread blocked for good in a lock, and Python runs the handler only in the main one
+    while not done.wait(0.2):
+        pass
     streamer.stop()
     if record is not None:
         record.close()

@@ -127,6 +127,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "declared frozen (default 1s)",
     )
     side.add_argument(
+        "--stream-ping-timeout",
+        default="1h",
+        help="close a worker's connection when a ping on it goes unanswered this long (gRPC's "
+        "own default, 1m, drops the stream of a rank that is merely stopped)",
+    )
+    side.add_argument(
+        "--stream-keepalive",
+        default="2h",
+        help="ping each worker's connection this often (gRPC's default)",
+    )
+    side.add_argument(
         "--liveness-dir",
         default="",
         help="where the workers on this node keep their liveness records (default "
@@ -200,10 +211,14 @@ def run(args: argparse.Namespace) -> int:
         frozen_s = parse_duration_ns(args.hang_frozen_after, "--hang-frozen-after") / 1e9
         straggler_s = parse_duration_ns(args.straggler_threshold, "--straggler-threshold") / 1e9
         linger_s = parse_duration_ns(args.engine_linger, "--engine-linger") / 1e9
+        ping_timeout_s = parse_duration_ns(args.stream_ping_timeout, "--stream-ping-timeout") / 1e9
+        keepalive_s = parse_duration_ns(args.stream_keepalive, "--stream-keepalive") / 1e9
         for flag, seconds in (
             ("--hang-after", hang_stale_s),
             ("--hang-wait", hang_wait_s),
             ("--hang-frozen-after", frozen_s),
+            ("--stream-ping-timeout", ping_timeout_s),
+            ("--stream-keepalive", keepalive_s),
         ):
             if seconds <= 0:
                 raise QueryError(f"{flag}: must be above 0, got {seconds:g}s")
@@ -231,6 +246,8 @@ def run(args: argparse.Namespace) -> int:
         straggler_threshold_s=straggler_s,
         socket_group=args.socket_group,
         engine_linger_s=linger_s,
+        stream_ping_timeout_s=ping_timeout_s,
+        stream_keepalive_s=keepalive_s,
         socket_mode=args.socket_mode
         if args.socket_mode is not None
         else (paths.GROUP_SOCKET_MODE if args.socket_group else paths.DEFAULT_SOCKET_MODE),
