@@ -468,7 +468,12 @@ class Sidecar:
                 self.cross_rank,
                 settings.health_host,
                 port,
-                routes={"/coverage": lambda _rest: (200, self.roster.coverage())},
+                routes={
+                    "/coverage": lambda _rest: (
+                        200,
+                        self.roster.coverage(self.cross_rank.hangs.snapshot()),
+                    )
+                },
                 security=settings.security,
                 token=self._token,
                 on_refused=self.auth_refused.labels("http").inc,

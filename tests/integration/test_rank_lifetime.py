@@ -77,6 +77,19 @@ def test_a_stopped_ranks_stream_dropped_by_grpc_does_not_end_its_verdict(sidecar
         live = hangs_live(port)
         assert live.returncode == 3 and "other nodes" not in live.stdout, live.stdout
         assert "stream_ended" in live.stdout, live.stdout
+        doctor = subprocess.run(
+            [sys.executable, "-m", "telemetry.cli", "doctor", "--live", f"http://127.0.0.1:{port}"],
+            cwd=REPO, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+        assert "stream_ended (local, process T)" in doctor.stdout, doctor.stdout
+        assert "a hang verdict stands" in doctor.stdout and "missing dp" not in doctor.stdout
+        ready = subprocess.run(
+            [sys.executable, "-m", "telemetry.cli", "ready", "--engine", "drop", "--sidecar",
+             f"http://127.0.0.1:{port}"],
+            cwd=REPO, capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert ready.returncode == 1 and "hang verdict" in ready.stdout, ready.stdout
         os.kill(victim, signal.SIGCONT)  # it reconnects and moves again
         resumed = time.monotonic()
         wait_until(lambda: get(port, "/live/drop")[0] == 200, 5, "recovery")
