@@ -322,8 +322,10 @@ class Matrix:
         deadline = time.monotonic() + 60
         while onset is None and time.monotonic() < deadline:
             ranks = self.live()[1].get("ranks", [])
-            inside = [r for r in ranks if r.get("op") and r.get("last_wave") == STUCK_WAVE]
-            if len(inside) == 2:  # both entered; their own clocks say since when
+            # both inside one call for over 0.5 s (an all_reduce of the tiny model takes
+            # milliseconds): the stuck one; their own clocks say since when
+            inside = [r for r in ranks if r.get("op") and r.get("waiting_s", 0) >= 0.5]
+            if len(inside) == 2:
                 onset = time.monotonic() - min(r["waiting_s"] for r in inside)
             time.sleep(0.05)
         if onset is None:
