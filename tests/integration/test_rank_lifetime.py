@@ -143,6 +143,12 @@ def test_a_killed_rank_is_its_own_incident_and_its_replica_stays_wedged(sidecar_
     wait_until(lambda: get(port, "/hangs")[1]["standing"] == [], 10, "the verdict to close")
     events = [e["event"] for e in get(port, "/hangs")[1]["history"]]
     assert "hang_recovered" not in events and events[-1] == "hang_closed", events
+    stored = subprocess.run(
+        [sys.executable, "-m", "telemetry.cli", "hangs", "--store", str(sidecar.store_path)],
+        cwd=REPO, capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert "rank_exited" in stored.stdout and "killed by SIGKILL" in stored.stdout, stored.stdout
+    assert "closed" in stored.stdout and "recovered" not in stored.stdout, stored.stdout
 
 
 def test_a_restarted_sidecar_finds_the_stopped_rank_from_its_record(tmp_path):

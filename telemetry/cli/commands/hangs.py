@@ -18,13 +18,13 @@ from telemetry.cli.http_client import (
     token_of,
 )
 from telemetry.cli.table import render_table
-from telemetry.crossrank.hangs import RECOVERY, VERDICT
+from telemetry.crossrank.hangs import CLOSED_VERDICT, EXIT, RECOVERY, VERDICT
 from telemetry.spans.query import QueryError, parse_time_ns
 from telemetry.store.incidents import IncidentFilter, list_incidents
 from telemetry.store.records import connect
 from telemetry.wire import paths
 
-HANG_TYPES = (VERDICT, RECOVERY, "hang_suspected")
+HANG_TYPES = (VERDICT, RECOVERY, CLOSED_VERDICT, EXIT, "hang_suspected")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -80,6 +80,19 @@ def _row(time_ns: int, kind: str, ev: dict) -> tuple:
             v.get("wave", ""),
             f"stall {ev.get('stall_s')}s",
         )
+    if kind == CLOSED_VERDICT:  # ended without the ranks moving again: not a recovery
+        v = ev.get("verdict", {})
+        return (
+            clock(time_ns), "closed", ev.get("engine", ""), ev.get("dp", ""),
+            _ranks(v.get("stopped", [])), _where(v), "-", v.get("wave", ""),
+            f"after {ev.get('stall_s')}s: {ev.get('why', '')}",
+        )  # fmt: skip
+    if kind == EXIT:
+        return (
+            clock(time_ns), "rank_exited", ev.get("engine", ""), ev.get("dp", ""),
+            f"tp{ev.get('tp')}/pid{ev.get('pid')}", "-", "-", ev.get("last_wave", ""),
+            (ev.get("exit") or {}).get("detail", ""),
+        )  # fmt: skip
     return (
         clock(time_ns),
         "watchdog",
