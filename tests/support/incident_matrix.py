@@ -107,6 +107,12 @@ class Matrix:
             raise
         self.outcomes: list[Outcome] = []
         self._load_stop = threading.Event()
+        # a worker streams from its first wave on: one request, so that every rank reports
+        try:
+            self.server.complete("Warm up", 8)
+        except BaseException:
+            self.stop()
+            raise
 
     # -- probes ---------------------------------------------------------------------------
     def live(self) -> tuple[int, dict]:
