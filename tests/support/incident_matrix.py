@@ -118,11 +118,12 @@ class Matrix:
     def live(self) -> tuple[int, dict]:
         url = f"http://127.0.0.1:{self.health_port}/live/{ENGINE}"
         try:
-            with urllib.request.urlopen(url, timeout=3) as resp:
-                return resp.status, json.loads(resp.read())
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read())
-        except OSError:
+            try:
+                with urllib.request.urlopen(url, timeout=3) as resp:
+                    return resp.status, json.loads(resp.read())
+            except urllib.error.HTTPError as exc:
+                return exc.code, json.loads(exc.read())
+        except (OSError, ValueError):  # down, or too slow to answer: no answer
             return 0, {}
 
     def history(self) -> list[dict]:
