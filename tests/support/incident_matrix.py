@@ -217,11 +217,14 @@ class Matrix:
                 return
             time.sleep(0.1)
 
-    def events(self, out: Outcome, before: int, start_unix: float, end_unix: float) -> None:
-        """Count the sidecar's events of this scenario: recoveries during the fault, verdicts
+    def events(
+        self, out: Outcome, before: int, start_unix: float, end_unix: float, slack: float = 0.0
+    ) -> None:
+        """Count the sidecar's events of this scenario: recoveries during the fault (`slack`:
+        how far the fault's end may lie before `end_unix`, where it is an estimate), verdicts
         outside it (or any, where none is due), verdicts naming other ranks."""
         for e in self.history()[before:]:
-            if e["event"] == "hang_recovered" and e["recovered_unix"] < end_unix:
+            if e["event"] == "hang_recovered" and e["recovered_unix"] < end_unix - slack:
                 out.recovered_during += 1
             if e["event"] == "hang_verdict":
                 inside = start_unix - 1 <= e["verdict_unix"] <= end_unix + 1
@@ -344,7 +347,9 @@ class Matrix:
         end_unix = time.time()
         self.recovered_within(out, end)
         self.stop_load(threads)
-        self.events(out, before, start_unix, end_unix)
+        # the end is the injected delay's, estimated from the ranks' reported waits (their
+        # heartbeats lag by up to an interval): a recovery up to 1 s before it is the end's
+        self.events(out, before, start_unix, end_unix, slack=1.0)
         return out
 
     def _tp1_kill(self) -> Outcome:
