@@ -234,11 +234,14 @@ class Matrix:
 
     # -- scenarios ------------------------------------------------------------------------
     def run(self, names: tuple[str, ...] = SCENARIOS) -> list[Outcome]:
+        """Run these scenarios in order; their outcomes (all so far: `self.outcomes`)."""
+        done = []
         for name in names:
             out = getattr(self, f"_{name}")()
             self.outcomes.append(out)
+            done.append(out)
             print(json.dumps(out.row()), flush=True)
-        return self.outcomes
+        return done
 
     def _starvation(self) -> Outcome:
         out = Outcome("starvation", ())
