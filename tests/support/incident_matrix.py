@@ -407,7 +407,13 @@ def summary(outcomes: list[Outcome]) -> str:
     stood = sum(o.stood for o in judged)
     false = sum(o.false_verdicts for o in outcomes)
     wrong = sum(o.wrong_ranks for o in outcomes)
-    recoveries = sorted(o.recovery_s for o in judged if o.recovery_s is not None)
+    # a fault that ends but whose recovery was not seen within the wait counts as infinitely
+    # late (tp1_kill has no end: its process is gone)
+    recoveries = sorted(
+        o.recovery_s if o.recovery_s is not None else float("inf")
+        for o in judged
+        if o.name != "tp1_kill"
+    )
     p50 = recoveries[len(recoveries) // 2] if recoveries else float("nan")
     return (
         f"incidents: {len(outcomes)} scenarios; verdict stood through {stood}/{polls} polls; "
