@@ -134,8 +134,14 @@ class Matrix:
         except (OSError, ValueError, KeyError):
             return []
 
-    def pids(self) -> dict[int, int]:
-        return {r["tp"]: r["pid"] for r in self.live()[1].get("ranks", [])}
+    def pids(self, timeout: float = 20.0) -> dict[int, int]:
+        """The workers' pids, as the sidecar names them (a slow answer is asked again)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pids = {r["tp"]: r["pid"] for r in self.live()[1].get("ranks", [])}
+            if len(pids) == 2 or time.monotonic() > deadline:
+                return pids
+            time.sleep(0.2)
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
@@ -360,9 +366,9 @@ class Matrix:
         into a recovery; what vLLM does then is recorded in the notes."""
         out = Outcome("tp1_kill", (1,))
         self.wait_healthy()
+        pid = self.pids()[1]
         before, start_unix = len(self.history()), time.time()
         threads = self.load()
-        pid = self.pids()[1]
         onset = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         end = onset + min(self.hold_s, 30.0)
