@@ -222,6 +222,9 @@ class Matrix:
                 out.recovery_s = round(time.monotonic() - end, 3)
                 return
             time.sleep(0.1)
+        # not seen: say whether the sidecar itself went unscheduled meanwhile
+        late = [x for x in self.sidecar.log().splitlines() if "hang_check_late" in x]
+        out.notes.append(f"no recovery seen in {timeout:g}s; sidecar log: {late[-3:]}")
 
     def events(
         self, out: Outcome, before: int, start_unix: float, end_unix: float, slack: float = 0.0
