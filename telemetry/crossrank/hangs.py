@@ -47,7 +47,7 @@ from telemetry.crossrank.replica import RankKey, Replica, rank_key, replica_of
 from telemetry.crossrank.verdict_rules import KINDS, Verdict, back, judge, silence_limit
 from telemetry.metrics.collectives import CollectiveMetrics
 from telemetry.wire.collective_columns import columns_of, last_seq_by_group
-from telemetry.wire.liveness_record import RecordReader
+from telemetry.wire.liveness_record import RecordReader, proc_stat
 from telemetry.wire.proto import guard_pb2
 
 __all__ = ["HangDetector", "HangSettings", "RankFacts", "RankState", "Verdict"]
@@ -196,7 +196,8 @@ class HangDetector:
             self._ranks.pop(key, None)
 
     def caught_up(self, since: float) -> bool:
-        """Ingest read every open stream since `since` (or a rank had stale_s to speak)."""
+        """Ingest read every open stream since `since` (or a rank had stale_s to speak). A
+        local rank whose process is stopped now cannot deliver: it is not waited for."""
         with self._lock:
             if self._clock() - since >= self.settings.stale_s:
                 return True
@@ -204,8 +205,14 @@ class HangDetector:
                 state.last_seen >= since
                 for states in self._ranks.values()
                 for state in states.values()
-                if state.stream_open
+                if state.stream_open and not self._stopped_now(state)
             )
+
+    def _stopped_now(self, state: RankState) -> bool:
+        if self._records is None or not state.local:
+            return False
+        stat = proc_stat(state.rank.pid)
+        return stat is not None and stat[1] == state.start_ticks and stat[0] in ("T", "t")
 
     # -- judging --------------------------------------------------------------------------------
     def start(self) -> None:
