@@ -5,7 +5,11 @@ each injected delay is logged and reported with the wave's collective record
 (`injected_delay_ns`), so a drill is never mistaken for a real straggler afterwards.
 
 `where="execute_model"` sleeps at the start of the wave (before the model runs);
-`where="collective"` sleeps right before the first call of `op` on `group` in that wave."""
+`where="collective"` sleeps right before the first call of `op` on `group` in that wave;
+`where="inside_collective"` sleeps right after entering it (the call is numbered, and reported
+by heartbeats and the liveness record as the one the rank is in): with `tp_rank=-1`, every rank
+stuck inside one collective for `delay_ms`, the transport's hang rather than a late rank.
+"""
 
 from __future__ import annotations
 
@@ -71,6 +75,9 @@ class FaultInjector:
             return
         if c.where == "execute_model":
             self._delay(wave, "execute_model")
+        elif c.where == "inside_collective":
+            self._armed_wave = wave
+            self._tracker.inside_call = self.inside_call
         else:
             self._armed_wave = wave
             self._tracker.before_call = self.before_call
@@ -81,6 +88,13 @@ class FaultInjector:
             self._armed_wave = 0
             self._tracker.before_call = None
             self._delay(self._tracker.wave, f"{op}/{group}")
+
+    def inside_call(self, op: str, group: str) -> None:
+        c = self.config
+        if op == c.op and group == c.group and self._tracker.wave == self._armed_wave:
+            self._armed_wave = 0
+            self._tracker.inside_call = None
+            self._delay(self._tracker.wave, f"inside {op}/{group}")
 
     def _delay(self, wave: int, where: str) -> None:
         seconds = self.config.delay_ms / 1000.0

@@ -88,6 +88,7 @@ class CollectiveTracker:
         self.errors = 0
         self.injected_delay_ns = 0  # the fault injector adds here; read at wave roll-over
         self.before_call: Callable[[str, str], None] | None = None  # fault injector hook
+        self.inside_call: Callable[[str, str], None] | None = None  # ... once a call is entered
         self.record: LivenessRecord | None = None  # shared-memory liveness record
         self._depth = 0
         self.capturing: CapturedGraph | None = None  # a device graph being captured
@@ -207,6 +208,8 @@ class CollectiveTracker:
             record.enter(op, meta.label, seq, start, data)
         self._depth = 1
         try:
+            if self.inside_call is not None:
+                self.inside_call(op, meta.label)
             result = fn(group, *args, **kwargs)
         finally:
             end = time.perf_counter_ns()

@@ -25,7 +25,8 @@ class FaultInjectionConfig:
     waves: int = dataclasses.field(default=1, metadata=value_range(1, 1_000_000))
     delay_ms: float = dataclasses.field(default=300.0, metadata=value_range(0.0, 3_600_000.0))
     where: str = dataclasses.field(
-        default="execute_model", metadata={"choices": ("execute_model", "collective")}
+        default="execute_model",
+        metadata={"choices": ("execute_model", "collective", "inside_collective")},
     )
     op: str = "all_reduce"
     group: str = "tp"

@@ -1,32 +1,28 @@
-"""Hang verdicts from heartbeats: which rank stopped, and which collective its peers wait in.
+"""Hang verdicts from heartbeats, liveness records and /proc: which rank stopped or exited,
+and which collective its peers wait in.
 
 Every batch from a rank proves its streamer thread is alive; its heartbeat says what the engine
-thread is doing (phase, or the collective it is inside, with group and sequence number). A
-checker thread looks at each engine replica (run, engine, dp) several times a second:
+thread is doing (phase, or the collective it is inside, with group and sequence number). On the
+sidecar's own node, the rank's liveness record and `/proc` say the same without the stream
+(proc_looks.py). The rules (verdict_rules.py) run on the checker thread (hang_checker.py)
+several times a second for each engine replica (run, engine, dp).
 
-- **no_heartbeat**: a rank has sent nothing for longer than `stale_s` (or twice its own
-  heartbeat interval, if longer). A process frozen whole (SIGSTOP, a paused VM) looks like
-  this; its peers' heartbeats say where they wait. On the sidecar's own node a rank's
-  shared-memory liveness record and `/proc/<pid>/stat` say more (telemetry/wire/liveness_record.py):
-  a process seen in state T (stopped) for `frozen_s` (counted from the silence that started
-  the looks) is frozen, judged without waiting for `stale_s`; a silent process that runs and is inside a collective (its streamer thread
-  starved by a wait that holds the GIL), or whose record still moves, is alive, and is
-  judged by the wait-based rules below, never named as stopped for its silence.
-- **not_arrived**: the ranks still speak, but some have waited in collective (group G, seq N)
-  for longer than `wait_s` while others are not in it: those never arrived (stuck in compute,
-  in a different collective, or behind an earlier one).
-- **collective_stuck**: every rank has been inside the same collective for longer than
-  `wait_s`: they all arrived, and the transport does not complete.
+A rank lives as long as its process, not its stream (rank_state.py): a local rank whose stream
+ended keeps its state and its verdict while its process exists; its process's end is its own
+incident, `rank_exited` (with the exit status or signal where /proc still shows it), and its
+replica stays wedged while peers run. A remote rank whose stream ended stays in its last state
+as `lost`. A verdict stands until the named ranks move again (`hang_recovered`); one whose
+replica's processes are all gone, or whose lost ranks lingered out, is closed (`hang_closed`),
+never reported as a recovery.
 
-The wait-based rules are armed once every rank of the replica has begun wave 2 (the first
-wave includes warm-up, where one rank legitimately waits seconds for another). A verdict
-stands until the condition clears; then a recovery is recorded with the stall's length.
+This module holds the state (ingest threads write it through `observe` and `rank_gone`), raises
+the incidents, and answers the liveness endpoint and the rank gauges.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
+import json
 import os
 import threading
 import time
@@ -35,133 +31,32 @@ from typing import Any
 
 import structlog
 
+from telemetry.crossrank import proc_looks
 from telemetry.crossrank.bundle import BundleWriter
+from telemetry.crossrank.hang_checker import Checker
 from telemetry.crossrank.peers import NOT_SEEN, unseen_ranks
+from telemetry.crossrank.rank_state import (
+    CLOSED,
+    EXITED,
+    LOST,
+    STREAMING,
+    HangSettings,
+    RankFacts,
+    RankState,
+)
+from telemetry.crossrank.verdict_rules import KINDS, Verdict, back, judge, silence_limit
 from telemetry.metrics.collectives import CollectiveMetrics
-from telemetry.store.incidents import RECOVERY, VERDICT
+from telemetry.store.incidents import CLOSED_VERDICT, EXIT, RECOVERY, VERDICT
 from telemetry.wire.collective_columns import columns_of, last_seq_by_group
-from telemetry.wire.liveness_record import RecordReader, RecordView
+from telemetry.wire.liveness_record import RecordReader, proc_stat
 from telemetry.wire.proto import guard_pb2
 from telemetry.wire.replica import RankKey, Replica, rank_key, replica_of
 
+__all__ = ["HangDetector", "HangSettings", "RankFacts", "RankState", "Verdict"]
+
 log = structlog.get_logger("ascend_guard.hangs")
 
-KINDS = ("no_heartbeat", "not_arrived", "collective_stuck")
-
-
-@dataclasses.dataclass(frozen=True)
-class HangSettings:
-    stale_s: float = 2.0  # no batch from a rank for this long: it stopped
-    # a peer inside one collective this long while others are not in it; above stale_s, so a
-    # frozen process is reported as silent (no_heartbeat) rather than as not arrived
-    wait_s: float = 3.0
-    check_interval_s: float = 0.1
-    arm_wave: int = 2  # wait-based rules only once every rank has begun this wave
-    # a local rank whose process is stopped (state T) and silent this long: frozen whole
-    frozen_s: float = 1.0
-    # a local rank silent this long gets its liveness record and process state read
-    look_after_s: float = 0.25
-
-
-@dataclasses.dataclass
-class RankState:
-    rank: guard_pb2.RankInfo
-    last_seen: float  # sidecar monotonic time of the latest batch
-    speaking_since: float = 0.0  # first batch after the rank's latest silence (or ever)
-    seq_done: dict[str, int] = dataclasses.field(default_factory=dict)  # group -> highest seq
-    lag_s: float = 0.0  # how old the latest heartbeat was when the sidecar got to it
-    heartbeat_at: float = 0.0  # ... of the latest heartbeat
-    heartbeat_interval: float = 0.0  # smoothed interval between heartbeats
-    phase: str = ""
-    phase_age_s: float = 0.0
-    last_wave: int = 0
-    op: str = ""
-    group: str = ""
-    seq: int = 0
-    graph: str = ""  # the captured graph being replayed around that collective, if any
-    graph_holds: str = ""  # ... and the collectives it holds
-    op_age_s: float = 0.0  # as of op_at
-    op_at: float = 0.0  # when op/op_age_s were read (a heartbeat, or the liveness record)
-    proc_state: str = ""  # /proc state letter at the latest look while silent ("" = no look)
-    stopped_since: float = 0.0  # first of the looks in a row that saw it stopped (state T)
-    record_seen: float = 0.0  # latest look at the record that showed the rank alive
-    record_moves: tuple[int, int] | None = None
-
-    def waiting_s(self, now: float) -> float:
-        """How long the rank has been inside its current collective, as of `now`."""
-        return self.op_age_s + (now - self.op_at) if self.op else 0.0
-
-    def heard_at(self) -> float:
-        """The latest sign of life: a batch on the stream, or a look at its record."""
-        return max(self.last_seen, self.record_seen)
-
-    def describe(self, now: float) -> dict[str, Any]:
-        info: dict[str, Any] = {
-            "dp": self.rank.dp_rank, "tp": self.rank.tp_rank, "pp": self.rank.pp_rank,
-            "pid": self.rank.pid, "node": self.rank.node, "last_wave": self.last_wave,
-            "silent_s": round(now - self.last_seen, 3), "phase": self.phase,
-            "lag_s": round(self.lag_s, 3), "state": self.proc_state,
-        }  # fmt: skip
-        if self.op:
-            info.update(op=self.op, group=self.group, seq=self.seq,
-                        waiting_s=round(self.waiting_s(now), 3))  # fmt: skip
-            if self.graph:
-                info.update(graph=self.graph, graph_holds=self.graph_holds)
-        return info
-
-
-@dataclasses.dataclass
-class Verdict:
-    engine: str
-    run_id: str
-    dp: int
-    kind: str
-    stopped: list[dict[str, Any]]
-    waiting: list[dict[str, Any]]
-    op: str
-    group: str
-    seq: int
-    wave: int
-    onset_unix: float  # estimated start of the stall (wall clock)
-    verdict_unix: float
-    onset_mono: float
-
-    def summary(self) -> str:
-        who = ", ".join(f"tp{r['tp']}/pp{r['pp']} (pid {r['pid']})" for r in self.stopped)
-        where = f"{self.op} on {self.group} seq {self.seq}" if self.op else "no collective"
-        graph = next((r for r in self.waiting + self.stopped if r.get("graph")), None)
-        if self.op and graph is not None:
-            where += f" inside replay of graph {graph['graph']} ({graph['graph_holds']})"
-        peers = (
-            "; peers wait in " + where
-            if self.waiting and self.kind != "collective_stuck"
-            else f"; {where}"
-        )
-        return f"engine {self.engine} dp{self.dp}: {self.kind}: {who} stopped{peers}"
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "engine": self.engine, "run_id": self.run_id, "dp": self.dp, "kind": self.kind,
-            "stopped": self.stopped, "waiting": self.waiting, "op": self.op, "group": self.group,
-            "seq": self.seq, "wave": self.wave, "onset_unix": self.onset_unix,
-            "verdict_unix": self.verdict_unix,
-            "detect_s": round(self.verdict_unix - self.onset_unix, 3), "summary": self.summary(),
-        }  # fmt: skip
-
-
-@dataclasses.dataclass(frozen=True)
-class RankFacts:
-    """One rank as this sidecar knows it (`HangDetector.rank_facts`)."""
-
-    replica: Replica
-    rank: guard_pb2.RankInfo
-    heard_unix: float  # the latest sign of life: a batch, or a look at its liveness record
-    op: str  # the collective it is inside ("" = none) ...
-    group: str
-    seq: int
-    since_unix: float  # ... since then
-    seq_reached: dict[str, int]  # group -> highest seq it completed or entered
-    last_wave: int
+SEARCH_EVERY_S = 1.0  # how often a replica with unseen ranks has their records looked for
 
 
 def _unseen_part(states: dict[RankKey, RankState]) -> dict[str, Any]:
@@ -196,12 +91,13 @@ class HangDetector:
         self._clock = clock
         self._lock = threading.Lock()
         self._ranks: dict[Replica, dict[RankKey, RankState]] = {}
+        self._searched: dict[Replica, float] = {}
+        self._unjudged: set[Replica] = set()  # replicas new since the latest check
         self.verdicts: dict[Replica, Verdict] = {}
-        self.history: list[dict[str, Any]] = []  # verdicts and recoveries, newest last
+        self.history: list[dict[str, Any]] = []  # verdicts, recoveries, exits; newest last
         self._ids = itertools.count(1)
         self._id_prefix = f"sidecar-{os.getpid()}-{time.time_ns()}"
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.checker = Checker(self.settings, metrics, self.check, self.caught_up)
         self.bundles: BundleWriter | None = None  # evidence bundle per verdict (None: off)
 
     # -- ingest side ----------------------------------------------------------------------------
@@ -211,6 +107,8 @@ class HangDetector:
         key = replica_of(engine, rank)
         seqs_done = last_seq_by_group(columns_of(batch))  # per batch, over the columns
         with self._lock:
+            if key not in self._ranks:
+                self._unjudged.add(key)
             ranks = self._ranks.setdefault(key, {})
             state = ranks.get(rank_key(rank))
             if state is None or state.rank.pid != rank.pid:
@@ -218,34 +116,43 @@ class HangDetector:
                 state.rank.CopyFrom(rank)
                 ranks[rank_key(rank)] = state
                 self._create_series(engine, rank)
-            if now - state.heard_at() > self._silence_limit(state) or not state.speaking_since:
+            if not state.stream_open:
+                state.stream_open, state.stream_closed = True, False
+            if (
+                now - state.heard_at() > silence_limit(self.settings, state)
+                or not state.speaking_since
+            ):
                 state.speaking_since = now  # back from a silence: give it time to catch up
             state.last_seen = now
             for group, seq in seqs_done.items():
                 if seq > state.seq_done.get(group, 0):
                     state.seq_done[group] = seq
             if batch.HasField("heartbeat"):
-                hb = batch.heartbeat
-                if state.heartbeat_at:
-                    gap = now - state.heartbeat_at
-                    state.heartbeat_interval = (
-                        gap if not state.heartbeat_interval
-                        else 0.8 * state.heartbeat_interval + 0.2 * gap
-                    )  # fmt: skip
-                state.heartbeat_at = now
-                state.lag_s = max(0.0, time.time() - hb.time_unix_nano / 1e9)
-                state.phase = hb.phase
-                state.phase_age_s = hb.phase_age_ns / 1e9
-                state.last_wave = max(state.last_wave, hb.last_wave)
-                state.op = hb.collective_op
-                state.group = hb.collective_group
-                state.seq = hb.collective_seq
-                state.op_age_s = hb.collective_age_ns / 1e9
-                state.graph = hb.collective_graph
-                state.graph_holds = hb.collective_graph_holds
-                state.op_at = now
-                if state.op and state.seq > state.seq_done.get(state.group, 0):
-                    state.seq_done[state.group] = state.seq
+                self._heartbeat(state, batch.heartbeat, now)
+
+    @staticmethod
+    def _heartbeat(state: RankState, hb: guard_pb2.Heartbeat, now: float) -> None:
+        if state.heartbeat_at:
+            gap = now - state.heartbeat_at
+            state.heartbeat_interval = (
+                gap if not state.heartbeat_interval else 0.8 * state.heartbeat_interval + 0.2 * gap
+            )
+        state.heartbeat_at = now
+        sent = hb.time_unix_nano / 1e9
+        state.heartbeat_sent_unix = max(state.heartbeat_sent_unix, sent)
+        state.lag_s = max(0.0, time.time() - sent)
+        state.phase = hb.phase
+        state.phase_age_s = hb.phase_age_ns / 1e9
+        state.last_wave = max(state.last_wave, hb.last_wave)
+        state.op = hb.collective_op
+        state.group = hb.collective_group
+        state.seq = hb.collective_seq
+        state.op_age_s = hb.collective_age_ns / 1e9
+        state.graph = hb.collective_graph
+        state.graph_holds = hb.collective_graph_holds
+        state.op_at = now
+        if state.op and state.seq > state.seq_done.get(state.group, 0):
+            state.seq_done[state.group] = state.seq
 
     def _create_series(self, engine: str, rank: guard_pb2.RankInfo) -> None:
         """Series exist (at 0) once a rank speaks, so dashboards and alerts see them."""
@@ -259,206 +166,148 @@ class HangDetector:
                 engine, str(rank.dp_rank), str(rank.tp_rank), str(rank.pp_rank), kind
             )
 
-    def rank_gone(self, engine: str, rank: guard_pb2.RankInfo) -> None:
-        """A rank's stream ended (the worker exited): it is no longer expected to speak."""
+    def rank_gone(self, engine: str, rank: guard_pb2.RankInfo, clean: bool = False) -> None:
+        """A rank's stream ended (`clean`: its worker closed it). The rank stays: a local one
+        until its process is gone, a remote one as lost. A remote rank's goodbye (its worker
+        shuts down) is the end of all this sidecar can know of it: it is forgotten at once."""
         key = replica_of(engine, rank)
+        now = self._clock()
         with self._lock:
             ranks = self._ranks.get(key, {})
             state = ranks.get(rank_key(rank))
-            if state is not None and state.rank.pid == rank.pid:
-                del ranks[rank_key(rank)]
-                if self._records is not None:
-                    self._records.forget(rank.run_id, rank.dp_rank, rank.pp_rank, rank.tp_rank)
-            if not ranks:
-                self._ranks.pop(key, None)
+            if state is None or state.rank.pid != rank.pid:
+                return
+            state.stream_open, state.stream_ended_at, state.stream_closed = False, now, clean
+            if clean and not state.local:
+                self._forget_rank(key, ranks, state)
+                return
+        log.info(
+            "rank_stream_ended", engine=engine, dp=rank.dp_rank, tp=rank.tp_rank,
+            pp=rank.pp_rank, pid=rank.pid, clean=clean, now=state.status,
+        )  # fmt: skip
+
+    def _forget_rank(self, key: Replica, ranks: dict[RankKey, RankState], state: RankState):
+        rank = state.rank
+        ranks.pop(rank_key(rank), None)
+        if self._records is not None:
+            self._records.forget(rank.run_id, rank.dp_rank, rank.pp_rank, rank.tp_rank)
+        if not ranks:
+            self._ranks.pop(key, None)
+
+    def caught_up(self, since: float) -> bool:
+        """Ingest read every open stream since `since` (or a rank had stale_s to speak). A
+        local rank whose process is stopped now cannot deliver: it is not waited for."""
+        with self._lock:
+            if self._clock() - since >= self.settings.stale_s:
+                return True
+            return all(
+                state.last_seen >= since
+                for states in self._ranks.values()
+                for state in states.values()
+                if state.stream_open and not self._stopped_now(state)
+            )
+
+    def _stopped_now(self, state: RankState) -> bool:
+        if self._records is None or not state.local:
+            return False
+        stat = proc_stat(state.rank.pid)
+        return stat is not None and stat[1] == state.start_ticks and stat[0] in ("T", "t")
 
     # -- judging --------------------------------------------------------------------------------
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="hang-detector", daemon=True)
-        self._thread.start()
+        self.checker.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(2.0)
-
-    def _run(self) -> None:
-        last = time.monotonic()
-        while not self._stop.wait(self.settings.check_interval_s):
-            now = time.monotonic()
-            gap, last = now - last, now
-            if not self._woke(gap):
-                continue
-            try:
-                self.check()
-            except Exception:  # noqa: BLE001 - the sidecar keeps serving
-                log.exception("hang_check_failed")
-
-    def _woke(self, gap: float) -> bool:
-        """Count how late the checker woke, `gap` seconds after its last wake-up; False when
-        it should not judge now."""
-        interval = self.settings.check_interval_s
-        if gap > 2 * interval:  # woken late: any verdict due meanwhile comes that much later
-            self.metrics.hang_check_late.inc(gap - interval)
-        # woken far too late: this sidecar was itself starved or paused, so it has not been
-        # reading the streams either; judge silences again once it has caught up
-        if gap > max(1.0, 10 * interval):
-            log.warning("hang_check_late", gap_s=round(gap, 3))
-            return False
-        return True
+        self.checker.stop()
 
     def check(self) -> list[dict[str, Any]]:
-        """Judge every replica once; returns the verdicts and recoveries raised now."""
+        """Judge every replica once; returns the verdicts, recoveries and exits raised now."""
         now = self._clock()
         events: list[dict[str, Any]] = []
         with self._lock:
             if self._records is not None:
-                self._look_locally(now)
-            keys = set(self._ranks) | set(self.verdicts)
-            for key in keys:
-                found = self._judge(key, self._ranks.get(key, {}), now)
-                standing = self.verdicts.get(key)
-                if found is not None and standing is None:
-                    self.verdicts[key] = found
-                    events.append(self._raise(found))
-                elif found is None and standing is not None:
-                    del self.verdicts[key]
-                    present = {r.rank.pid for r in self._ranks.get(key, {}).values()}
-                    named = {r["pid"] for r in (*standing.stopped, *standing.waiting)}
-                    how = "moving" if named <= present else "ranks_gone"
-                    events.append(self._recover(standing, now, how))
+                self._look_locally(now, events)
+            self._linger_lost(now)
+            for key in set(self._ranks) | set(self.verdicts):
+                self._judge_replica(key, now, events)
+            self._unjudged.clear()
             self.history.extend(events)
             del self.history[:-256]
         return events
 
-    def _look_locally(self, now: float) -> None:
-        """Read the liveness records and process states of every replica with a rank silent
-        for look_after_s (or seen stopped): all its ranks, so that a verdict says where the
-        peers are now, not where their latest heartbeat found them."""
-        records = self._records
-        for states in self._ranks.values():
-            if not any(
-                now - state.last_seen >= self.settings.look_after_s or state.stopped_since
-                for state in states.values()
-            ):
-                continue  # every rank speaks
-            for state in states.values():
-                rank = state.rank
-                try:
-                    view = records.read(
-                        rank.run_id, rank.dp_rank, rank.pp_rank, rank.tp_rank, rank.pid
-                    )
-                except Exception:  # noqa: BLE001 - a bad record must not stop the judging
-                    log.exception("liveness_record_read_failed", pid=rank.pid)
-                    view = None
-                self._apply_record(state, view, now)
-
-    @staticmethod
-    def _apply_record(state: RankState, view: RecordView | None, now: float) -> None:
-        if view is None:
-            state.proc_state, state.stopped_since = "", 0.0
+    def _judge_replica(self, key: Replica, now: float, events: list[dict[str, Any]]) -> None:
+        states = self._ranks.get(key, {})
+        standing = self.verdicts.get(key)
+        if all(state.status == EXITED for state in states.values()):
+            # every process of the replica is gone (or the rest were forgotten): no recovery
+            for state in list(states.values()):
+                self._forget_rank(key, states, state)
+            self._searched.pop(key, None)
+            if standing is not None:
+                del self.verdicts[key]
+                events.append(self._close(standing, now, "its processes are gone"))
             return
-        state.proc_state = view.state
-        if view.stopped:
-            state.stopped_since = state.stopped_since or now
-            return  # frozen whole: nothing in its record is news
-        state.stopped_since = 0.0
-        moved = view.moves != state.record_moves
-        state.record_moves = view.moves
-        if moved or view.in_call:  # else it runs, but neither moves nor waits: stuck
-            state.record_seen = now
-        # what it does now: the record is fresher than any heartbeat
-        state.last_wave = max(state.last_wave, view.wave)
-        state.phase, state.phase_age_s = view.phase, view.phase_age_s
-        state.op = view.op
-        if view.group:
-            state.group, state.seq = view.group, view.seq
-            if view.seq > state.seq_done.get(view.group, 0):
-                state.seq_done[view.group] = view.seq
-        state.op_age_s, state.op_at = view.call_age_s, now
+        found = judge(self.settings, key, states, now)
+        if found is not None and standing is None:
+            self.verdicts[key] = found
+            events.append(self._raise(found))
+        elif found is None and standing is not None:
+            if any(k not in states for k in standing.named):
+                del self.verdicts[key]  # nothing can show a forgotten rank back
+                events.append(self._close(standing, now, "ranks it names were forgotten"))
+            elif back(standing, states):
+                del self.verdicts[key]
+                events.append(self._recover(standing, now))
 
-    def _frozen(self, state: RankState, now: float) -> bool:
-        """Stopped whole (SIGSTOP, a debugger) for about frozen_s: looks begin after look_after_s
-        of silence and have seen state T ever since. Timed by the process state, not by the
-        stream: batches a lagging sidecar reads only now were sent before the stop, and must
-        neither hurry the verdict nor end it."""
-        s = self.settings
-        return bool(state.stopped_since) and now - state.stopped_since >= max(
-            0.0, s.frozen_s - s.look_after_s
-        )
+    def _look_locally(self, now: float, events: list[dict[str, Any]]) -> None:
+        """Look at the ranks of every replica with a rank that needs a look (proc_looks.py);
+        and, once a second, for records of the replica's unseen ranks."""
+        records = self._records
+        for key, states in list(self._ranks.items()):
+            if any(proc_looks.needs_look(s, self.settings, now) for s in states.values()):
+                for state in list(states.values()):
+                    if state.status == EXITED:
+                        continue
+                    ended = proc_looks.look(records, state, now)
+                    if ended is not None:
+                        self._process_gone(key, states, state, ended, events)
+            if states and now - self._searched.get(key, -1e9) >= SEARCH_EVERY_S:
+                self._searched[key] = now
+                for state in proc_looks.find_unstreamed(records, key, states, now):
+                    states[rank_key(state.rank)] = state
+                    proc_looks.look(records, state, now)
+                    self._create_series(key.engine, state.rank)
 
-    def _judge(self, key: Replica, ranks: dict[RankKey, RankState], now: float):
-        if not ranks:
-            return None
-        s = self.settings
-        silent = [
-            r for r in ranks.values()
-            if self._frozen(r, now) or now - r.heard_at() > self._silence_limit(r)
-        ]  # fmt: skip
-        alive = [r for r in ranks.values() if r not in silent]
-        armed = len(ranks) > 1 and min(r.last_wave for r in ranks.values()) >= s.arm_wave
-        # a heartbeat's age is extrapolated to now; it must itself show a long wait, so that a
-        # call that ended right after its heartbeat is not taken for a wait
-        waiting = [
-            r for r in alive
-            if r.op and r.op_age_s >= s.wait_s / 2 and r.waiting_s(now) >= s.wait_s
-        ] if armed else []  # fmt: skip
-        if silent:
-            peers = [r for r in alive if r.op]
-            return self._verdict(key, "no_heartbeat", silent, peers, now)
-        if not waiting:
-            return None
-        # the collective the waiting ranks are furthest into
-        front = max(waiting, key=lambda r: (r.group, r.seq))
-        at = [r for r in waiting if (r.group, r.seq) == (front.group, front.seq)]
-        # not arrived: has not entered (group, seq) yet, and has been speaking for wait_s (a
-        # rank just back from a freeze gets that long to catch up before it is judged again)
-        behind = [
-            r for r in alive
-            if r not in at and r.seq_done.get(front.group, 0) < front.seq
-            and now - r.speaking_since >= s.wait_s
-        ]  # fmt: skip
-        if behind:
-            # peers wait for it and it has been quiet past stale_s: frozen
-            quiet = any(
-                self._frozen(r, now) or now - r.heard_at() > self._silence_limit(r) for r in behind
-            )
-            return self._verdict(key, "no_heartbeat" if quiet else "not_arrived", behind, at, now)
-        # all arrived: only this sidecar sees the whole replica (a rank on another node may
-        # not have arrived; that verdict is the Prometheus rules', docs/cross-node.md)
-        if len(at) == len(ranks) and not unseen_ranks(r.rank for r in ranks.values()):
-            return self._verdict(key, "collective_stuck", at, at, now)
-        return None
-
-    def _silence_limit(self, state: RankState) -> float:
-        """How long a rank may be silent: stale_s, or twice its heartbeat interval. No
-        allowance for a sidecar that reads late: the ingest handler updates this state before
-        it queues the batch for storage (telemetry/pipeline/writer.py), so heartbeats do not wait
-        behind span or store work (bench/sidecar_ingest.py: heartbeat lag under load)."""
-        return max(self.settings.stale_s, 2.0 * state.heartbeat_interval)
-
-    def _verdict(
+    def _process_gone(
         self,
         key: Replica,
-        kind: str,
-        stopped: list[RankState],
-        waiting: list[RankState],
-        now: float,
-    ) -> Verdict:
-        run_id, engine, dp = key
-        wall = time.time()
-        ref = max(waiting, key=lambda r: r.waiting_s(now)) if waiting else None
-        if kind == "no_heartbeat":
-            onset = min(r.last_seen for r in stopped)
-        else:
-            onset = now - (ref.waiting_s(now) if ref else 0.0)
-        return Verdict(
-            engine=engine, run_id=run_id, dp=dp, kind=kind,
-            stopped=[r.describe(now) for r in stopped], waiting=[r.describe(now) for r in waiting],
-            op=ref.op if ref else "", group=ref.group if ref else "", seq=ref.seq if ref else 0,
-            wave=max((r.last_wave for r in waiting), default=max(r.last_wave for r in stopped)),
-            onset_unix=wall - (now - onset), verdict_unix=wall, onset_mono=onset,
-        )  # fmt: skip
+        states: dict[RankKey, RankState],
+        state: RankState,
+        ended: dict[str, Any],
+        events: list[dict[str, Any]],
+    ) -> None:
+        """A local rank's process is gone. After a goodbye on its stream, with no verdict on
+        its replica, it is forgotten quietly (a shutdown); otherwise it stays as `exited`, a
+        `rank_exited` incident, and its replica is wedged while its peers run."""
+        rank = state.rank
+        if state.stream_closed and key not in self.verdicts:
+            self._forget_rank(key, states, state)
+            log.info("rank_left", engine=key.engine, dp=key.dp, tp=rank.tp_rank, pid=rank.pid)
+            return
+        state.exited = {**ended, "exited_unix": round(time.time(), 3),
+                        "stream": "closed" if state.stream_closed else "broke"}  # fmt: skip
+        state.proc_state, state.stopped_since = "gone", 0.0
+        peers = sum(1 for s in states.values() if s.status not in (EXITED, CLOSED))
+        events.append(self._exit(key, state, peers))
+
+    def _linger_lost(self, now: float) -> None:
+        for key, states in list(self._ranks.items()):
+            for state in list(states.values()):
+                if (
+                    state.status == LOST
+                    and now - state.stream_ended_at > self.settings.lost_linger_s
+                ):
+                    self._forget_rank(key, states, state)
 
     # -- reporting ------------------------------------------------------------------------------
     def _raise(self, verdict: Verdict) -> dict[str, Any]:
@@ -476,44 +325,87 @@ class HangDetector:
         self._emit(verdict, VERDICT, "critical", verdict.summary(), event)
         return event
 
-    def _recover(self, verdict: Verdict, now: float, how: str) -> dict[str, Any]:
-        """The verdict's condition cleared: the ranks move again ("moving"), or their streams
-        ended ("ranks_gone": the workers exited or were restarted)."""
+    def _recover(self, verdict: Verdict, now: float) -> dict[str, Any]:
+        """The named ranks moved again."""
         stall = max(0.0, now - verdict.onset_mono)
-        moving = "moves again" if how == "moving" else "lost its stalled ranks (streams ended)"
         event = {
-            "event": RECOVERY, "engine": verdict.engine, "run_id": verdict.run_id, "how": how,
-            "dp": verdict.dp, "kind": verdict.kind, "stall_s": round(stall, 3),
+            "event": RECOVERY, "engine": verdict.engine, "run_id": verdict.run_id,
+            "how": "moving", "dp": verdict.dp, "kind": verdict.kind, "stall_s": round(stall, 3),
             "recovered_unix": time.time(), "verdict": verdict.as_dict(),
-            "summary": f"engine {verdict.engine} dp{verdict.dp} {moving} after a "
+            "summary": f"engine {verdict.engine} dp{verdict.dp} moves again after a "
                        f"{stall:.1f}s stall ({verdict.kind})",
         }  # fmt: skip
+        self._verdict_over(verdict, stall, recovered=True)
+        log.warning("hang_recovered", engine=verdict.engine, dp=verdict.dp, stall_s=stall)
+        self._emit(verdict, RECOVERY, "info", event["summary"], event)
+        return event
+
+    def _close(self, verdict: Verdict, now: float, why: str) -> dict[str, Any]:
+        """The verdict ends without its ranks moving again: not a recovery."""
+        stall = max(0.0, now - verdict.onset_mono)
+        event = {
+            "event": CLOSED_VERDICT, "engine": verdict.engine, "run_id": verdict.run_id,
+            "dp": verdict.dp, "kind": verdict.kind, "stall_s": round(stall, 3), "why": why,
+            "closed_unix": time.time(), "verdict": verdict.as_dict(),
+            "summary": f"engine {verdict.engine} dp{verdict.dp}: {verdict.kind} verdict closed "
+                       f"after {stall:.1f}s: {why} (not a recovery)",
+        }  # fmt: skip
+        self._verdict_over(verdict, stall, recovered=False)
+        log.warning("hang_closed", engine=verdict.engine, dp=verdict.dp, why=why)
+        self._emit(verdict, CLOSED_VERDICT, "warning", event["summary"], event)
+        return event
+
+    def _verdict_over(self, verdict: Verdict, stall: float, recovered: bool) -> None:
         m = self.metrics
         replica = (verdict.engine, str(verdict.dp))
         still = any((v.engine, str(v.dp)) == replica for v in self.verdicts.values())
         m.wedged.labels(*replica).set(1 if still else 0)
-        m.hang_recoveries.labels(*replica).inc()
+        if recovered:
+            m.hang_recoveries.labels(*replica).inc()
         m.stall_duration.labels(*replica).observe(stall)
-        log.warning("hang_recovered", engine=verdict.engine, dp=verdict.dp, stall_s=stall)
-        self._emit(verdict, RECOVERY, "info", event["summary"], event)
+
+    def _exit(self, key: Replica, state: RankState, peers: int) -> dict[str, Any]:
+        rank, ended = state.rank, state.exited or {}
+        summary = proc_looks.exit_summary(key, state, ended, peers)
+        event = {
+            "event": EXIT, "engine": key.engine, "run_id": key.run_id, "dp": key.dp,
+            "tp": rank.tp_rank, "pp": rank.pp_rank, "pid": rank.pid, "node": rank.node,
+            "exit": ended, "peers_running": peers, "last_wave": state.last_wave,
+            "summary": summary,
+        }  # fmt: skip
+        log.error("rank_exited", **{k: v for k, v in event.items() if k != "event"})
+        info = guard_pb2.RankInfo()
+        info.CopyFrom(rank)
+        self._send(key.engine, info, EXIT, "critical" if peers else "warning", summary,
+                   state.last_wave, event)  # fmt: skip
         return event
 
     def _emit(
         self, verdict: Verdict, kind: str, severity: str, summary: str, evidence: dict
     ) -> None:
+        self._send(verdict.engine, self._rank_info(verdict), kind, severity, summary,
+                   verdict.wave, evidence)  # fmt: skip
+
+    def _send(
+        self,
+        engine: str,
+        rank: guard_pb2.RankInfo | None,
+        kind: str,
+        severity: str,
+        summary: str,
+        wave: int,
+        evidence: dict,
+    ) -> None:
         if self._sink is None:
             return
-        import json
-
         incident = guard_pb2.Incident(
             schema_version=1, id=f"{self._id_prefix}:{next(self._ids)}", type=kind,
-            severity=severity, wave=verdict.wave, time_unix_nano=time.time_ns(), summary=summary,
+            severity=severity, wave=wave, time_unix_nano=time.time_ns(), summary=summary,
             evidence_json=json.dumps(evidence, default=str, sort_keys=True), actions=["report"],
             occurrence=1,
         )  # fmt: skip
-        rank = self._rank_info(verdict)
         try:
-            self._sink(verdict.engine, rank, incident)
+            self._sink(engine, rank, incident)
         except Exception:  # noqa: BLE001
             log.exception("hang_incident_failed")
 
@@ -532,8 +424,13 @@ class HangDetector:
         self, engine: str, dp: int | None = None
     ) -> tuple[bool, dict[str, Any]] | None:
         """(live, body) for one engine label, or one replica of it (`dp`); None when no rank
-        of it is known. The body lists every rank of every replica, each replica's state, and
-        the replicas a standing verdict names as wedged."""
+        of it is known. The body lists every rank of every replica (with where it runs and
+        what its stream does), each replica's state, and the replicas a standing verdict
+        names as wedged. A replica new since the latest check (its first rank just came, as
+        after this sidecar restarted) is judged first, so that the answer is never one the
+        looks have not made yet."""
+        if self._unjudged and any(key.engine == engine for key in list(self._unjudged)):
+            self.check()
         with self._lock:
             keys = {k for k in (*self._ranks, *self.verdicts) if k.engine == engine}
             if dp is not None:
@@ -569,19 +466,33 @@ class HangDetector:
         return not verdicts, body
 
     def snapshot(self) -> dict[str, Any]:
-        """Standing verdicts, the recent verdicts and recoveries, and the replicas with ranks
-        this sidecar does not see (on other nodes: no local verdict covers them)."""
+        """Standing verdicts, the recent events, the ranks with no open stream (local ones
+        judged from their records, lost remote ones, exited ones), and the replicas with
+        ranks this sidecar does not see (on other nodes: no local verdict covers them)."""
         with self._lock:
+            now = self._clock()
             partial = [
                 {"engine": key.engine, "run_id": key.run_id, "dp": key.dp, **part}
                 for key, states in sorted(self._ranks.items())
                 if (part := _unseen_part(states))
             ]
+            quiet = [
+                {"engine": key.engine, "run_id": key.run_id, **state.describe(now)}
+                for key, states in sorted(self._ranks.items())
+                for _, state in sorted(states.items())
+                if state.status != STREAMING
+            ]
             return {
                 "standing": [v.as_dict() for v in self.verdicts.values()],
                 "history": list(self.history),
                 "partial": partial,
+                "without_stream": quiet,
             }
+
+    def holds(self, engine: str) -> bool:
+        """Whether any rank of `engine` is still known (its series must stay)."""
+        with self._lock:
+            return any(key.engine == engine for key in (*self._ranks, *self.verdicts))
 
     def rank_facts(self) -> list[RankFacts]:
         """A copy of what this sidecar knows of each rank now, wall-clock times (read at

@@ -67,12 +67,16 @@ class EngineRoster:
         linger_s: float = DEFAULT_LINGER_S,
         connected_gauge: Any = None,
         on_forget: Callable[[str], None] | None = None,
+        held: Callable[[str], bool] | None = None,
     ) -> None:
         self.registry = registry
         self._connected_gauge = connected_gauge
         self._streams = streams
         self.linger_s = linger_s
         self._on_forget = on_forget
+        # whether the hang detector still holds ranks of the engine (a stopped local rank
+        # with no stream, a lost remote one): its series, wedged included, stay meanwhile
+        self._held = held
         self._timers: dict[str, threading.Timer] = {}
         self._lock = threading.Lock()
         self.forgotten = 0
@@ -117,6 +121,9 @@ class EngineRoster:
             self._timers.pop(engine, None)
         if any(e == engine for e, _ in self._streams()):
             return  # a rank came back meanwhile
+        if self._held is not None and self._held(engine):
+            self.idle(engine, clean=False)  # its ranks are still judged: wait another linger
+            return
         removed = forget_label(self.registry, "engine", engine)
         if self._on_forget is not None:
             self._on_forget(engine)
@@ -130,10 +137,17 @@ class EngineRoster:
             timer.cancel()
 
     # -- doctor --live ----------------------------------------------------------------------
-    def coverage(self) -> dict[str, Any]:
-        """Per engine: expected and connected ranks, attach points by status per rank."""
+    def coverage(self, hangs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Per engine: expected and connected ranks, attach points by status per rank; with
+        the hang detector's `snapshot()`, also the ranks it holds with no open stream (a
+        local rank whose stream ended, a lost remote one: not missing, and not healthy)
+        and whether a verdict stands."""
         points = _attach_point_counts(self.registry)
         engines: dict[str, dict[str, Any]] = {}
+        quiet: dict[str, list[dict[str, Any]]] = {}
+        for r in (hangs or {}).get("without_stream", []):
+            quiet.setdefault(r["engine"], []).append(r)
+        wedged = {v["engine"] for v in (hangs or {}).get("standing", [])}
         for engine, rank in self._streams():
             entry = engines.setdefault(
                 engine,
@@ -155,9 +169,20 @@ class EngineRoster:
             tp, pp, dp = entry["tp_size"], entry["pp_size"], entry["dp_size"]
             ranks = entry.pop("ranks")
             grid = [(d, t, p) for d in range(dp) for t in range(tp) for p in range(pp)]
+            held = {(r["dp"], r["tp"], r["pp"]): r for r in quiet.pop(entry["engine"], [])}
             entry["expected_ranks"] = len(grid)
             entry["connected_ranks"] = len(ranks)
-            entry["missing"] = [f"dp{d}/tp{t}/pp{p}" for d, t, p in grid if (d, t, p) not in ranks]
+            entry["without_stream"] = [
+                {k: r.get(k) for k in ("dp", "tp", "pp", "pid", "where", "stream", "state")}
+                for key, r in sorted(held.items())
+                if key not in ranks
+            ]
+            entry["hang_verdict"] = entry["engine"] in wedged
+            entry["missing"] = [
+                f"dp{d}/tp{t}/pp{p}"
+                for d, t, p in grid
+                if (d, t, p) not in ranks and (d, t, p) not in held
+            ]
             entry["ranks"] = [ranks[k] for k in sorted(ranks)]
             entry["run_ids"] = sorted(entry["run_ids"])
             entry["skipped_attach_points"] = sum(

@@ -37,8 +37,9 @@ class CrossRankView:
         """Collective counters (the writer thread)."""
         self.sync.count(engine, batch)
 
-    def rank_gone(self, engine: str, rank: guard_pb2.RankInfo) -> None:
-        self.hangs.rank_gone(engine, rank)
+    def rank_gone(self, engine: str, rank: guard_pb2.RankInfo, clean: bool = False) -> None:
+        """A rank's stream ended (`clean`: its worker closed it); the rank is not forgotten."""
+        self.hangs.rank_gone(engine, rank, clean)
 
     def start(self) -> None:
         self.hangs.start()

@@ -13,6 +13,7 @@ alignment, incidents) and is then put on the bounded queue to the writer
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -48,6 +49,18 @@ class _Refused:
         self.code = code
         self.reason = reason
         self.message = message
+
+
+def _closed_by_worker(context: grpc.ServicerContext, settle_s: float = 0.2) -> bool:
+    """Whether the request stream ended because the worker closed it. A connection that gRPC
+    closed (a ping unanswered, a broken socket) also ends the loop, and the RPC turns inactive
+    (cancelled) only a moment later: so wait that moment before calling it a goodbye."""
+    deadline = time.monotonic() + settle_s
+    while context.is_active():
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.01)
+    return False
 
 
 class RankView:
@@ -201,9 +214,7 @@ class IngestService:
                 self._ingest(view, batch, records, nbytes)
                 batches += 1
                 waves += records
-            # the worker closed its stream; a dropped connection may also end the loop, but
-            # then the RPC is no longer active
-            clean = context.is_active()
+            clean = _closed_by_worker(context)
         finally:
             if view is not None:
                 self._unregister(stream_id, view, clean)
@@ -262,7 +273,7 @@ class IngestService:
         self.metrics.ranks_connected.labels(view.engine, str(view.rank.dp_rank)).dec()
         self.workloads.closed(_rank_key(view))
         if self.cross_rank is not None:
-            self.cross_rank.rank_gone(view.engine, view.rank)
+            self.cross_rank.rank_gone(view.engine, view.rank, clean)
         rank = view.rank
         self._stream_log(
             "rank_disconnected",

@@ -66,6 +66,18 @@ log = structlog.get_logger("ascend_guard.sidecar")
 GRPC_HARD_CAP_BYTES = 64 * 1024 * 1024
 
 
+def _stream_checks(settings: SidecarSettings) -> list[tuple[str, int]]:
+    """gRPC server options: how often it pings a worker's connection, and how long a ping (or
+    a settings change) may go unacknowledged before it closes the connection."""
+    ping_ms = max(1, int(settings.stream_ping_timeout_s * 1000))
+    return [
+        ("grpc.keepalive_time_ms", max(1, int(settings.stream_keepalive_s * 1000))),
+        ("grpc.keepalive_timeout_ms", ping_ms),
+        ("grpc.http2.ping_timeout_ms", ping_ms),
+        ("grpc.http2.settings_timeout", ping_ms),
+    ]
+
+
 class Sidecar:
     def __init__(self, settings: SidecarSettings) -> None:
         self.settings = settings
@@ -92,6 +104,7 @@ class Sidecar:
                 stale_s=settings.hang_stale_s,
                 wait_s=settings.hang_wait_s,
                 frozen_s=settings.hang_frozen_s,
+                lost_linger_s=settings.engine_linger_s,
             ),
             straggler_threshold_s=settings.straggler_threshold_s,
             incident_sink=self.incidents.add,
@@ -117,6 +130,7 @@ class Sidecar:
             self.ingest.connected,
             linger_s=settings.engine_linger_s,
             connected_gauge=self.metrics.ranks_connected,
+            held=self.cross_rank.hangs.holds,
         )
         # the workload's pod per rank; its entries linger as long as the engine's series
         self.ingest.workloads.linger_s = settings.engine_linger_s
@@ -216,6 +230,7 @@ class Sidecar:
                     max(GRPC_HARD_CAP_BYTES, settings.max_message_bytes * 2),
                 ),
                 ("grpc.so_reuseport", 0),
+                *_stream_checks(settings),
             ],
         )
         # no moment in which the socket is open to everyone: bind under a tight umask, then
@@ -345,7 +360,12 @@ class Sidecar:
                 self.cross_rank,
                 settings.health_host,
                 port,
-                routes={"/coverage": lambda _rest: (200, self.roster.coverage())},
+                routes={
+                    "/coverage": lambda _rest: (
+                        200,
+                        self.roster.coverage(self.cross_rank.hangs.snapshot()),
+                    )
+                },
                 security=settings.security,
                 token=self._token,
                 on_refused=self.auth_refused.labels("http").inc,

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from telemetry.crossrank.hangs import HangSettings
+from telemetry.crossrank.rank_state import HangSettings
 from telemetry.crossrank.ranksync import DEFAULT_STRAGGLER_S
 from telemetry.crossrank.roster import DEFAULT_LINGER_S
 from telemetry.export.otlp import ExportSettings
@@ -183,6 +183,29 @@ class SidecarSettings:
         positive=True,
         help="a rank on this node whose process is stopped (state T) and silent this long is "
         "declared frozen",
+    )
+    # gRPC's own checks on a worker's connection. gRPC closes a connection whose ping (a
+    # keepalive, or the flow-control probe it sends after reading data) goes unacknowledged for
+    # its ping timeout, one minute by default: the stream of a rank that is merely stopped
+    # (SIGSTOP, a debugger, a starved host) then ends, as if the worker had closed it. A stopped
+    # rank is a hang to report, not a connection to drop, and a process that exits closes its
+    # socket itself; so pings may go unanswered for an hour, and keepalives are gRPC's default
+    # (every 2 hours). Both are settings so that tests can make gRPC drop a stopped rank's
+    # stream within seconds (and show that the verdict does not depend on it).
+    stream_ping_timeout_s: float = setting(
+        3600.0,
+        flag="--stream-ping-timeout",
+        kind="duration",
+        positive=True,
+        help="close a worker's connection when a ping on it goes unanswered this long (gRPC's "
+        "own default, 1m, drops the stream of a rank that is merely stopped)",
+    )
+    stream_keepalive_s: float = setting(
+        7200.0,
+        flag="--stream-keepalive",
+        kind="duration",
+        positive=True,
+        help="ping each worker's connection this often (gRPC's default)",
     )
     # liveness records of ranks on this node (telemetry/wire/liveness_record.py); "" = its default
     liveness_dir: str = setting(

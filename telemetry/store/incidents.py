@@ -91,7 +91,9 @@ def open_incident_table(path: str | os.PathLike) -> sqlite3.Connection:
 
 VERDICT = "hang_verdict"  # raised by the sidecar's hang detector (telemetry/crossrank/hangs.py)
 RECOVERY = "hang_recovered"
-SIDECAR_TYPES = (VERDICT, RECOVERY)  # incidents the sidecar raises itself
+CLOSED_VERDICT = "hang_closed"  # a verdict whose named ranks' processes are all gone
+EXIT = "rank_exited"  # a local rank's process ended (its own incident)
+SIDECAR_TYPES = (VERDICT, RECOVERY, CLOSED_VERDICT, EXIT)  # incidents the sidecar raises itself
 
 
 class IncidentLedger:

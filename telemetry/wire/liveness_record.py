@@ -47,6 +47,7 @@ import dataclasses
 import hashlib
 import mmap
 import os
+import signal
 import time
 
 import structlog
@@ -113,6 +114,38 @@ def proc_stat(pid: int) -> tuple[str, int] | None:
         return fields[0].decode(), int(fields[19])
     except (IndexError, ValueError):
         return None
+
+
+def process_exit(pid: int, start_ticks: int) -> dict[str, object] | None:
+    """How the process that was `pid` (started at `start_ticks`) ended, or None while it
+    exists. The exit status is known only while it is a zombie (/proc/<pid>/stat field 52);
+    once its parent reaped it, only that it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            text = handle.read()
+    except OSError:
+        return {"how": "gone", "detail": "process gone; exit status not known (already reaped)"}
+    fields = text[text.rfind(b")") + 2 :].split()
+    try:
+        state, started = fields[0].decode(), int(fields[19])
+    except (IndexError, ValueError):
+        return None
+    if started != start_ticks:
+        return {"how": "gone", "detail": "process gone (its pid now names another process)"}
+    if state not in ("Z", "X"):
+        return None
+    try:
+        code = int(fields[49])
+    except (IndexError, ValueError):
+        return {"how": "gone", "detail": "process exited; exit status not readable"}
+    if code & 0x7F:
+        number = code & 0x7F
+        try:
+            name = signal.Signals(number).name
+        except ValueError:
+            name = str(number)
+        return {"how": "signal", "signal": number, "detail": f"killed by {name}"}
+    return {"how": "exit", "status": code >> 8, "detail": f"exited with status {code >> 8}"}
 
 
 def _make_shared_dir(directory: str) -> None:
@@ -282,6 +315,7 @@ class RecordView:
     seq: int
     call_age_s: float  # how long the current call has run (0 when not in one)
     moves: tuple[int, int]  # (counter, call that returned last): changes while the rank moves
+    start_ticks: int = 0  # the process's start time (/proc/<pid>/stat field 22)
 
     @property
     def stopped(self) -> bool:
@@ -332,6 +366,7 @@ class RecordReader:
             seq=seq if call else 0,
             call_age_s=max(0, now - call_since) / 1e9 if in_call else 0.0,
             moves=(before, left),
+            start_ticks=stat[1],
         )
 
     def ring(self, run_id: str, dp: int, pp: int, tp: int, pid: int) -> list[RingEntry] | None:
@@ -377,6 +412,27 @@ class RecordReader:
         entries.sort(key=lambda e: e.call)
         return entries
 
+    def exit_of(self, pid: int, start_ticks: int) -> dict[str, object] | None:
+        """How the process `pid` started at `start_ticks` ended; None while it exists."""
+        return process_exit(pid, start_ticks)
+
+    def owner(self, run_id: str, dp: int, pp: int, tp: int) -> int | None:
+        """The pid of the live process whose record this rank has, or None (no record, or its
+        process is gone): how a sidecar that restarted finds a rank that cannot reconnect."""
+        path = record_path(self.directory, run_id, dp, pp, tp)
+        try:
+            with open(path, "rb") as handle:
+                head = memoryview(handle.read(64)).cast("Q")
+        except (OSError, TypeError, ValueError):
+            return None
+        if len(head) < 4 or head[0] != MAGIC or head[1] != VERSION:
+            return None
+        pid = head[2]
+        stat = proc_stat(pid)
+        if stat is None or stat[1] != head[3] or stat[0] in ("Z", "X"):
+            return None
+        return pid
+
     def _words(self, path: str, pid: int) -> memoryview | None:
         held = self._open.get(path)
         if held is not None and held[0] == pid:
@@ -420,7 +476,7 @@ class RecordReader:
             held[1].close()
 
     def forget(self, run_id: str, dp: int, pp: int, tp: int) -> None:
-        """The rank's stream ended: let go of its record."""
+        """The rank is forgotten (its process is gone): let go of its record."""
         self._forget(record_path(self.directory, run_id, dp, pp, tp))
 
     def close(self) -> None:

@@ -8,7 +8,8 @@ scrapes both every second and evaluates dashboards/prometheus/{alerts,cluster}.y
 second.
 
 tp1 is frozen (SIGSTOP) as tp0 begins to wait in an all_reduce: AscendGuardClusterRankSilent
-must fire within 10 s naming tp1 (tp, node, pid), seen through /api/v1/alerts. Node A, which
+must hold (pending; it fires after its `for:`) within 10 s naming tp1 (tp, node, pid), seen
+through /api/v1/alerts. Node A, which
 sees only tp0, must say tp1 is "not seen by this sidecar" and hold no verdict of its own.
 """
 
@@ -129,15 +130,16 @@ def test_frozen_rank_on_node_b_is_named_by_the_cluster_rule(two_nodes, tmp_path)
         os.kill(procs[1].pid, signal.SIGSTOP)
         os.kill(procs[0].pid, signal.SIGUSR1)  # tp0 enters all_reduce seq 31 and waits
         frozen = time.monotonic()
+        # the rule holds within FIRE_WITHIN_S: the alert is pending, and fires after its
+        # `for: 30s` (timed by promtool in cluster_test.yml; not waited for here)
         firing = wait_until(
-            lambda: [
-                x for x in alerts(prom, "AscendGuardClusterRankSilent") if x["state"] == "firing"
-            ],
-            FIRE_WITHIN_S + 5, "AscendGuardClusterRankSilent to fire",
+            lambda: alerts(prom, "AscendGuardClusterRankSilent"),
+            FIRE_WITHIN_S + 5, "AscendGuardClusterRankSilent to hold",
         )  # fmt: skip
         took = time.monotonic() - frozen
-        print(f"AscendGuardClusterRankSilent fired {took:.2f}s after the freeze")
-        assert took < FIRE_WITHIN_S, f"fired after {took:.1f}s"
+        print(f"AscendGuardClusterRankSilent pending {took:.2f}s after the freeze")
+        assert took < FIRE_WITHIN_S, f"held after {took:.1f}s"
+        assert firing[0]["state"] == "pending", firing
         assert len(firing) == 1, firing
         labels = firing[0]["labels"]
         assert (labels["tp"], labels["pp"], labels["node"], labels["pid"]) == (

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import faulthandler
 import signal
 import threading
 import time
@@ -118,6 +119,7 @@ def main() -> None:
             tracker.end_wave(wave[0])
         elif args.in_collective:
             record.enter("all_reduce", "tp", SEQ, started)
+    faulthandler.register(signal.SIGUSR2, all_threads=True)  # a stack dump for a stuck test
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     if args.enter_on_usr1:
@@ -136,7 +138,10 @@ def main() -> None:
                 # signal's (C, no Python handler) does not, and the sleep goes on
                 while not done.is_set():
                     ctypes.PyDLL(None).sleep(3600)
-        done.wait()
+        # with a timeout: a SIGTERM the kernel hands to another thread (gRPC's, say) does not
+        # wake a main thread blocked for good in a lock; Python runs handlers in the main one
+        while not done.wait(0.2):
+            pass
 
     if tracker is not None and args.in_collective:  # inside call N+1, as the engine thread
         wave[0] += 1

@@ -86,9 +86,20 @@ def problems(engine: dict[str, Any], expect_local: int | None = None) -> list[st
     """What keeps one engine from full coverage; empty when it is fully covered."""
     out = []
     expected = expect_local or engine["expected_ranks"]
+    quiet = engine.get("without_stream", [])
     if engine["connected_ranks"] < expected:
         missing = ", ".join(engine["missing"][:8]) + (" ..." if len(engine["missing"]) > 8 else "")
-        out.append(f"{engine['connected_ranks']} of {expected} ranks connected (missing {missing})")
+        why = [f"missing {missing}"] if missing else []
+        why += [f"{len(quiet)} known with no stream"] if quiet else []
+        out.append(f"{engine['connected_ranks']} of {expected} ranks connected ({'; '.join(why)})")
+    for r in quiet:  # known to the sidecar, but not streaming: never "covered"
+        state = f", process {r['state']}" if r.get("where") == "local" and r.get("state") else ""
+        out.append(
+            f"dp{r['dp']}/tp{r['tp']}/pp{r['pp']} pid {r['pid']}: {r['stream']} "
+            f"({r['where']}{state})"
+        )
+    if engine.get("hang_verdict"):
+        out.append("a hang verdict stands (ascend-guard hangs --live)")
     if engine["skipped_attach_points"]:
         out.append(f"{engine['skipped_attach_points']} attach point(s) skipped")
     if engine["unreported_attach_points"]:

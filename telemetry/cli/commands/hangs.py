@@ -22,10 +22,17 @@ from telemetry.cli.http_client import (
 from telemetry.cli.table import render_table
 from telemetry.spans.query import QueryError
 from telemetry.store import connect
-from telemetry.store.incidents import RECOVERY, VERDICT, IncidentFilter, list_incidents
+from telemetry.store.incidents import (
+    CLOSED_VERDICT,
+    EXIT,
+    RECOVERY,
+    VERDICT,
+    IncidentFilter,
+    list_incidents,
+)
 from telemetry.wire import paths
 
-HANG_TYPES = (VERDICT, RECOVERY, "hang_suspected")
+HANG_TYPES = (VERDICT, RECOVERY, CLOSED_VERDICT, EXIT, "hang_suspected")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -95,6 +102,19 @@ def _row(time_ns: int, kind: str, ev: dict) -> tuple:
             v.get("wave", ""),
             f"stall {ev.get('stall_s')}s",
         )
+    if kind == CLOSED_VERDICT:  # ended without the ranks moving again: not a recovery
+        v = ev.get("verdict", {})
+        return (
+            clock(time_ns), "closed", ev.get("engine", ""), ev.get("dp", ""),
+            _ranks(v.get("stopped", [])), _where(v), "-", v.get("wave", ""),
+            f"after {ev.get('stall_s')}s: {ev.get('why', '')}",
+        )  # fmt: skip
+    if kind == EXIT:
+        return (
+            clock(time_ns), "rank_exited", ev.get("engine", ""), ev.get("dp", ""),
+            f"tp{ev.get('tp')}/pid{ev.get('pid')}", "-", "-", ev.get("last_wave", ""),
+            (ev.get("exit") or {}).get("detail", ""),
+        )  # fmt: skip
     return (
         clock(time_ns),
         "watchdog",
@@ -167,6 +187,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+_STREAM_WORDS = {
+    "stream_ended": "on this node; its stream ended, its process is still there",
+    "found": "on this node; found from its liveness record (no stream to this sidecar)",
+    "lost": "not on this node (no liveness record here); its stream was lost, its last state kept",
+    "closed": "its worker closed its stream (shutting down)",
+    "exited": "its process is gone",
+}
+
+
+def _quiet_line(r: dict) -> str:
+    """One rank with no open stream: where it runs, what its stream did, how it is judged."""
+    state = {"T": "stopped (T)", "gone": "gone", "": "not readable"}.get(
+        r.get("state", ""), f"state {r.get('state')}"
+    )
+    exit_info = r.get("exit") or {}
+    how = f" ({exit_info['detail']})" if exit_info.get("detail") else ""
+    process = f"; process {state}" if r.get("where") == "local" else ""
+    return (
+        f"engine {r['engine']} dp{r['dp']}: tp{r['tp']}/pp{r['pp']} pid {r['pid']} "
+        f"[{r['stream']}] {_STREAM_WORDS.get(r['stream'], r['stream'])}{how}{process}; "
+        f"silent {r.get('silent_s')}s"
+    )
+
+
 def _live(args: argparse.Namespace) -> int:
     url = args.live.rstrip("/") + "/hangs"
     try:
@@ -190,6 +234,9 @@ def _live(args: argparse.Namespace) -> int:
     else:
         rows = [_row(int(v["verdict_unix"] * 1e9), VERDICT, v) for v in standing]
         print(render_table(HEADER, rows))
+    for r in body.get("without_stream", []):
+        if not args.engine or r["engine"] == args.engine:
+            print(_quiet_line(r))
     for p in partial:  # ranks on other nodes: no local verdict covers them (docs/cross-node.md)
         ranks = ", ".join(f"tp{r['tp']}/pp{r['pp']}" for r in p["not_seen"])
         print(

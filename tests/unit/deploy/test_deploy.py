@@ -382,7 +382,7 @@ def test_sidecar_down_and_skipped_attach_points_alert():
 
 INCIDENT_TYPES = (
     "logits_finite", "token_repeat", "token_range", "spec_acceptance", "hang_suspected",
-    "hang_verdict", "hang_recovered", "config_reload_failed", "config_needs_restart",
+    "hang_verdict", "hang_recovered", "hang_closed", "rank_exited", "config_reload_failed", "config_needs_restart",
     "kv_layout", "rotary_capacity", "graph_workspace_leak",
 )  # fmt: skip
 
@@ -390,10 +390,12 @@ INCIDENT_TYPES = (
 def test_incident_type_list_is_the_codes():
     """Every type the code raises is in INCIDENT_TYPES (scanned from the sources)."""
     raised = set()
-    for path in [*ROOT.glob("guard/**/*.py"), *ROOT.glob("ascend_runtime/**/*.py"), ROOT / "telemetry/crossrank/hangs.py"]:  # fmt: skip
+    for path in [*ROOT.glob("guard/**/*.py"), *ROOT.glob("ascend_runtime/**/*.py"), ROOT / "telemetry/crossrank/hangs.py", ROOT / "telemetry/store/incidents.py"]:  # fmt: skip
         text = path.read_text()
         raised |= set(re.findall(r"(?:incident|_report|report)\(\s*\"([a-z_]+)\"", text))
-        raised |= set(re.findall(r"^(?:VERDICT|RECOVERY) = \"([a-z_]+)\"", text, re.M))
+        raised |= set(
+            re.findall(r"^(?:VERDICT|RECOVERY|CLOSED_VERDICT|EXIT) = \"([a-z_]+)\"", text, re.M)
+        )
     from guard.config.detectors import DetectorsConfig
 
     detectors = {

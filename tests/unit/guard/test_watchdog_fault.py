@@ -124,6 +124,36 @@ def test_collective_delay_lands_before_the_first_matching_call_of_the_wave():
     assert tracker.finished[-1].injected_delay_ns > 0
 
 
+def test_inside_collective_blocks_after_entry_while_the_call_is_reported_as_current():
+    """The point a stuck transport hangs at: the call is entered (numbered, current, what
+    heartbeats and the liveness record report), then the rank stays in it."""
+    tracker = CollectiveTracker(
+        CollectivesConfig(), wave_source=lambda: 4,
+        describe_group=lambda g: GroupMeta(g.unique_name, "shm", 1, 2),
+    )  # fmt: skip
+    seen = []
+    config = FaultInjectionConfig(
+        enabled=True, tp_rank=-1, at_wave=4, delay_ms=250, where="inside_collective"
+    )
+    injector = FaultInjector(
+        config, tracker, lambda: (0, 0, 0), sleep=lambda s: seen.append((s, tracker.current))
+    )
+    tracker.roll(4)
+    injector.begin_wave(4)
+
+    class G:
+        unique_name = "tp"
+
+    g = G()
+    tracker.run("all_gather", lambda self: None, g, (), {}, lambda *a: (0, None))
+    assert seen == []
+    tracker.run("all_reduce", lambda self: None, g, (), {}, lambda *a: (0, None))
+    tracker.run("all_reduce", lambda self: None, g, (), {}, lambda *a: (0, None))
+    assert len(seen) == 1 and seen[0][0] == 0.25
+    op, group, _, seq, _ = seen[0][1]
+    assert (op, group, seq) == ("all_reduce", "tp", 2)
+
+
 def test_guard_logs_a_loud_warning_when_the_drill_is_on(capsys):
     CollectiveGuard(
         CollectivesConfig(watchdog=False), FaultInjectionConfig(enabled=True),

@@ -145,11 +145,48 @@ def test_a_quiet_laggard_that_peers_wait_for_is_frozen(det):
     assert events[0]["stopped"][0]["tp"] == 1 and events[0]["seq"] == 12
 
 
-def test_a_rank_that_exits_is_not_a_hang(det):
+def test_a_remote_rank_that_closed_its_stream_is_not_a_hang(det):
     beat(det, batch(0), batch(1))
-    det.rank_gone("e", batch(1).rank)
+    det.rank_gone("e", batch(1).rank, clean=True)
     assert beat(det, batch(0), dt=5.0) == []
     assert det.engine_status("nope") is None
+
+
+def test_a_remote_rank_whose_stream_broke_is_lost_and_stays_named_until_it_moves(det):
+    """No record to read (another node): its stream is all there is. Its end is no recovery;
+    the rank stays, `lost`, in its last state, and its peer waiting for it does not clear it."""
+    for _ in range(4):
+        beat(det, batch(0), batch(1))
+    events = beat(det, batch(0, op="all_reduce", seq=12, age_s=0.1), dt=2.5)
+    assert [e["kind"] for e in events] == ["no_heartbeat"]
+    det.rank_gone("e", batch(1).rank)  # the stream breaks while the verdict stands
+    for i in range(30):
+        assert beat(det, batch(0, op="all_reduce", seq=12, age_s=3.0 + i), dt=1.0) == []
+    _, body = det.engine_status("e")
+    lost = next(r for r in body["ranks"] if r["tp"] == 1)
+    assert (lost["where"], lost["stream"]) == ("remote", "lost") and not body["live"]
+    assert det.snapshot()["without_stream"][0]["stream"] == "lost"
+    # it reconnects and moves: a heartbeat made after the verdict, a new wave
+    events = beat(det, batch(0, wave=6), batch(1, wave=6))
+    assert [e["event"] for e in events] == ["hang_recovered"]
+
+
+def test_a_remote_rank_lost_past_the_linger_closes_the_verdict_without_a_recovery():
+    clock = Clock()
+    det = HangDetector(
+        CollectiveMetrics(CollectorRegistry()), HangSettings(lost_linger_s=10.0), clock=clock
+    )
+    det.clock = clock
+    for _ in range(4):
+        beat(det, batch(0), batch(1))
+    assert [e["event"] for e in beat(det, batch(0), dt=2.5)] == ["hang_verdict"]
+    det.rank_gone("e", batch(1).rank)
+    events = []
+    for _ in range(12):
+        events += beat(det, batch(0), dt=1.0)
+    assert [e["event"] for e in events] == ["hang_closed"]
+    assert det.metrics.hang_recoveries.labels("e", "0")._value.get() == 0
+    assert det.metrics.wedged.labels("e", "0")._value.get() == 0
 
 
 def cw(tp, wave, wait_ms, arrival_ms, injected_ms=0.0):
@@ -222,18 +259,37 @@ def test_sidecar_refuses_bad_hang_thresholds(flag, value, message, capsys, monke
     assert message in capsys.readouterr().err
 
 
-def test_a_late_checker_counts_its_lateness_and_skips_judging_after_a_long_gap() -> None:
+def test_a_late_checker_counts_its_lateness_and_judges_only_once_ingest_caught_up() -> None:
     """The sidecar itself starved: the time its checker woke late is counted (verdicts due
-    meanwhile came that much later), and after a gap of over 1 s it judges nothing until the
-    next wake-up, since it has not been reading the streams either."""
+    meanwhile came that much later), and after a late wake-up it judges nothing, neither
+    verdict nor recovery, until every open stream was read since (or stale_s passed)."""
+    from telemetry.crossrank.hang_checker import Checker
+
     registry = CollectorRegistry()
-    det = HangDetector(CollectiveMetrics(registry), HangSettings(check_interval_s=0.1))
+    clock = Clock()
+    det = HangDetector(CollectiveMetrics(registry), HangSettings(check_interval_s=0.1), clock=clock)
+    det.observe("e", batch(0))
+    det.observe("e", batch(1))
+    checker = Checker(det.settings, det.metrics, det.check, det.caught_up, clock=clock)
 
     def late() -> float:
         return registry.get_sample_value("ascend_guard_hang_check_late_seconds_total")
 
-    assert det._woke(0.1) and det._woke(0.15) and late() == 0  # on time, or jitter
-    assert det._woke(0.5)
-    assert late() == pytest.approx(0.4)
-    assert not det._woke(3.1)  # far too late: no judgement at this wake-up
-    assert late() == pytest.approx(3.4)
+    def tick(dt: float) -> bool:
+        clock.t += dt
+        return checker.tick()
+
+    assert tick(0.1) and tick(0.15) and late() == 0  # on time, or jitter
+    assert tick(0.3)  # late, counted, but not starved
+    assert late() == pytest.approx(0.2)
+    assert not tick(3.1)  # starved: both ranks look silent for 3 s, and are not judged
+    assert not tick(0.1)
+    det.observe("e", batch(0))  # ingest reads the backlog, one stream after the other
+    assert not tick(0.1)
+    det.observe("e", batch(1))
+    assert tick(0.1) and det.check() == []
+    assert not tick(2.0)  # a rank that truly stopped never delivers: judged after stale_s
+    det.observe("e", batch(0))
+    judged = [tick(0.1) for _ in range(25)]
+    first = judged.index(True)  # from stale_s (2 s) after that wake-up on
+    assert first in (19, 20) and all(judged[first:]), judged

@@ -107,9 +107,17 @@ class StubRecords:
     def __init__(self) -> None:
         self.views: dict[int, RecordView | None] = {}
         self.forgotten: list[int] = []
+        self.exits: dict[int, dict] = {}  # pid -> how it ended (absent: it runs)
+        self.owners: dict[int, int] = {}  # tp -> pid of a record with no stream
 
     def read(self, run_id, dp, pp, tp, pid):
         return self.views.get(tp)
+
+    def exit_of(self, pid, start_ticks):
+        return self.exits.get(pid)
+
+    def owner(self, run_id, dp, pp, tp):
+        return self.owners.get(tp)
 
     def forget(self, run_id, dp, pp, tp):
         self.forgotten.append(tp)
@@ -226,11 +234,88 @@ def test_batches_read_late_neither_hurry_nor_end_a_frozen_verdict(local):
     assert [e["event"] for e in events] == ["hang_recovered"]
 
 
-def test_a_gone_rank_lets_go_of_its_record(local):
+def test_a_local_rank_keeps_its_record_until_its_process_is_gone(local):
+    local.records.views = {0: view(), 1: view()}
     b = batch(1)
     step(local, batch(0), b)
-    local.rank_gone("e", b.rank)
+    local.rank_gone("e", b.rank, clean=True)  # a goodbye: the worker shuts down
+    assert step(local, batch(0)) == [] and local.records.forgotten == []
+    local.records.exits[b.rank.pid] = {"how": "exit", "status": 0, "detail": "exited"}
+    assert step(local, batch(0)) == []  # a shutdown is no incident
     assert local.records.forgotten == [1]
+
+
+def stop_rank_1(local) -> list:
+    """Both ranks speak; then rank 1 is stopped (state T) while rank 0 waits in all_reduce."""
+    local.records.views = {0: view(), 1: view()}
+    for _ in range(5):
+        step(local, batch(0), batch(1))
+    local.records.views[1] = view("T")
+    events = []
+    for i in range(20):
+        local.records.views[0] = view(op="all_reduce", seq=40, age=0.1 * i)
+        events += step(local, batch(0, op="all_reduce", seq=40, age_s=0.1 * i))
+    return events
+
+
+def test_a_stopped_local_rank_whose_stream_ends_stays_named_until_it_moves(local):
+    """gRPC may close a stopped rank's connection (an unanswered ping): the rank is local, its
+    process exists, so it is still stopped and its verdict stands; it is back once it runs
+    and moves (its record's counters), with no stream yet."""
+    events = stop_rank_1(local)
+    assert [e["kind"] for e in events] == ["no_heartbeat"]
+    local.rank_gone("e", batch(1).rank)  # the stream broke
+    for i in range(600):  # a minute
+        local.records.views[0] = view(op="all_reduce", seq=40, age=2.0 + 0.1 * i)
+        assert step(local, batch(0, op="all_reduce", seq=40, age_s=2.0 + 0.1 * i)) == []
+    _, body = local.engine_status("e")
+    rank1 = next(r for r in body["ranks"] if r["tp"] == 1)
+    assert (rank1["where"], rank1["stream"], rank1["state"]) == ("local", "stream_ended", "T")
+    assert not body["live"] and "not_seen" not in body["replicas"][0]
+    local.records.views[1] = view("R", moves=(9, 9))  # SIGCONT: it runs and moves
+    local.records.views[0] = view(moves=(7, 7))
+    events = step(local, batch(0))
+    assert [e["event"] for e in events] == ["hang_recovered"]
+
+
+def test_a_local_rank_that_exits_is_its_own_incident_and_its_replica_stays_wedged(local):
+    local.records.views = {0: view(), 1: view()}
+    for _ in range(5):
+        step(local, batch(0), batch(1))
+    local.rank_gone("e", batch(1).rank)  # SIGKILL: the stream breaks ...
+    local.records.exits[1001] = {"how": "signal", "signal": 9, "detail": "killed by SIGKILL"}
+    events = step(local, batch(0))  # ... and its process is gone
+    assert [e["event"] for e in events] == ["rank_exited", "hang_verdict"]
+    assert events[0]["exit"]["signal"] == 9 and events[0]["peers_running"] == 1
+    assert events[1]["kind"] == "rank_exited"
+    assert [r["tp"] for r in events[1]["stopped"]] == [1]
+    for _ in range(100):  # the one rank left waits: no recovery, no end
+        local.records.views[0] = view(op="all_reduce", seq=41, age=1.0)
+        assert step(local, batch(0, op="all_reduce", seq=41, age_s=1.0)) == []
+    assert not local.engine_status("e")[0]
+    # its peer is torn down too: the verdict is closed, never recovered
+    local.rank_gone("e", batch(0).rank, clean=True)
+    local.records.exits[1000] = {"how": "exit", "status": 0, "detail": "exited with status 0"}
+    events = step(local)
+    assert [e["event"] for e in events] == ["rank_exited", "hang_closed"]
+    assert local.metrics.hang_recoveries.labels("e", "0")._value.get() == 0
+    assert local.metrics.wedged.labels("e", "0")._value.get() == 0
+    assert local.engine_status("e") is None
+
+
+def test_a_restarted_sidecar_finds_a_stopped_rank_from_its_record(local):
+    """A fresh detector (the sidecar restarted): rank 0 reconnects and waits in all_reduce;
+    rank 1 is stopped and cannot reconnect. Its record names it; it is named within
+    --hang-after of rank 0's return, never "every engine is moving"."""
+    local.records.owners = {1: 4242}
+    local.records.views = {0: view(op="all_reduce", seq=40, age=30.0), 1: view("T")}
+    events, t = [], 0.0
+    while not events and t < 2.0:
+        t += 0.1
+        events += step(local, batch(0, op="all_reduce", seq=40, age_s=30.0 + t))
+    assert [e["kind"] for e in events] == ["no_heartbeat"], t
+    assert [(r["tp"], r["pid"], r["stream"]) for r in events[0]["stopped"]] == [(1, 4242, "found")]
+    assert (events[0]["op"], events[0]["seq"]) == ("all_reduce", 40)
 
 
 def test_the_collective_tracker_writes_the_call_it_is_in(tmp_path):

@@ -126,12 +126,12 @@ def test_wait_sums_count_column_batches_as_the_writer_hands_them(det):
     assert [s[1] for s in got["ascend_guard_rank_collective_waves_total"]] == [3]
 
 
-def test_a_rank_whose_stream_ends_leaves_the_gauges(det):
+def test_a_rank_whose_worker_closed_its_stream_leaves_the_gauges(det):
     gauges = RankGauges(det.rank_facts)
     for tp in (0, 1):
         det.observe("moe", batch(tp, done=3))
         gauges.count("moe", batch(tp, done=3))
-    det.rank_gone("moe", batch(1).rank)
+    det.rank_gone("moe", batch(1).rank, clean=True)  # a remote rank's goodbye
     got = scrape(gauges)
     assert [s[0]["tp"] for s in got["ascend_guard_rank_last_seen_timestamp_seconds"]] == ["0"]
     assert [s[0]["tp"] for s in got["ascend_guard_rank_collective_waves_total"]] == ["0"]

@@ -124,7 +124,7 @@ def test_both_dp_engines_are_listed_and_a_frozen_one_is_named_alone(det):
 
 def test_a_rank_gone_from_one_replica_leaves_the_other(det):
     beat(det, heartbeat(0), heartbeat(1))
-    det.rank_gone("e", rank(1))
+    det.rank_gone("e", rank(1), clean=True)  # its worker said goodbye
     body = det.engine_status("e")[1]
     assert [r["dp"] for r in body["replicas"]] == [0]
     assert beat(det, heartbeat(0), dt=5.0) == []
