@@ -182,9 +182,15 @@ class HangDetector:
                 self._forget_rank(key, ranks, state)
                 return
         log.info(
-            "rank_stream_ended", engine=engine, dp=rank.dp_rank, tp=rank.tp_rank,
-            pp=rank.pp_rank, pid=rank.pid, clean=clean, now=state.status,
-        )  # fmt: skip
+            "rank_stream_ended",
+            engine=engine,
+            dp=rank.dp_rank,
+            tp=rank.tp_rank,
+            pp=rank.pp_rank,
+            pid=rank.pid,
+            clean=clean,
+            now=state.status,
+        )
 
     def _forget_rank(self, key: Replica, ranks: dict[RankKey, RankState], state: RankState):
         rank = state.rank
@@ -294,8 +300,11 @@ class HangDetector:
             self._forget_rank(key, states, state)
             log.info("rank_left", engine=key.engine, dp=key.dp, tp=rank.tp_rank, pid=rank.pid)
             return
-        state.exited = {**ended, "exited_unix": round(time.time(), 3),
-                        "stream": "closed" if state.stream_closed else "broke"}  # fmt: skip
+        state.exited = {
+            **ended,
+            "exited_unix": round(time.time(), 3),
+            "stream": "closed" if state.stream_closed else "broke",
+        }
         state.proc_state, state.stopped_since = "gone", 0.0
         peers = sum(1 for s in states.values() if s.status not in (EXITED, CLOSED))
         events.append(self._exit(key, state, peers))
@@ -328,6 +337,7 @@ class HangDetector:
     def _recover(self, verdict: Verdict, now: float) -> dict[str, Any]:
         """The named ranks moved again."""
         stall = max(0.0, now - verdict.onset_mono)
+        # a table: one row per line, columns aligned (fmt: skip)
         event = {
             "event": RECOVERY, "engine": verdict.engine, "run_id": verdict.run_id,
             "how": "moving", "dp": verdict.dp, "kind": verdict.kind, "stall_s": round(stall, 3),
@@ -343,6 +353,7 @@ class HangDetector:
     def _close(self, verdict: Verdict, now: float, why: str) -> dict[str, Any]:
         """The verdict ends without its ranks moving again: not a recovery."""
         stall = max(0.0, now - verdict.onset_mono)
+        # a table: one row per line, columns aligned (fmt: skip)
         event = {
             "event": CLOSED_VERDICT, "engine": verdict.engine, "run_id": verdict.run_id,
             "dp": verdict.dp, "kind": verdict.kind, "stall_s": round(stall, 3), "why": why,
@@ -367,6 +378,7 @@ class HangDetector:
     def _exit(self, key: Replica, state: RankState, peers: int) -> dict[str, Any]:
         rank, ended = state.rank, state.exited or {}
         summary = proc_looks.exit_summary(key, state, ended, peers)
+        # a table: one row per line, columns aligned (fmt: skip)
         event = {
             "event": EXIT, "engine": key.engine, "run_id": key.run_id, "dp": key.dp,
             "tp": rank.tp_rank, "pp": rank.pp_rank, "pid": rank.pid, "node": rank.node,
@@ -376,15 +388,29 @@ class HangDetector:
         log.error("rank_exited", **{k: v for k, v in event.items() if k != "event"})
         info = guard_pb2.RankInfo()
         info.CopyFrom(rank)
-        self._send(key.engine, info, EXIT, "critical" if peers else "warning", summary,
-                   state.last_wave, event)  # fmt: skip
+        self._send(
+            key.engine,
+            info,
+            EXIT,
+            "critical" if peers else "warning",
+            summary,
+            state.last_wave,
+            event,
+        )
         return event
 
     def _emit(
         self, verdict: Verdict, kind: str, severity: str, summary: str, evidence: dict
     ) -> None:
-        self._send(verdict.engine, self._rank_info(verdict), kind, severity, summary,
-                   verdict.wave, evidence)  # fmt: skip
+        self._send(
+            verdict.engine,
+            self._rank_info(verdict),
+            kind,
+            severity,
+            summary,
+            verdict.wave,
+            evidence,
+        )
 
     def _send(
         self,
@@ -399,11 +425,17 @@ class HangDetector:
         if self._sink is None:
             return
         incident = guard_pb2.Incident(
-            schema_version=1, id=f"{self._id_prefix}:{next(self._ids)}", type=kind,
-            severity=severity, wave=wave, time_unix_nano=time.time_ns(), summary=summary,
-            evidence_json=json.dumps(evidence, default=str, sort_keys=True), actions=["report"],
+            schema_version=1,
+            id=f"{self._id_prefix}:{next(self._ids)}",
+            type=kind,
+            severity=severity,
+            wave=wave,
+            time_unix_nano=time.time_ns(),
+            summary=summary,
+            evidence_json=json.dumps(evidence, default=str, sort_keys=True),
+            actions=["report"],
             occurrence=1,
-        )  # fmt: skip
+        )
         try:
             self._sink(engine, rank, incident)
         except Exception:  # noqa: BLE001
@@ -415,9 +447,14 @@ class HangDetector:
             return None
         r = verdict.stopped[0]
         return guard_pb2.RankInfo(
-            run_id=verdict.run_id, engine=verdict.engine, dp_rank=r["dp"], tp_rank=r["tp"],
-            pp_rank=r["pp"], pid=r["pid"], node=r["node"],
-        )  # fmt: skip
+            run_id=verdict.run_id,
+            engine=verdict.engine,
+            dp_rank=r["dp"],
+            tp_rank=r["tp"],
+            pp_rank=r["pp"],
+            pid=r["pid"],
+            node=r["node"],
+        )
 
     # -- liveness -------------------------------------------------------------------------------
     def engine_status(

@@ -94,9 +94,14 @@ def find_unstreamed(
         state = RankState(rank, now, found_at=now, stream_open=False)
         found.append(state)
         log.warning(
-            "rank_found_from_record", engine=key.engine, dp=key.dp, tp=tp, pp=pp, pid=pid,
+            "rank_found_from_record",
+            engine=key.engine,
+            dp=key.dp,
+            tp=tp,
+            pp=pp,
+            pid=pid,
             note="no stream to this sidecar; judged from its liveness record and /proc",
-        )  # fmt: skip
+        )
     return found
 
 

@@ -107,6 +107,7 @@ class RankState:
         return ENDED if self.local else LOST
 
     def describe(self, now: float) -> dict[str, Any]:
+        # a table: one row per line, columns aligned (fmt: skip)
         info: dict[str, Any] = {
             "dp": self.rank.dp_rank, "tp": self.rank.tp_rank, "pp": self.rank.pp_rank,
             "pid": self.rank.pid, "node": self.rank.node, "last_wave": self.last_wave,
@@ -117,8 +118,9 @@ class RankState:
         if self.exited is not None:
             info["exit"] = self.exited
         if self.op:
-            info.update(op=self.op, group=self.group, seq=self.seq,
-                        waiting_s=round(self.waiting_s(now), 3))  # fmt: skip
+            info.update(
+                op=self.op, group=self.group, seq=self.seq, waiting_s=round(self.waiting_s(now), 3)
+            )
             if self.graph:
                 info.update(graph=self.graph, graph_holds=self.graph_holds)
         return info

@@ -152,13 +152,17 @@ class EngineRoster:
             entry = engines.setdefault(
                 engine,
                 {
-                    "engine": engine, "run_ids": set(), "ranks": {},
-                    "tp_size": rank.tp_size or 1, "pp_size": rank.pp_size or 1,
+                    "engine": engine,
+                    "run_ids": set(),
+                    "ranks": {},
+                    "tp_size": rank.tp_size or 1,
+                    "pp_size": rank.pp_size or 1,
                     "dp_size": rank.dp_size or 1,
                 },
-            )  # fmt: skip
+            )
             entry["run_ids"].add(rank.run_id)
             key = (rank.dp_rank, rank.tp_rank, rank.pp_rank)
+            # a table: one row per line, columns aligned (fmt: skip)
             entry["ranks"][key] = {
                 "dp": rank.dp_rank, "tp": rank.tp_rank, "pp": rank.pp_rank, "pid": rank.pid,
                 "node": rank.node, "runner": rank.runner,
@@ -189,8 +193,10 @@ class EngineRoster:
                 r["attach_points"].get("skipped", 0) for r in entry["ranks"]
             )
             entry["unreported_attach_points"] = [
-                f"dp{r['dp']}/tp{r['tp']}/pp{r['pp']}" for r in entry["ranks"] if not r["attach_points"]
-            ]  # fmt: skip
+                f"dp{r['dp']}/tp{r['tp']}/pp{r['pp']}"
+                for r in entry["ranks"]
+                if not r["attach_points"]
+            ]
             out.append(entry)
         return {"engines": sorted(out, key=lambda e: e["engine"])}
 

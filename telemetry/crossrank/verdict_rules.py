@@ -83,12 +83,21 @@ class Verdict:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "engine": self.engine, "run_id": self.run_id, "dp": self.dp, "kind": self.kind,
-            "stopped": self.stopped, "waiting": self.waiting, "op": self.op, "group": self.group,
-            "seq": self.seq, "wave": self.wave, "onset_unix": self.onset_unix,
+            "engine": self.engine,
+            "run_id": self.run_id,
+            "dp": self.dp,
+            "kind": self.kind,
+            "stopped": self.stopped,
+            "waiting": self.waiting,
+            "op": self.op,
+            "group": self.group,
+            "seq": self.seq,
+            "wave": self.wave,
+            "onset_unix": self.onset_unix,
             "verdict_unix": self.verdict_unix,
-            "detect_s": round(self.verdict_unix - self.onset_unix, 3), "summary": self.summary(),
-        }  # fmt: skip
+            "detect_s": round(self.verdict_unix - self.onset_unix, 3),
+            "summary": self.summary(),
+        }
 
 
 def silence_limit(settings: HangSettings, state: RankState) -> float:
@@ -134,10 +143,11 @@ def judge(
     armed = len(judged) > 1 and min(r.last_wave for r in judged.values()) >= s.arm_wave
     # a heartbeat's age is extrapolated to now; it must itself show a long wait, so that a
     # call that ended right after its heartbeat is not taken for a wait
-    waiting = [
-        r for r in alive
-        if r.op and r.op_age_s >= s.wait_s / 2 and r.waiting_s(now) >= s.wait_s
-    ] if armed else []  # fmt: skip
+    waiting = (
+        [r for r in alive if r.op and r.op_age_s >= s.wait_s / 2 and r.waiting_s(now) >= s.wait_s]
+        if armed
+        else []
+    )
     if silent:
         peers = [r for r in alive if r.op]
         kind = "rank_exited" if any(r.status == EXITED for r in silent) else "no_heartbeat"
@@ -150,10 +160,12 @@ def judge(
     # not arrived: has not entered (group, seq) yet, and has been speaking for wait_s (a rank
     # just back from a freeze gets that long to catch up before it is judged again)
     behind = [
-        r for r in alive
-        if r not in at and r.seq_done.get(front.group, 0) < front.seq
+        r
+        for r in alive
+        if r not in at
+        and r.seq_done.get(front.group, 0) < front.seq
         and now - r.speaking_since >= s.wait_s
-    ]  # fmt: skip
+    ]
     if behind:
         return make_verdict(key, "not_arrived", behind, at, now)
     # all arrived: only this sidecar sees the whole replica (a rank on another node may not
@@ -174,15 +186,21 @@ def make_verdict(
     else:
         onset = now - (ref.waiting_s(now) if ref else 0.0)
     return Verdict(
-        engine=engine, run_id=run_id, dp=dp, kind=kind,
-        stopped=[r.describe(now) for r in stopped], waiting=[r.describe(now) for r in waiting],
-        op=ref.op if ref else "", group=ref.group if ref else "", seq=ref.seq if ref else 0,
+        engine=engine,
+        run_id=run_id,
+        dp=dp,
+        kind=kind,
+        stopped=[r.describe(now) for r in stopped],
+        waiting=[r.describe(now) for r in waiting],
+        op=ref.op if ref else "",
+        group=ref.group if ref else "",
+        seq=ref.seq if ref else 0,
         wave=max((r.last_wave for r in waiting), default=max(r.last_wave for r in stopped)),
-        onset_unix=wall - (now - onset), verdict_unix=wall, onset_mono=onset,
-        named={
-            (r.rank.tp_rank, r.rank.pp_rank): (r.rank.pid, progress(r)) for r in stopped
-        },
-    )  # fmt: skip
+        onset_unix=wall - (now - onset),
+        verdict_unix=wall,
+        onset_mono=onset,
+        named={(r.rank.tp_rank, r.rank.pp_rank): (r.rank.pid, progress(r)) for r in stopped},
+    )
 
 
 def back(verdict: Verdict, ranks: dict[RankKey, RankState]) -> bool:

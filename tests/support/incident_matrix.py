@@ -1,7 +1,7 @@
 """The incident matrix: hang faults on a real TP=2 `vllm serve` with a real sidecar, each
 judged from `/live/<engine>` polled every second, as an on-call probe would see it.
 
-Used by tests/e2e/test_incident_matrix.py (short holds) and bench/incidents.py (150 s holds).
+Used by bench/incidents.py (150 s holds; `--hold` for shorter).
 Scenarios, in the order they run on one server (the last one ends it):
 
 - `starvation`: the sidecar SIGSTOPped for 3 s on an idle engine beside two CPU hogs: no verdict;

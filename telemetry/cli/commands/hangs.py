@@ -105,16 +105,28 @@ def _row(time_ns: int, kind: str, ev: dict) -> tuple:
     if kind == CLOSED_VERDICT:  # ended without the ranks moving again: not a recovery
         v = ev.get("verdict", {})
         return (
-            clock(time_ns), "closed", ev.get("engine", ""), ev.get("dp", ""),
-            _ranks(v.get("stopped", [])), _where(v), "-", v.get("wave", ""),
+            clock(time_ns),
+            "closed",
+            ev.get("engine", ""),
+            ev.get("dp", ""),
+            _ranks(v.get("stopped", [])),
+            _where(v),
+            "-",
+            v.get("wave", ""),
             f"after {ev.get('stall_s')}s: {ev.get('why', '')}",
-        )  # fmt: skip
+        )
     if kind == EXIT:
         return (
-            clock(time_ns), "rank_exited", ev.get("engine", ""), ev.get("dp", ""),
-            f"tp{ev.get('tp')}/pid{ev.get('pid')}", "-", "-", ev.get("last_wave", ""),
+            clock(time_ns),
+            "rank_exited",
+            ev.get("engine", ""),
+            ev.get("dp", ""),
+            f"tp{ev.get('tp')}/pid{ev.get('pid')}",
+            "-",
+            "-",
+            ev.get("last_wave", ""),
             (ev.get("exit") or {}).get("detail", ""),
-        )  # fmt: skip
+        )
     return (
         clock(time_ns),
         "watchdog",
