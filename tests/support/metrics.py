@@ -15,6 +15,7 @@ SIDECAR_WIDE = (
     "ascend_guard_rank_gauges_omitted",
     "ascend_guard_store_",
     "ascend_guard_hang_check_late",
+    "ascend_guard_hang_bundle",
 )
 
 
