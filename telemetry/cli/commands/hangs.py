@@ -89,31 +89,22 @@ def _row(time_ns: int, kind: str, ev: dict) -> tuple:
             ev.get("wave", ""),
             f"detect {ev.get('detect_s')}s",
         )
-    if kind == RECOVERY:
+    if kind in (RECOVERY, CLOSED_VERDICT):  # closed: ended without the ranks moving again
         v = ev.get("verdict", {})
+        if kind == RECOVERY:
+            label, detail = "recovered", f"stall {ev.get('stall_s')}s"
+        else:
+            label, detail = "closed", f"after {ev.get('stall_s')}s: {ev.get('why', '')}"
         return (
             clock(time_ns),
-            "recovered",
+            label,
             ev.get("engine", ""),
             ev.get("dp", ""),
             _ranks(v.get("stopped", [])),
             _where(v),
             "-",
             v.get("wave", ""),
-            f"stall {ev.get('stall_s')}s",
-        )
-    if kind == CLOSED_VERDICT:  # ended without the ranks moving again: not a recovery
-        v = ev.get("verdict", {})
-        return (
-            clock(time_ns),
-            "closed",
-            ev.get("engine", ""),
-            ev.get("dp", ""),
-            _ranks(v.get("stopped", [])),
-            _where(v),
-            "-",
-            v.get("wave", ""),
-            f"after {ev.get('stall_s')}s: {ev.get('why', '')}",
+            detail,
         )
     if kind == EXIT:
         return (
