@@ -215,9 +215,15 @@ def test_a_full_disk_degrades_the_store_and_writing_resumes_when_space_returns(
             )
             assert http_status(f"http://127.0.0.1:{health}/live") == 200
             assert sidecar.proc.poll() is None
-            assert len(log_events(sidecar, "store_degraded")) == 1, sidecar.log()[-3000:]
-            degraded = log_events(sidecar, "store_degraded")[0]
-            assert degraded["reason"] == "disk_full", degraded
+            # one line per degraded episode, not per failed write. A write can succeed while the
+            # volume is full (SQLite reuses pages its own retention freed inside the file): that
+            # ends the episode (store_resumed) and the next failure opens another
+            # the resumes are read before the episodes, so a resume between the two reads cannot
+            # make a count look short
+            resumed_so_far = len(log_events(sidecar, "store_resumed"))
+            episodes = log_events(sidecar, "store_degraded")
+            assert resumed_so_far <= len(episodes) <= resumed_so_far + 1, sidecar.log()[-3000:]
+            assert all(e["reason"] == "disk_full" for e in episodes), episodes
 
             filler.unlink()  # space returns
             wait_for(
@@ -253,7 +259,8 @@ def test_a_full_disk_degrades_the_store_and_writing_resumes_when_space_returns(
 
             text = wait_for(settled, 20, "every wave received and written or counted", sidecar.log)
             resumed = log_events(sidecar, "store_resumed")
-            assert len(resumed) == 1 and resumed[0]["lost_records"] > 0, resumed
+            assert len(resumed) == len(log_events(sidecar, "store_degraded")), resumed
+            assert sum(r["lost_records"] for r in resumed) > 0, resumed
         finally:
             sidecar.stop()
         # the sidecar's own account, and the store read independently, after a clean stop
