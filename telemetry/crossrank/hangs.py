@@ -320,10 +320,12 @@ class HangDetector:
 
     # -- reporting ------------------------------------------------------------------------------
     def _raise(self, verdict: Verdict) -> dict[str, Any]:
-        event = {"event": VERDICT, **verdict.as_dict()}
         if self.bundles is not None:  # named in the incident; written on the bundle thread
             ranks = self._ranks.get(Replica(verdict.run_id, verdict.engine, verdict.dp), {})
-            event["bundle"] = self.bundles.request(event, [r.rank for r in ranks.values()])
+            verdict.bundle = self.bundles.request(
+                {"event": VERDICT, **verdict.as_dict()}, [r.rank for r in ranks.values()]
+            )
+        event = {"event": VERDICT, **verdict.as_dict()}
         m = self.metrics
         m.wedged.labels(verdict.engine, str(verdict.dp)).set(1)
         for r in verdict.stopped:

@@ -66,6 +66,9 @@ class Verdict:
     onset_mono: float
     # (tp, pp) of each named rank -> (pid, progress at the verdict); not part of the report
     named: dict[RankKey, tuple[int, tuple]] = dataclasses.field(default_factory=dict, repr=False)
+    # the evidence bundle the verdict's incident names (bundle.py), so that a standing verdict
+    # shows it too; None where bundles are off
+    bundle: dict[str, Any] | None = None
 
     def summary(self) -> str:
         who = ", ".join(f"tp{r['tp']}/pp{r['pp']} (pid {r['pid']})" for r in self.stopped)
@@ -82,6 +85,7 @@ class Verdict:
         return f"engine {self.engine} dp{self.dp}: {self.kind}: {who} {how}{peers}"
 
     def as_dict(self) -> dict[str, Any]:
+        bundle = {"bundle": self.bundle} if self.bundle is not None else {}
         return {
             "engine": self.engine,
             "run_id": self.run_id,
@@ -97,6 +101,7 @@ class Verdict:
             "verdict_unix": self.verdict_unix,
             "detect_s": round(self.verdict_unix - self.onset_unix, 3),
             "summary": self.summary(),
+            **bundle,
         }
 
 

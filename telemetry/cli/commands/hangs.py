@@ -237,6 +237,9 @@ def _live(args: argparse.Namespace) -> int:
     else:
         rows = [_row(int(v["verdict_unix"] * 1e9), VERDICT, v) for v in standing]
         print(render_table(HEADER, rows))
+        for v in standing:
+            if (v.get("bundle") or {}).get("show"):
+                print(f"evidence, engine {v['engine']} dp{v['dp']}: {v['bundle']['show']}")
     for r in body.get("without_stream", []):
         if not args.engine or r["engine"] == args.engine:
             print(_quiet_line(r))

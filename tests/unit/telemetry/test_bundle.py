@@ -404,7 +404,8 @@ def test_cli_json_list_and_errors(record, tmp_path, capsys):
 
 
 def test_the_checker_names_the_bundle_in_the_incident(tmp_path):
-    """The hook in HangDetector._raise: the verdict's evidence carries the bundle's id and path."""
+    """The hook in HangDetector._raise: the verdict's evidence, and the verdict while it stands,
+    carry the bundle's id and path."""
     from telemetry.crossrank.hangs import HangDetector, HangSettings
     from telemetry.metrics.collectives import CollectiveMetrics
 
@@ -431,3 +432,8 @@ def test_the_checker_names_the_bundle_in_the_incident(tmp_path):
     job = writer._queue.get_nowait()
     assert job.bundle_id == event["bundle"]["id"]
     assert sorted(r.tp_rank for r in job.ranks) == [0, 1]
+    # the standing verdict names it too: /hangs, /live and `hangs --live` show where it is
+    (standing,) = hangs.snapshot()["standing"]
+    assert standing["bundle"]["id"] == event["bundle"]["id"]
+    _, body = hangs.engine_status("eng")
+    assert body["verdicts"][0]["bundle"]["show"] == f"ascend-guard hangs --bundle {job.bundle_id}"
