@@ -23,8 +23,21 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from telemetry.cli.table import render_table  # noqa: E402
-from tests.support.incident_matrix import SCENARIOS, Matrix, summary  # noqa: E402
+from tests.support.incident_matrix import SCENARIOS, Matrix, Outcome, summary  # noqa: E402
 from tools.make_tiny_model import build_tiny_model  # noqa: E402
+
+
+def bundle_cell(o: Outcome) -> str:
+    """The verdict's bundle per rank: role, process state, ring length, an open call, a stack."""
+    return (
+        ", ".join(
+            f"tp{tp} {b['role']} {b['state']} ring {b['ring']}"
+            + (f" open {b['open_op']}" if b["open"] else "")
+            + (" stack" if b["stack"] else " no stack")
+            for tp, b in sorted(o.bundle.items())
+        )
+        or "-"
+    )
 
 
 def main() -> int:
@@ -51,7 +64,7 @@ def main() -> int:
             o.name, "ok" if o.ok else "FAIL", o.detect_s if o.detect_s is not None else "-",
             f"{o.stood}/{o.polls}", o.unanswered, o.false_verdicts, o.wrong_ranks,
             o.recovered_during, o.recovery_s if o.recovery_s is not None else "-",
-            "; ".join(o.notes)[:90],
+            bundle_cell(o), "; ".join(o.notes)[:90],
         )
         for o in outcomes
     ]  # fmt: skip
@@ -67,6 +80,7 @@ def main() -> int:
                 "wrong",
                 "recovered during",
                 "recovery s",
+                "bundle",
                 "notes",
             ),
             rows,

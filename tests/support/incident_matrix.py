@@ -13,6 +13,8 @@ Scenarios, in the order they run on one server (the last one ends it):
 - `tp1_kill`: tp1 SIGKILLed: a rank_exited verdict; what vLLM then does is recorded.
 
 Judged per scenario: the verdict names the right rank(s) within `detect_within_s` of onset;
+its evidence bundle (read while the fault stands) holds each rank's collective ring and, for
+a rank that can answer, its stack;
 every poll after that until the fault ends finds it standing and naming them (`stood` of
 `polls`); no recovery during the fault; recovery (`/live` 200) within 5 s of the end; no
 verdict outside a fault (`false_verdicts`); never another rank (`wrong_ranks`).
@@ -61,6 +63,9 @@ class Outcome:
     recovery_s: float | None = None  # end of the fault -> /live 200
     recovered_during: int = 0  # recovery events while the fault lasted
     notes: list[str] = dataclasses.field(default_factory=list)
+    # the verdict's evidence bundle, per tp rank: role, process state, ring length, whether its
+    # newest collective had not returned, whether it answered with a stack (see `bundle_of`)
+    bundle: dict[int, dict] = dataclasses.field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -241,6 +246,37 @@ class Matrix:
                     out.false_verdicts += 1
                     out.notes.append(f"verdict {e['kind']} at {e['verdict_unix']:.3f}")
 
+    def bundle_of(self, out: Outcome, before: int, timeout: float = 10.0) -> None:
+        """Read the evidence bundle the scenario's first verdict names (written on the
+        sidecar's bundle thread within its stack timeout) into `out.bundle`."""
+        verdicts = [e for e in self.history()[before:] if e["event"] == "hang_verdict"]
+        named = verdicts[0].get("bundle", {}) if verdicts else {}
+        if not named.get("path"):
+            out.notes.append(f"no bundle named: {named or 'no verdict'}")
+            return
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                bundle = json.loads(Path(named["path"]).read_text())
+                break
+            except (OSError, ValueError):
+                if time.monotonic() > deadline:
+                    out.notes.append(f"bundle {named['id']} not written in {timeout:g}s")
+                    return
+                time.sleep(0.2)
+        for rank in bundle["ranks"]:
+            ring = rank["collectives"]["entries"]
+            threads = rank["stack"].get("threads", [])
+            out.bundle[rank["tp"]] = {
+                "role": rank["role"],
+                "state": rank["process"].get("state", "")[:1],
+                "ring": len(ring),
+                "open": bool(ring) and ring[-1]["end_unix"] == "not returned",
+                "open_op": ring[-1]["op"] if ring else "",
+                "stack": rank["stack"]["answered"],
+                "engine_frames": sum(len(t["frames"]) for t in threads if t.get("engine")),
+            }
+
     # -- scenarios ------------------------------------------------------------------------
     def run(self, names: tuple[str, ...] = SCENARIOS) -> list[Outcome]:
         """Run these scenarios in order; their outcomes (all so far: `self.outcomes`)."""
@@ -281,12 +317,15 @@ class Matrix:
                within_s: float = 2.0) -> Outcome:  # fmt: skip
         out = Outcome(name, expect)
         self.wait_healthy()
-        before = len(self.history())
+        before, judge = len(self.history()), self.sidecar
         threads = self.load()
         start_unix, onset = time.time(), time.monotonic()
         start()
         try:
             self.watch(out, onset, onset + self.hold_s, within_s, during)
+            if self.sidecar is not judge:  # restarted meanwhile: all of its history is this fault's
+                before = 0
+            self.bundle_of(out, before)
         finally:
             end()
         ended, end_unix = time.monotonic(), time.time()
@@ -356,6 +395,7 @@ class Matrix:
             return out
         end = onset + self.hold_s
         self.watch(out, onset, end, HANG_WAIT_S + 2.0, lambda t: None)
+        self.bundle_of(out, before)
         end_unix = time.time()
         self.recovered_within(out, end)
         self.stop_load(threads)
