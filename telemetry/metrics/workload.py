@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from prometheus_client.core import GaugeMetricFamily
 
-from telemetry.wire.workload import Workload
+from telemetry.wire.workload import NO_WORKLOAD, Workload
 
 WORKLOAD_INFO = "ascend_guard_rank_workload_info"
 WORKLOAD_LABELS = ("engine", "dp", "tp", "pp", "namespace", "pod", "node")
@@ -55,6 +55,12 @@ class WorkloadBook:
             entry = self._entries.get(key)
             if entry is not None:
                 self._entries[key] = (entry[0], max(entry[1] - 1, 0), self._clock())
+
+    def get(self, engine: str, dp: int, tp: int, pp: int) -> Workload:
+        """The workload of one rank (NO_WORKLOAD when it sent none)."""
+        with self._lock:
+            entry = self._entries.get((engine, dp, tp, pp))
+        return entry[0] if entry is not None else NO_WORKLOAD
 
     def snapshot(self) -> list[tuple[RankKey, Workload]]:
         now = self._clock()

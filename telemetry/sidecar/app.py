@@ -178,17 +178,24 @@ class Sidecar:
         ]
         exporter = None
         if settings.otlp_endpoint:
+            if settings.otlp_requests not in ("all", "off"):
+                raise SidecarStartError(f"--otlp-requests {settings.otlp_requests!r}: all or off")
             exporter = OtlpExporter(
                 ExportSettings(
                     settings.otlp_endpoint,
                     slow_wave_s=settings.otlp_slow_wave_s,
                     keep_one_in=settings.otlp_keep_one_in,
+                    requests=settings.otlp_requests == "all",
                 ),
                 self.drops,
                 self.metrics.registry,
                 socket.gethostname(),
+                store_path=settings.store,
+                workload_of=lambda *rank: self.ingest.workloads.get(*rank),  # made below
             )
             self.incidents.listeners.append(exporter.on_incident)
+            if exporter.settings.requests:
+                store.requests.finished_listeners.append(exporter.on_requests_finished)
             sinks.append(exporter)
         return store, exporter, sinks
 

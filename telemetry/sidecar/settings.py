@@ -107,6 +107,12 @@ class SidecarSettings:
         help="... and 1 in N of the other waves (1: every wave); waves with an incident or "
         "verdict are always kept",
     )
+    otlp_requests: str = setting(
+        "all",
+        flag="--otlp-requests",
+        help="request traces over OTLP: all (each finished request's trace, linked with its "
+        "waves) or off",
+    )
     retention_s: float = setting(
         DEFAULT_RETENTION_S,
         flag="--retention",

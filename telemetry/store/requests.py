@@ -22,6 +22,7 @@ import sqlite3
 import threading
 import time
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 
@@ -70,6 +71,10 @@ class RequestWriter:
         self._lock = threading.Lock()
         self._worker_drops: dict[tuple, tuple[int, int]] = {}
         self.stored_rows = 0
+        # called on the writer thread after each commit with the (rank, pid, idx) of the
+        # requests that write finished (the OTLP exporter's request traces)
+        self.finished_listeners: list[Callable[[list[tuple[int, int, int]]], None]] = []
+        self._committed_finishes: list[tuple[int, int, int]] = []
 
     def collect(self, rank_id: int, rank: guard_pb2.RankInfo, engine: str, batch) -> None:
         cols = batch.request_columns
@@ -118,10 +123,21 @@ class RequestWriter:
             "AND idx = ? AND finished_wave IS NULL",
             finishes,
         )
+        if self.finished_listeners:
+            self._committed_finishes += [(rank, pid, idx) for _, _, rank, pid, idx in finishes]
+
+    def committed(self) -> None:
+        """The transaction of the latest `flush` committed: tell the listeners what finished."""
+        done, self._committed_finishes = self._committed_finishes, []
+        if not done:
+            return
+        for listener in self.finished_listeners:
+            listener(done)
 
     def discard(self) -> None:
         """A failed write: forget what it collected."""
         self._names, self._finishes, self._blocks = [], [], []
+        self._committed_finishes = []
 
     def forget_drops(self, engine: str) -> int:
         """Drop counts of an engine that has left (telemetry/crossrank/roster.py); how many processes."""

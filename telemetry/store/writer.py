@@ -188,6 +188,7 @@ class Store:
                     "INSERT OR IGNORE INTO slow_calls VALUES (?,?,?,?,?,?,?,?,?,?)", slow_rows
                 )
                 self.requests.flush(conn)
+            self.requests.committed()
         # by age every prune_every_s; by size as soon as the cap is passed, so that the file
         # does not grow past its budget between two timed prunes
         if time.monotonic() - self._last_prune >= self._prune_every_s or self._over_budget():

@@ -18,7 +18,8 @@ from google.protobuf import json_format
 from opentelemetry.proto.common.v1 import common_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from telemetry.export.otlp import _attributes, to_otlp
+from telemetry.export.otlp import to_otlp
+from telemetry.export.resource import attributes as _attributes
 from telemetry.spans.builders import Span
 from telemetry.wire import schema
 

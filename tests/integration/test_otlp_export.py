@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from opentelemetry.proto.trace.v1 import trace_pb2
 
 from telemetry.export.otlp import sampled
+from telemetry.store import connect
 from telemetry.wire.trace_ids import format_trace_id, wave_trace_id
 from tests.support.feed import attach_reporter, make_streamer, send_waves, wave_tuple
 from tests.support.otlp_receiver import otlp_receiver
@@ -109,3 +111,117 @@ def test_tail_sampling_keeps_slow_waves_incident_waves_and_one_in_n(receiver, tm
     assert 0 < len(expected - slow - {23}) < 40  # the 1-in-N rule kept some and left others
     names = {s.name for s in servicer.spans}
     assert "incident:logits_finite" in names
+    # the wave roots say why each was kept, so a Collector downstream can keep what is marked
+    kept_for = {
+        int.from_bytes(s.trace_id[8:], "big"): _attrs(s.attributes)["ascend_guard.kept_for"]
+        for s in servicer.spans
+        if s.name == "wave"
+    }
+    assert kept_for[23] == "incident" and kept_for[5] == kept_for[17] == "slow"
+    assert {kept_for[w] for w in expected - slow - {23}} == {"sampled"}
+    (incident,) = [s for s in servicer.spans if s.name == "incident:logits_finite"]
+    assert incident.status.code == trace_pb2.Status.STATUS_CODE_ERROR
+
+
+def _attrs(kvs) -> dict:
+    out = {}
+    for kv in kvs:
+        v = kv.value
+        out[kv.key] = getattr(v, v.WhichOneof("value")) if v.WhichOneof("value") else None
+    return out
+
+
+def test_request_traces_reach_the_receiver_linked_both_ways_under_their_workload(
+    receiver, tmp_path, monkeypatch
+) -> None:
+    """Two ranks of a TP group run simulated vLLM steps (tests/support/request_sim.py: no vLLM
+    here) through the real processor and streamer; the sidecar exports over OTLP. Every finished
+    request's trace arrives whole, its wave spans link to the wave traces and the wave roots
+    link back; each span's resource names the engine, the workload's pod and the rank."""
+    from telemetry.wire.trace_ids import request_trace_id
+    from tests.support.request_sim import RANK, Sim, SimRequest, drive, guarded
+
+    servicer, port = receiver
+    monkeypatch.setenv("ASCEND_GUARD_POD_NAME", "vllm-qwen-0")
+    monkeypatch.setenv("ASCEND_GUARD_POD_NAMESPACE", "serving")
+    monkeypatch.setenv("ASCEND_GUARD_NODE_NAME", "node-7")
+    sidecar = SidecarProcess.start(
+        tmp_path,
+        extra_args=("--otlp-endpoint", f"http://127.0.0.1:{port}", "--otlp-keep-one-in", "1"),
+    )
+    truth = []
+    try:
+        for tp in (0, 1):
+            reqs = [
+                SimRequest(
+                    f"cmpl-ot{i}-0", prompt=10 + 30 * i, max_tokens=5 + i, arrive_wave=1 + 2 * i
+                )
+                for i in range(5)
+            ]
+            processor = guarded(tp=tp, sidecar=sidecar.address)
+            drive(processor, Sim(reqs, budget=64))
+            processor.close()
+            truth = truth or reqs
+        run, engine = RANK["run_id"], RANK["engine"]
+        # the requests whose finish the store committed (the simulation ends before the last
+        # one's finish is reported: an unfinished request's trace is not exported)
+        conn = connect(sidecar.store_path, readonly=True)
+        finished = {r for (r,) in conn.execute("SELECT request_id FROM requests WHERE end_ns > 0")}
+        conn.close()
+        assert len(finished) >= 4, finished
+        wanted = {
+            request_trace_id(run, engine, 0, r.req_id): r for r in truth if r.req_id in finished
+        }
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            roots = {
+                int.from_bytes(s.trace_id, "big")
+                for s in servicer.snapshot()
+                if s.name == "request"
+            }
+            if roots >= set(wanted):
+                break
+            time.sleep(0.1)
+    finally:
+        sidecar.stop()
+    with servicer.lock:
+        pairs = list(zip(servicer.spans, servicer.resources, strict=True))
+    by_trace: dict[int, list] = {}
+    for span, res in pairs:
+        by_trace.setdefault(int.from_bytes(span.trace_id, "big"), []).append(
+            (span, _attrs(res.attributes))
+        )
+    for trace_id, req in wanted.items():
+        members = by_trace.get(trace_id, [])
+        (root,) = [s for s, _ in members if s.name == "request"]
+        assert _attrs(root.attributes)["ascend_guard.request_id"] == req.req_id
+        steps = {
+            _attrs(s.attributes)["ascend_guard.wave"]: s
+            for s, _ in members
+            if s.name in ("prefill", "decode")
+        }
+        assert set(steps) == set(req.waves), req.req_id  # one span per wave it ran in
+        for wave, span in steps.items():
+            (link,) = span.links
+            assert int.from_bytes(link.trace_id, "big") == wave_trace_id(run, wave, 0)
+        for _, res in members:  # the replica's resource: engine, workload, no one rank
+            assert res["service.name"] == engine and res["k8s.pod.name"] == "vllm-qwen-0"
+            assert res["k8s.namespace.name"] == "serving" and "ascend_guard.tp" not in res
+    # no trace of the unfinished request went out
+    unfinished = {request_trace_id(run, engine, 0, r.req_id) for r in truth} - set(wanted)
+    assert not unfinished & set(by_trace)
+    # wave roots link back to the requests they ran, and say why they were kept
+    for wave in (1, 3):
+        (root,) = [s for s, _ in by_trace[wave_trace_id(run, wave, 0)] if s.name == "wave"]
+        linked = {int.from_bytes(link.trace_id, "big") for link in root.links}
+        ran = {request_trace_id(run, engine, 0, r.req_id) for r in truth if wave in r.waves}
+        assert ran and linked == ran, (wave, linked, ran)
+        assert _attrs(root.attributes)["ascend_guard.kept_for"] == "sampled"
+    # a rank's spans carry that rank's resource: its pid, its coordinates, the workload's node
+    rank_resources = [_attrs(res.attributes) for span, res in pairs if span.name == "rank"]
+    assert {res["ascend_guard.tp"] for res in rank_resources} == {0, 1}
+    assert all(
+        res["process.pid"] == RANK["pid"] and res["k8s.node.name"] == "node-7"
+        for res in rank_resources
+    )
+    assert all(res["service.instance.id"].startswith(f"{run}/dp0/tp") for res in rank_resources)
