@@ -10,8 +10,9 @@ its incidents can arrive, then keeps a wave (all its ranks) when
 - it is one of every `keep_one_in` of the rest (chosen from the wave number, so every rank and
   every sidecar keeps the same waves; 1 keeps every wave).
 
-The wave root says why it was kept (`ascend_guard.kept_for`: incident, slow or sampled), so a
-Collector's tail sampler downstream can keep what this sidecar marks (deploy/otel/). Kept waves'
+The wave root and this node's rank spans say why it was kept (`ascend_guard.kept_for`:
+incident, slow or sampled), so a Collector's tail sampler downstream can keep a whole trace that
+any node marked (deploy/otel/: a wave slow on one node is kept with every node's ranks). Kept waves'
 spans are built with the same builder as `ascend-guard trace` (telemetry/spans/builders.py); wave
 roots link to the request traces of the requests they ran, as the store has them.
 
@@ -128,7 +129,7 @@ def _channel(endpoint: str) -> grpc.Channel:
     return grpc.insecure_channel(target)
 
 
-KEPT_FOR = schema.attr("kept_for")  # on a wave root: incident | slow | sampled
+KEPT_FOR = schema.attr("kept_for")  # on wave roots and rank spans: incident | slow | sampled
 INCIDENT, SLOW, SAMPLED = "incident", "slow", "sampled"
 
 WorkloadOf = Callable[[str, int, int, int], Workload]  # (engine, dp, tp, pp) -> its workload
@@ -308,8 +309,10 @@ class OtlpExporter:
                         span.attributes[KEPT_FOR] = why
                         roots.append(span)
                         out.append((replica, span))
-                    else:
-                        out.append((key, span))
+                        continue
+                    if span.name == "rank":  # this node's mark, where the root is another's
+                        span.attributes[KEPT_FOR] = why
+                    out.append((key, span))
                 kept_records.append(len(out))
                 kept += 1
             coll = columns_of(item.batch)

@@ -111,10 +111,13 @@ def test_tempo_datasource_provisioning():
     assert "ASCEND_GUARD_QUERY_URL=" in text.split("apiVersion")[0]  # documented above
 
 
-def render_link(url: str, labels: dict[str, str], from_ms: int = 1, to_ms: int = 2) -> dict:
-    """The Explore state a data link opens, with Grafana's variables filled in."""
+def render_link(
+    url: str, labels: dict[str, str], from_ms: int = 1, to_ms: int = 2, traces: str = "tempo-uid"
+) -> dict:
+    """The Explore state a data link opens, with Grafana's variables filled in (`traces`: the
+    uid the dashboard's Traces datasource variable holds)."""
     values = {f"__field.labels.{k}": v for k, v in labels.items()}
-    values |= {"__from": str(from_ms), "__to": str(to_ms)}
+    values |= {"__from": str(from_ms), "__to": str(to_ms), "traces": traces}
 
     def fill(match: re.Match) -> str:
         name, _, fmt = match.group(1).partition(":")
@@ -139,9 +142,19 @@ def test_rank_panels_link_to_their_waves_in_the_tempo_datasource():
     links = wave_links()
     titles = {title for title, _ in links}
     assert {"Waves per second by rank", "Step duration p99 by rank", "Last wave by rank"} <= titles
-    uid = yaml.safe_load(TEMPO_YAML.read_text())["datasources"][0]["uid"]
+    # the links open the datasource the Traces variable names (the cluster's Tempo, or a
+    # node's sidecar); by default the provisioned sidecar datasource
+    overview = json.loads(OVERVIEW.read_text())
+    (traces,) = [v for v in overview["templating"]["list"] if v["name"] == "traces"]
+    assert traces["type"] == "datasource" and traces["query"] == "tempo"
+    assert (
+        traces["current"]["value"]
+        == yaml.safe_load(TEMPO_YAML.read_text())["datasources"][0]["uid"]
+    )
+    uid = "cluster-tempo"
     for title, link in links:
-        (pane,) = render_link(link["url"], LABELS).values()
+        assert "ascend-guard-tempo" not in link["url"], title  # no datasource hard-coded
+        (pane,) = render_link(link["url"], LABELS, traces=uid).values()
         assert pane["datasource"] == uid, title
         (query,) = pane["queries"]
         assert query["datasource"] == {"type": "tempo", "uid": uid}
