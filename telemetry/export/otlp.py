@@ -44,7 +44,12 @@ from opentelemetry.proto.trace.v1 import trace_pb2
 from prometheus_client import CollectorRegistry, Counter
 
 from telemetry import store as store_api
-from telemetry.export.resource import ResourceKey, attributes, resource, resource_attributes
+from telemetry.export.resource import (
+    ResourceKey,
+    encoded_attributes,
+    resource,
+    resource_attributes,
+)
 from telemetry.pipeline.writer import STAGE_EXPORT, Drops, Item
 from telemetry.spans.builders import (
     STATUS_ERROR,
@@ -92,6 +97,10 @@ def sampled(wave: int, keep_one_in: int) -> bool:
     return keep_one_in <= 1 or ((wave * _GOLDEN) & _MASK64) % keep_one_in == 0
 
 
+# field numbers of the attributes in OTLP's Span, Span.Event and Span.Link (trace.proto)
+_SPAN_ATTRIBUTES, _EVENT_ATTRIBUTES, _LINK_ATTRIBUTES = 9, 3, 4
+
+
 def to_otlp(span: Span) -> trace_pb2.Span:
     out = trace_pb2.Span(
         trace_id=span.trace_id.to_bytes(16, "big"),
@@ -100,24 +109,21 @@ def to_otlp(span: Span) -> trace_pb2.Span:
         kind=trace_pb2.Span.SPAN_KIND_INTERNAL,
         start_time_unix_nano=span.start_ns,
         end_time_unix_nano=span.end_ns,
-        attributes=attributes(span.attributes),
     )
+    out.MergeFromString(encoded_attributes(_SPAN_ATTRIBUTES, span.attributes))
     if span.parent_id is not None:
         out.parent_span_id = span.parent_id.to_bytes(8, "big")
     if span.status == STATUS_ERROR:
         out.status.code = trace_pb2.Status.STATUS_CODE_ERROR
     for event in span.events:
-        out.events.add(
-            name=event["name"],
-            time_unix_nano=event["time_ns"],
-            attributes=attributes(event["attributes"]),
-        )
+        added = out.events.add(name=event["name"], time_unix_nano=event["time_ns"])
+        added.MergeFromString(encoded_attributes(_EVENT_ATTRIBUTES, event["attributes"]))
     for link in span.links:
-        out.links.add(
+        added = out.links.add(
             trace_id=link["trace_id"].to_bytes(16, "big"),
             span_id=link["span_id"].to_bytes(8, "big"),
-            attributes=attributes(link.get("attributes", {})),
         )
+        added.MergeFromString(encoded_attributes(_LINK_ATTRIBUTES, link.get("attributes", {})))
     return out
 
 

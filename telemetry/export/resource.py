@@ -55,6 +55,40 @@ def attributes(attrs: dict[str, Any]) -> list[common_pb2.KeyValue]:
     return [common_pb2.KeyValue(key=k, value=any_value(v)) for k, v in attrs.items()]
 
 
+_ENCODED: dict[tuple, bytes] = {}  # (field, key, type, value) -> one encoded attribute entry
+_MAX_ENCODED = 200_000
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def encoded_attributes(field: int, attrs: dict[str, Any]) -> bytes:
+    """`attrs` as the wire bytes of repeated KeyValue field `field` of the message that holds
+    them, for `MergeFromString`: protobuf's C code parses them, where adding each KeyValue from
+    Python costs several times more. Entries are cached: most attribute values repeat (run,
+    engine, rank coordinates, op, group)."""
+    tag = bytes([field << 3 | 2])
+    parts = []
+    for key, value in attrs.items():
+        cache_key = (field, key, type(value), value) if not isinstance(value, list) else None
+        entry = _ENCODED.get(cache_key) if cache_key is not None else None
+        if entry is None:
+            kv = common_pb2.KeyValue(key=key, value=any_value(value)).SerializeToString()
+            entry = tag + _varint(len(kv)) + kv
+            if cache_key is not None:
+                if len(_ENCODED) >= _MAX_ENCODED:
+                    _ENCODED.clear()
+                _ENCODED[cache_key] = entry
+        parts.append(entry)
+    return b"".join(parts)
+
+
 def resource_attributes(
     key: ResourceKey, node: str, pid: int = 0, workload: Workload = NO_WORKLOAD
 ) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from telemetry.store.requests import (
     find_requests,
     has_request_tables,
     request_blocks,
-    requests_in_wave,
+    requests_in_waves,
     requests_of_trace,
 )
 from telemetry.wire import schema
@@ -300,20 +300,27 @@ MAX_LINKS = 1024  # links added to one wave span
 
 
 def link_wave_spans(conn: sqlite3.Connection, spans: list[Span]) -> None:
-    """Add to each `wave` root span links to the request traces of the requests it ran."""
+    """Add to each `wave` root span links to the request traces of the requests it ran.
+
+    Roots are taken by replica (the high half of their trace id, which the replica's ranks
+    keep), and each replica's request blocks over the roots' waves are read once."""
     if not spans or not has_request_tables(conn):
         return
+    replicas: dict[int, list[Span]] = {}
     for span in spans:
-        if span.name != "wave" or span.parent_id is not None:
-            continue
-        ranks = store_blocks.ranks(
-            conn,
-            "runs.run_id = ? AND ranks.engine = ? AND ranks.dp = ? AND ranks.tp = 0",
-            (span.run_id, span.engine, span.dp if span.dp is not None else 0),
-        )
-        seen: set[int] = set()
-        for rank in ranks:
-            for trace, req_id in requests_in_wave(conn, rank.id, span.wave):
+        if span.name == "wave" and span.parent_id is None:
+            replicas.setdefault(span.trace_id >> 64, []).append(span)
+    for trace_key, roots in replicas.items():
+        first, last = min(s.wave for s in roots), max(s.wave for s in roots)
+        ran: dict[int, list[tuple[int, str]]] = {}
+        for rank in store_blocks.ranks_of_trace_key(conn, trace_key):
+            if rank.tp != 0:  # membership comes from each stage's tp0 rank
+                continue
+            for wave, found in requests_in_waves(conn, rank.id, first, last).items():
+                ran.setdefault(wave, []).extend(found)
+        for span in roots:
+            seen: set[int] = set()
+            for trace, req_id in ran.get(span.wave, ()):
                 if trace in seen or len(seen) >= MAX_LINKS:
                     continue
                 seen.add(trace)

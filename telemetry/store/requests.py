@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from telemetry.store.blocks import OVERLAP_LOOKBACK
 from telemetry.wire.proto import guard_pb2
 from telemetry.wire.request_columns import Entries, entries, flat_per_row
 from telemetry.wire.trace_ids import (
@@ -264,22 +265,41 @@ def request_blocks(conn: sqlite3.Connection, rank: int, pid: int, first: int, la
         yield decode(blob)
 
 
-def requests_in_wave(conn: sqlite3.Connection, rank_id: int, wave: int) -> list[tuple[int, str]]:
-    found: list[tuple[int, int]] = []  # (pid, idx)
-    for pid, blob in conn.execute(
-        "SELECT pid, columns FROM request_blocks WHERE rank = ? AND first_wave <= ? "
-        "AND last_wave >= ? ORDER BY first_wave DESC LIMIT 8",
-        (rank_id, wave, wave),
+def requests_in_waves(
+    conn: sqlite3.Connection, rank_id: int, first: int, last: int
+) -> dict[int, list[tuple[int, str]]]:
+    """Wave -> (request trace id, request id) of each request that ran in it, for the waves
+    first..last of one rank; each block over the range is read once."""
+    found: dict[int, list[tuple[int, int]]] = {}  # wave -> (pid, idx)
+    misses = 0  # blocks in a row that end before the range: walk back no further than that
+    for pid, block_last, blob in conn.execute(
+        "SELECT pid, last_wave, columns FROM request_blocks WHERE rank = ? AND first_wave <= ? "
+        "ORDER BY first_wave DESC",
+        (rank_id, last),
     ):
+        if block_last < first:
+            misses += 1
+            if misses >= OVERLAP_LOOKBACK:
+                break
+            continue
+        misses = 0
         got = entries(decode(blob))
-        found += [(pid, int(i)) for i in got.index[got.wave == wave]]
-    out = []
-    for pid, idx in found:
-        row = conn.execute(
-            "SELECT trace_hi, trace_lo, request_id FROM requests WHERE rank = ? AND pid = ? "
-            "AND idx = ?",
-            (rank_id, pid, idx),
-        ).fetchone()
-        if row is not None:
-            out.append(((row[0] % 2**64) << 64 | (row[1] % 2**64), row[2]))
+        keep = (got.wave >= first) & (got.wave <= last)
+        for wave, idx in zip(got.wave[keep].tolist(), got.index[keep].tolist(), strict=True):
+            found.setdefault(wave, []).append((pid, idx))
+    names: dict[tuple[int, int], tuple[int, str] | None] = {}
+    out: dict[int, list[tuple[int, str]]] = {}
+    for wave, keys in found.items():
+        for key in keys:
+            if key not in names:
+                row = conn.execute(
+                    "SELECT trace_hi, trace_lo, request_id FROM requests WHERE rank = ? "
+                    "AND pid = ? AND idx = ?",
+                    (rank_id, *key),
+                ).fetchone()
+                names[key] = (
+                    None if row is None else ((row[0] % 2**64) << 64 | (row[1] % 2**64), row[2])
+                )
+            if names[key] is not None:
+                out.setdefault(wave, []).append(names[key])
     return out

@@ -90,6 +90,7 @@ def request_trace_id(run_id: str, engine: str, dp: int, request_id: str) -> int:
     return _digest(f"ascend-guard/request/{run_id}/{engine}/dp{dp}/{request_id}", 16)
 
 
+@functools.lru_cache(maxsize=65536)  # a request's root is linked from every wave it ran in
 def request_span_id(trace_id: int) -> int:
     return _digest(f"ascend-guard/request-span/{trace_id:032x}", 8)
 
