@@ -251,7 +251,9 @@ class Sidecar:
                 f"cannot listen on {settings.listen}: address in use or invalid"
             )
         try:
-            if security.tls or (token and not security.metrics_open):
+            if settings.metrics_port == paths.PORT_OFF:
+                pass  # --metrics-port 0: no /metrics, as 0 means off for every port flag
+            elif security.tls or (token and not security.metrics_open):
                 self._http = start_metrics_server(
                     self.metrics.registry,
                     settings.metrics_host,
@@ -303,7 +305,9 @@ class Sidecar:
         log.info(
             "sidecar_ready",
             listen=settings.listen,
-            metrics=f"http://{settings.metrics_host}:{settings.metrics_port}/metrics",
+            metrics=f"http://{settings.metrics_host}:{settings.metrics_port}/metrics"
+            if settings.metrics_port != paths.PORT_OFF
+            else "off",
             store=settings.store,
             otlp=settings.otlp_endpoint or "off",
         )
@@ -423,7 +427,8 @@ class Sidecar:
         # a table: one row per line, columns aligned (fmt: skip)
         facts = {
             "pid": os.getpid(), "listen": settings.listen, "store": os.path.abspath(settings.store),
-            "metrics_url": f"http://127.0.0.1:{settings.metrics_port}/metrics",
+            "metrics_url": f"http://127.0.0.1:{settings.metrics_port}/metrics"
+                           if settings.metrics_port != paths.PORT_OFF else "",
             "health_url": f"{scheme}://{local}:{self.liveness.port}" if self.liveness else "",
             "query_url": f"{scheme}://{query}:{self.query_api.port}" if self.query_api else "",
             "version": self.build_labels["version"], "wire": self.build_labels["wire"],

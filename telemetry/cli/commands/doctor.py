@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from telemetry.cli.common import LiveFlag, add_sidecar_argument, deprecated, health_base
 from telemetry.cli.http_client import (
     Unreachable,
     add_token_argument,
@@ -44,14 +45,29 @@ def run(args: argparse.Namespace) -> int:
     return main_raw(args.doctor_args)
 
 
+LIVE_OPTIONS = ("--live", "--sidecar")
+SOURCE_TREE = "--source-tree"
+
+
+def _given(argv: Sequence[str], option: str) -> bool:
+    return any(a == option or a.startswith(option + "=") for a in argv)
+
+
 def main_raw(argv: Sequence[str]) -> int:
-    """`ascend-guard doctor ARGS`: `--live` asks the sidecar (imports no vLLM); otherwise the
-    attach-point report of ascend_runtime/doctor/coverage.py, which imports torch/vLLM only when run."""
-    if "--live" in argv:
+    """`ascend-guard doctor ARGS`: `--live` (or `--sidecar URL`) asks the sidecar (imports no
+    vLLM); otherwise the attach-point report of ascend_runtime/doctor/coverage.py, which imports
+    torch/vLLM only when run. `--source PATH` is the old spelling of `--source-tree PATH`
+    (`--source` names where query and trace read)."""
+    if any(_given(argv, option) for option in LIVE_OPTIONS):
         return main(argv)
     from ascend_runtime.doctor.coverage import main as doctor_main
 
-    return doctor_main(list(argv))
+    argv = list(argv)
+    for i, arg in enumerate(argv):
+        if arg == "--source" or arg.startswith("--source="):
+            deprecated("ascend-guard doctor", "--source PATH", f"{SOURCE_TREE} PATH")
+            argv[i] = SOURCE_TREE + arg[len("--source") :]
+    return doctor_main(argv)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,13 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--live",
-        nargs="?",
-        const="",
-        default="",
-        metavar="URL",
-        help="the sidecar's health endpoint (default: the local sidecar's, from "
-        f"${paths.RUNTIME_DIR_ENV}/{paths.DISCOVERY_NAME}, else http://127.0.0.1:{paths.DEFAULT_HEALTH_PORT})",
+        action=LiveFlag,
+        help="ask the running sidecar (`--live URL` is the old spelling of --sidecar URL)",
     )
+    add_sidecar_argument(parser, "health")
     parser.add_argument("--engine", default=None, help="only this engine")
     add_token_argument(parser)
     parser.add_argument(
@@ -114,7 +127,14 @@ def main(argv: Sequence[str]) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0) if exc.code in (0, None) else 2
-    base = (args.live or paths.cli_health_url()).rstrip("/")
+    base = health_base(args)
+    if base is None:
+        off = paths.health_off_locally() or {}
+        print(
+            f"ascend-guard doctor --live: {paths.health_off_message(off, 'doctor --live')}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         status, body = get_json(f"{base}/coverage", token=token_of(args))
     except Unreachable as exc:

@@ -1,17 +1,25 @@
 """`ascend-guard hangs`: hang verdicts, recoveries and watchdog reports, newest first.
 
-From the trace store (what every sidecar on the node recorded), or with `--live URL` from a
-running sidecar's liveness endpoint (verdicts standing right now). `--bundle ID` shows the
-evidence bundle of one verdict (telemetry/crossrank/bundle.py), `--bundle` alone lists them.
+From the trace store (what every sidecar on the node recorded), or with `--live` from a running
+sidecar's health endpoint (verdicts standing right now; `--sidecar URL` names another sidecar).
+`--bundle ID` shows the evidence bundle of one verdict (telemetry/crossrank/bundle.py),
+`--bundle` alone lists them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from telemetry.cli.args import parse_time_ns
-from telemetry.cli.common import add_store_argument, clock
+from telemetry.cli.common import (
+    LiveFlag,
+    add_sidecar_argument,
+    add_store_argument,
+    clock,
+    health_base,
+)
 from telemetry.cli.http_client import (
     Unreachable,
     add_token_argument,
@@ -44,12 +52,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     hangs.add_argument("--limit", type=int, default=50)
     hangs.add_argument(
         "--live",
-        default=None,
-        nargs="?",
-        const=paths.cli_health_url(),
-        metavar="URL",
-        help="ask the running sidecar instead (without URL: the local one, from sidecar.json)",
+        action=LiveFlag,
+        help="ask the running sidecar for the verdicts standing now, instead of the store "
+        "(--sidecar names which; `--live URL` is the old spelling of `--live --sidecar URL`)",
     )
+    add_sidecar_argument(hangs, "health")
     hangs.add_argument(
         "--bundle",
         default=None,
@@ -139,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         raise QueryError(f"--limit: {args.limit} must be 1 or more")
     if args.bundle is not None:
         return _bundle(args)
-    if args.live:
+    if args.live or args.sidecar:
         return _live(args)
     since = parse_time_ns(args.since, "--since")
     conn = connect(args.store, readonly=True)
@@ -215,15 +222,27 @@ def _quiet_line(r: dict) -> str:
 
 
 def _live(args: argparse.Namespace) -> int:
-    url = args.live.rstrip("/") + "/hangs"
+    """Exit 3 while a verdict stands, 0 when none does, 2 when the sidecar cannot be asked
+    (as `doctor --live`)."""
+    base = health_base(args)
+    if base is None:
+        off = paths.health_off_locally() or {}
+        print(
+            f"ascend-guard hangs: {paths.health_off_message(off, 'hangs --live')}", file=sys.stderr
+        )
+        return 2
+    url = base + "/hangs"
     try:
         status, body = get_json(url, 5.0, token_of(args))
     except Unreachable as exc:
-        print(f"ascend-guard hangs: {exc}")
-        return 1
+        print(
+            f"ascend-guard hangs: {exc}; is the sidecar running with --health-port?",
+            file=sys.stderr,
+        )
+        return 2
     if status != 200:
-        print(f"ascend-guard hangs: {url} answered {status}{refusal_hint(status)}")
-        return 1
+        print(f"ascend-guard hangs: {url} answered {status}{refusal_hint(status)}", file=sys.stderr)
+        return 2
     standing = [
         v for v in body.get("standing", []) if not args.engine or v["engine"] == args.engine
     ]

@@ -87,7 +87,7 @@ def test_the_console_script_and_python_dash_m():
         "--tree",
         "--json",
         "--spans",
-        "--api URL",
+        "--sidecar URL",
         "(default: auto)",
         "(default: 1h)",
         "filter flags",
