@@ -135,6 +135,8 @@ class Sidecar:
         # the workload's pod per rank; its entries linger as long as the engine's series
         self.ingest.workloads.linger_s = settings.engine_linger_s
         self.metrics.registry.register(WorkloadInfo(self.ingest.workloads))
+        # hang verdicts and exits name each rank's pod, device and model from the same book
+        self.cross_rank.hangs.workload_of = self.ingest.workloads.get
         self.ingest.on_engine_joined = self.roster.joined
         self.ingest.on_engine_idle = self.roster.idle
         self.ingest.check_engine = self.roster.check

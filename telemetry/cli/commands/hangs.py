@@ -75,8 +75,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_token_argument(hangs)
 
 
+def _rank(r: dict) -> str:
+    """tp1/pid1234, with /dev3 where the rank named the device it opened (its npu-smi id)."""
+    device = f"/dev{r['device']}" if r.get("device") else ""
+    return f"tp{r.get('tp')}/pid{r.get('pid')}{device}"
+
+
 def _ranks(ranks: list[dict]) -> str:
-    return ",".join(f"tp{r.get('tp')}/pid{r.get('pid')}" for r in ranks) or "-"
+    return ",".join(_rank(r) for r in ranks) or "-"
+
+
+def _model(ev: dict) -> str:
+    return f"; model {ev['model_name']}" if ev.get("model_name") else ""
+
+
+def _pods(ev: dict) -> str:
+    """The Kubernetes pods of the stopped ranks, where their workers named them."""
+    pods = sorted(
+        {f"{r.get('namespace', '?')}/{r['pod']}" for r in ev.get("stopped", []) if r.get("pod")}
+    )
+    return f"; pod {', '.join(pods)}" if pods else ""
 
 
 def _where(ev: dict) -> str:
@@ -94,7 +112,7 @@ def _row(time_ns: int, kind: str, ev: dict) -> tuple:
             _where(ev),
             _ranks(ev.get("waiting", [])),
             ev.get("wave", ""),
-            f"detect {ev.get('detect_s')}s",
+            f"detect {ev.get('detect_s')}s{_model(ev)}{_pods(ev)}",
         )
     if kind in (RECOVERY, CLOSED_VERDICT):  # closed: ended without the ranks moving again
         v = ev.get("verdict", {})
@@ -119,11 +137,11 @@ def _row(time_ns: int, kind: str, ev: dict) -> tuple:
             "rank_exited",
             ev.get("engine", ""),
             ev.get("dp", ""),
-            f"tp{ev.get('tp')}/pid{ev.get('pid')}",
+            _rank(ev),
             "-",
             "-",
             ev.get("last_wave", ""),
-            (ev.get("exit") or {}).get("detail", ""),
+            (ev.get("exit") or {}).get("detail", "") + _model(ev),
         )
     return (
         clock(time_ns),
