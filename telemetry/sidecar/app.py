@@ -19,7 +19,7 @@ from concurrent import futures
 
 import grpc
 import structlog
-from prometheus_client import Counter, start_http_server
+from prometheus_client import start_http_server
 
 from telemetry.crossrank.bundle import BundleSettings, BundleWriter
 from telemetry.crossrank.hangs import HangSettings
@@ -29,6 +29,7 @@ from telemetry.crossrank.roster import EngineRoster
 from telemetry.crossrank.view import CrossRankView
 from telemetry.export.otlp import ExportSettings, OtlpExporter
 from telemetry.ingest.service import IngestService
+from telemetry.metrics.auth import auth_refused_counter
 from telemetry.metrics.bundles import BundleMetrics
 from telemetry.metrics.requests import RequestMetrics
 from telemetry.metrics.sink import MetricsSink
@@ -142,12 +143,7 @@ class Sidecar:
         self.ingest.check_engine = self.roster.check
         self.build_labels = build_info.build_labels("sidecar")
         self.metrics.probes["build_info"].labels("", "", "", "", *self.build_labels.values()).set(1)
-        self.auth_refused = Counter(
-            "ascend_guard_auth_refused",
-            "Calls and requests refused for a missing or wrong bearer token, per listener",
-            ["listener"],
-            registry=self.metrics.registry,
-        )
+        self.auth_refused = auth_refused_counter(self.metrics.registry)
         self.liveness: LivenessServer | None = None
         self.query_api: TempoApiServer | None = None
         self._server: grpc.Server | None = None
