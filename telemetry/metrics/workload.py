@@ -5,7 +5,7 @@ on which device, serving which model.
 
 A DaemonSet sidecar's scrape target carries the sidecar's own namespace and pod; this family
 carries the workload's, as the worker sent them when it opened its stream
-(telemetry/wire/workload.py), with the NPU the rank opened (`device`, as npu-smi numbers it)
+(telemetry/wire/workload.py), with the NPU the rank opened (`device`, the node's device id: N of /dev/davinciN)
 and vLLM's `model_name`. The alert rules join it on (instance, engine, dp, tp, pp) to put the
 workload's namespace, pod, node, device and model name on their alerts; the PodMonitors scrape
 with honorLabels, so these labels are kept as they are, not renamed exported_*. Ranks that named
@@ -94,6 +94,7 @@ class WorkloadInfo:
 
 _HELP = (
     "The Kubernetes namespace, pod and node each rank runs in (Downward API), the NPU it "
-    "opened (device, as npu-smi numbers it) and vLLM's model_name, as its worker reported "
+    "opened (device: the node's device id, N of /dev/davinciN) and vLLM's model_name, as its "
+    "worker reported "
     "them; join on engine, dp, tp, pp."
 )

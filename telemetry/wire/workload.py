@@ -11,8 +11,9 @@ that alerts carry the workload's namespace, pod and node.
 With them go the rank's accelerator and its model, which the worker learns once the rank has
 opened its device (guard/stream/placement.py):
 
-- `device`: the id of the NPU (or GPU) the rank opened, as the node numbers it (`npu-smi`, the
-  Ascend npu-exporter's `id`, DCGM's `gpu`): the runtime's device index mapped through
+- `device`: the id of the NPU (or GPU) the rank opened, as the node numbers it (the N of
+  /dev/davinciN, which `npu-smi info -m` maps to NPU and chip ids; for CUDA the host's GPU
+  index, DCGM's `gpu`): the runtime's device index mapped through
   `ASCEND_RT_VISIBLE_DEVICES`, then the container's `ASCEND_VISIBLE_DEVICES` (the Ascend device
   plugin's physical ids), or through `CUDA_VISIBLE_DEVICES`; "" on CPU;
 - `model_name`: the served model name vLLM labels its own metrics with (`model_name`), so that
