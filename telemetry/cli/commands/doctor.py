@@ -190,9 +190,25 @@ def main(argv: Sequence[str]) -> int:
                 f"{e['engine']} ({world}): {e['connected_ranks']} of {e['expected_ranks']} "
                 f"ranks connected; {verdict}"
             )
-        if any(bad.values()):
-            print(
-                "next: for skipped points run `ascend-guard doctor` inside the vLLM container; "
-                "for missing ranks check their sidecar address (docs/runbooks)"
-            )
+        steps = next_steps(engines, args.expect_local)
+        if steps:
+            print("next: " + "; ".join(steps))
     return 1 if any(bad.values()) else 0
+
+
+def next_steps(engines: list[dict[str, Any]], expect_local: int | None = None) -> list[str]:
+    """What to do about the problems these engines have, and only those."""
+    steps: dict[str, None] = {}
+    for e in engines:
+        if e["connected_ranks"] < (expect_local or e["expected_ranks"]) or e.get("without_stream"):
+            steps["for missing ranks check their sidecar address (docs/runbooks)"] = None
+        if e.get("hang_verdict"):
+            steps["for the hang verdict run `ascend-guard hangs --live`"] = None
+        if e["skipped_attach_points"]:
+            steps["for skipped points run `ascend-guard doctor` inside the vLLM container"] = None
+        if e["unreported_attach_points"]:
+            steps[
+                "ranks with no attach-point report yet send one with their next heartbeat "
+                "(about a second after connecting): run doctor --live again"
+            ] = None
+    return list(steps)
