@@ -96,13 +96,35 @@ def physical_device(kind: str, index: int, environ: Mapping[str, str] | None = N
     env = os.environ if environ is None else environ
     ident = str(index)
     for variable in VISIBLE_DEVICES[kind]:
-        listed = [part.strip() for part in env.get(variable, "").split(",") if part.strip()]
+        listed = _listed(env.get(variable, ""), ranges=kind == "npu")
         if not ident.isdigit() or not listed:
             continue
         if int(ident) >= len(listed):
             break  # a list that does not hold the device: not the list the runtime used
         ident = listed[int(ident)]
     return _clean(ident)
+
+
+_RANGE = re.compile(r"(\d+)-(\d+)")
+_NAMED = re.compile(r"[A-Za-z][A-Za-z0-9]*-(\d+)")  # the Ascend Docker Runtime's "Ascend910-3"
+
+
+def _listed(text: str, ranges: bool) -> list[str]:
+    """The entries of a visible-devices list. The Ascend lists also take ranges ("0-3") and
+    device names ("Ascend910-3"); a CUDA list's entries are ids or UUIDs, taken as they are."""
+    out: list[str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        span = _RANGE.fullmatch(part) if ranges else None
+        named = _NAMED.fullmatch(part) if ranges else None
+        if span is not None:
+            out += [str(n) for n in range(int(span[1]), int(span[2]) + 1)]
+        elif named is not None:
+            out.append(named[1])
+        else:
+            out.append(part)
+    return out
 
 
 def served_model_name(model_config: object) -> str:

@@ -84,3 +84,14 @@ def test_model_name_without_a_config_and_odd_characters():
     assert placement.model_name_of(SimpleNamespace()) == ""
     odd = workload.served_model_name(SimpleNamespace(served_model_name='m"} 1\n{x', model=""))
     assert odd == "m___1__x"
+
+
+def test_ascend_lists_take_ranges_and_device_names_and_cuda_uuids_stay_whole():
+    """The Ascend Docker Runtime reads ASCEND_VISIBLE_DEVICES as ids, ranges ("0-3") or
+    names ("Ascend910-3"); a GPU UUID has dashes too and is one entry."""
+    ranges = {"ASCEND_VISIBLE_DEVICES": "0-1,4-5"}
+    assert placement.device_of(runner(dev("npu", 2)), ranges) == "4"
+    named = {"ASCEND_VISIBLE_DEVICES": "Ascend910-6,Ascend910-7"}
+    assert placement.device_of(runner(dev("npu", 1)), named) == "7"
+    uuids = {"CUDA_VISIBLE_DEVICES": "GPU-0-1,GPU-2-3"}
+    assert placement.device_of(runner(dev("cuda", 1)), uuids) == "gpu-2-3"
