@@ -61,7 +61,7 @@ mrv2-overlay: $(STAMP)
 deps: $(STAMP) prometheus deploy-tools dashboard-schema mrv2-overlay
 
 # the attach points vLLM 0.33.0 and 0.34.0 really hold: their wheels' Python source (CUDA builds,
-# downloaded into .cache/compat, never installed or imported) read by `doctor --source`;
+# downloaded into .cache/compat, never installed or imported) read by `doctor --source-tree`;
 # VLLM_ASCEND_SRC=<checkout> adds a vllm-ascend tree, COMPAT_ARGS=--record re-records
 # tests/data/vllm_layouts.json
 compat: $(STAMP)

@@ -27,7 +27,7 @@ import structlog
 from guard.config.reload import LiveConfig
 from guard.config.runtime_guard import RUN_ID_ENV, GuardConfig
 from guard.detectors.host import DetectorHost
-from guard.stream import identity
+from guard.stream import identity, placement
 from guard.stream.evidence import RankEvidence
 from guard.stream.reporter import IncidentReporter
 from guard.stream.spool import IncidentSpool
@@ -408,6 +408,13 @@ class GuardProcessor:
         self._start_membership(rank)
         self._start_live_record(rank)
         self.detector_host.build(config.detectors, rank)
+        # the device this thread opened and the served model, for the sidecar's workload
+        # labels and verdicts (read here: the current device is per thread)
+        try:
+            self.streamer.device = placement.device_of(runner)
+            self.streamer.model_name = placement.model_name_of(runner)
+        except Exception:  # noqa: BLE001 - labels must never stop the guard
+            self.errors.record("placement")
         self.streamer.start(
             rank,
             IncidentSpool(
@@ -424,6 +431,8 @@ class GuardProcessor:
             tp=rank.tp_rank,
             pp=rank.pp_rank,
             runner=rank.runner,
+            device=getattr(self.streamer, "device", ""),
+            model_name=getattr(self.streamer, "model_name", ""),
         )
 
     def _start_membership(self, rank: guard_pb2.RankInfo) -> None:

@@ -34,13 +34,13 @@ TESTED = (
     Tested(
         vllm="0.32.0", vllm_ascend="source tree (attach-point table)", torch_npu="stand-in",
         torch="2.13.0+cpu", platform="ascend-mrv2, ascend-v1",
-        how="attach points found in a vllm-ascend source layout (`doctor --source`, unit tests); "
+        how="attach points found in a vllm-ascend source layout (`doctor --source-tree`, unit tests); "
         "NPU probes against tests/fakes/torch_npu. Not run on an NPU",
     ),
     Tested(
         vllm="—", vllm_ascend="main 182b75e (2026-08-22, verified with vLLM v0.27.1)",
         torch_npu="—", torch="—", platform="ascend-mrv2, ascend-v1",
-        how="`make compat VLLM_ASCEND_SRC=<checkout>` (`doctor --source`): 20 of 20 attach "
+        how="`make compat VLLM_ASCEND_SRC=<checkout>` (`doctor --source-tree`): 20 of 20 attach "
         "points found. Not run on an NPU",
     ),
     Tested(
@@ -59,7 +59,7 @@ TESTED = (
     Tested(
         vllm="0.33.0, 0.34.0 (wheel source)", vllm_ascend="", torch_npu="", torch="—",
         platform="cuda-mrv2, cuda-v1, cpu-mrv2, cpu-v1",
-        how="`make compat` (`doctor --source` on the CUDA wheels' Python): 0 missing; 0.34.0 "
+        how="`make compat` (`doctor --source-tree` on the CUDA wheels' Python): 0 missing; 0.34.0 "
         "holds no V1 runner (10 points not in this version), 0.33.0 no standalone CPU runner (3)",
     ),
     Tested(

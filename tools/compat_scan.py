@@ -6,7 +6,7 @@
 
 For each version, `pip download --no-deps vllm==V` brings the wheel into .cache/compat/ (a CUDA
 build: it is never installed or imported), its `vllm/*.py` files are unpacked next to it, and
-`ascend-guard doctor --source` scans them. A vllm-ascend checkout (`--ascend`, or
+`ascend-guard doctor --source-tree` scans them. A vllm-ascend checkout (`--ascend`, or
 VLLM_ASCEND_SRC) is scanned the same way; PyPI's vllm-ascend is an sdist that pip cannot prepare
 without torch_npu, so there is no download for it. One line per tree: found, missing and
 "not in this version" (a runner the release does not hold). Exit 1 when any point is missing.
@@ -81,7 +81,7 @@ def layout(tree: Path) -> dict:
 def scan(tree: Path) -> tuple[dict, int]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
-        [sys.executable, "-m", "telemetry.cli", "doctor", "--source", str(tree), "--json"],
+        [sys.executable, "-m", "telemetry.cli", "doctor", "--source-tree", str(tree), "--json"],
         capture_output=True, text=True, env=env, cwd=ROOT,
     )  # fmt: skip
     if out.returncode not in (0, 1):

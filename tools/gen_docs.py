@@ -136,6 +136,9 @@ def metric_rows() -> list[tuple[str, ...]]:
     BoundedQueue(1, drops, registry)
     OtlpExporter(ExportSettings("http://localhost:4317"), drops, registry, "docs").close()
     refused_counter(registry)  # the query API's (telemetry/tempo_api/server.py)
+    from telemetry.metrics.auth import auth_refused_counter
+
+    auth_refused_counter(registry)  # every listener's token refusals (telemetry/sidecar/app.py)
     StoreMetrics(registry)  # the store's health (telemetry/metrics/store.py)
     from telemetry.metrics.bundles import BundleMetrics
 

@@ -292,10 +292,30 @@ def collective_lines(rows: Sequence[Row], runtime: str, config: Any = None) -> d
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ascend-guard doctor",
-        description="Show where the guard attaches to vLLM / vllm-ascend and whether it is bound.",
+        description="Show where the guard attaches to vLLM / vllm-ascend and whether it is bound "
+        "(imports torch and vLLM here: several seconds). With --live: ask the running sidecar "
+        "how complete each engine's coverage is (imports neither; "
+        "`ascend-guard doctor --live --help` lists its options).",
     )
     parser.add_argument(
-        "--source", default=None, help="read a vllm-ascend (or vLLM) source tree, without import"
+        "--source-tree",
+        dest="source",
+        default=None,
+        metavar="PATH",
+        help="read a vllm-ascend (or vLLM) source tree, without import (--source PATH: the old "
+        "spelling)",
+    )
+    # handled by telemetry/cli/commands/doctor.py before this parser runs; listed for --help
+    parser.add_argument(
+        "--live",
+        action="store_true",
+        help="ask the running sidecar instead: ranks connected, attach points bound per engine",
+    )
+    parser.add_argument(
+        "--sidecar",
+        metavar="URL",
+        default=None,
+        help="with --live: the sidecar's health endpoint (default: the local sidecar's)",
     )
     parser.add_argument(
         "--runtime",
@@ -306,6 +326,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     return parser
+
+
+def _progress(step: str) -> None:
+    """What doctor is doing, on stderr (its table and JSON go to stdout), so that the seconds
+    spent importing vLLM are not silent."""
+    print(f"ascend-guard doctor: {step} ...", file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace, out: Any = None) -> int:
@@ -338,9 +364,12 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
 
         # what vLLM and torch print while importing belongs on stderr, not in the table or JSON
         with contextlib.redirect_stdout(sys.stderr):
+            _progress("importing torch and vLLM to find the runtime (several seconds)")
             info = detect()
             runtime = args.runtime or info.runtime
-            rows = live_rows(points_for(runtime), info.platform)
+            points = points_for(runtime)
+            _progress(f"runtime {runtime}: binding {len(points)} attach points")
+            rows = live_rows(points, info.platform)
         # a table: one row per line, columns aligned (fmt: skip)
         header = {
             "platform": info.platform, "runtime": runtime, "detected_runtime": info.runtime,

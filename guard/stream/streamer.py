@@ -127,6 +127,10 @@ class Streamer:
         self.incidents_sent = 0
         self.incidents_spooled = 0
         self._security = security  # TLS and/or bearer token (telemetry/wire/transport.py)
+        # the device this rank opened and the model it serves (guard/stream/placement.py), set
+        # before `start`; sent with the Kubernetes workload on every stream
+        self.device = ""
+        self.model_name = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._seq = 0
@@ -263,12 +267,13 @@ class Streamer:
             self._stop.wait(backoff)
             backoff = min(backoff * 2, self._max_backoff_s)
 
-    @staticmethod
-    def _metadata(security: ClientSecurity | None) -> tuple[tuple[str, str], ...] | None:
-        """The stream's gRPC metadata: the bearer token, if any, and the Kubernetes workload
-        this worker runs in (from the Downward API env, telemetry/wire/workload.py)."""
+    def _metadata(self, security: ClientSecurity | None) -> tuple[tuple[str, str], ...] | None:
+        """The stream's gRPC metadata: the bearer token, if any, the Kubernetes workload this
+        worker runs in (from the Downward API env), its device and its model
+        (telemetry/wire/workload.py)."""
         pairs = (security.metadata() if security is not None else None) or ()
-        return (*pairs, *workload.stream_metadata(workload.from_env())) or None
+        where = workload.from_env()._replace(device=self.device, model_name=self.model_name)
+        return (*pairs, *workload.stream_metadata(where)) or None
 
     def _requeue_unconfirmed(self) -> None:
         """Incidents sent on a stream that broke may not have arrived: send them again."""

@@ -34,8 +34,8 @@ FOLLOW_BATCH = 500  # traces (or spans) one poll takes at most
 # spool replayed after a sidecar restart) is not shown; search for it instead
 FOLLOW_LAG_S = 10
 # the last column is left free
-SEARCH_WIDTHS = (12, 6, 9, 5, 32)
-SPAN_WIDTHS = (12, 7, 11, 24, 11, 4)
+SEARCH_WIDTHS = (12, 6, 12, 9, 5, 32)
+SPAN_WIDTHS = (12, 7, 12, 11, 24, 11, 4)
 
 
 def _fixed(cells: tuple, widths: tuple[int, ...], right: tuple[int, ...]) -> str:
@@ -153,8 +153,11 @@ def follow(
             done += 1
             if polls is None or done < polls:
                 time.sleep(interval_s)
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt:  # the way out of a follow: quiet, with the shell's SIGINT status
+        return INTERRUPTED
     except BrokenPipeError:  # piped into head and the like
         pass
     return 0
+
+
+INTERRUPTED = 128 + 2

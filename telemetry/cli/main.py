@@ -73,9 +73,20 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["doctor"]:  # its own parser: options such as --source pass through as-is
-        return doctor.main_raw(argv[1:])
-    args = _parser().parse_args(argv)
+    try:
+        if argv[:1] == ["doctor"]:  # its own parser: options pass through as given
+            return doctor.main_raw(argv[1:])
+        args = _parser().parse_args(argv)
+        return _run(args)
+    except KeyboardInterrupt:  # Ctrl-C: stop quietly, with the shell's status for SIGINT
+        print("", file=sys.stderr)
+        return INTERRUPTED
+
+
+INTERRUPTED = 128 + 2
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         return args.handler(args)
     except BrokenPipeError:  # piped into head and the like: stop quietly

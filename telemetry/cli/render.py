@@ -15,10 +15,11 @@ from telemetry.spans.builders import (
 from telemetry.wire import schema
 
 COORDINATES = ("dp", "tp", "pp")
-SEARCH_HEADER = ("start (UTC)", "root", "duration", "spans", "trace id", "matched")
-SEARCH_RIGHT = (2, 3)
-SPAN_HEADER = ("start (UTC)", "wave", "rank", "span", "duration", "reqs", "trace id")
-SPAN_RIGHT = (1, 4, 5)
+# the engine column: a DaemonSet sidecar serves several engines, whose ranks share coordinates
+SEARCH_HEADER = ("start (UTC)", "root", "engine", "duration", "spans", "trace id", "matched")
+SEARCH_RIGHT = (3, 4)
+SPAN_HEADER = ("start (UTC)", "wave", "engine", "rank", "span", "duration", "reqs", "trace id")
+SPAN_RIGHT = (1, 5, 6)
 
 
 def _attr_value(value: dict[str, Any]) -> Any:
@@ -52,7 +53,12 @@ def search_row(hit: dict, shown_spans: int = 3) -> tuple:
     `by()` / aggregate values in brackets."""
     sets = _spansets(hit)
     parts, left = [], shown_spans
+    engines: dict[str, None] = {}
     for spanset in sets:
+        for span in spanset.get("spans", []):
+            engine = _attributes(span.get("attributes", [])).get(schema.ATTR_ENGINE)
+            if engine:
+                engines[str(engine)] = None
         spans = spanset.get("spans", [])[:left]
         left -= len(spans)
         texts = []
@@ -73,6 +79,7 @@ def search_row(hit: dict, shown_spans: int = 3) -> tuple:
     return (
         clock(int(hit["startTimeUnixNano"])),
         "?" if root.startswith("<") else root,
+        ",".join(engines) or "-",
         f"{ms} ms" if ms else "<1 ms",
         matched,
         hit["traceID"],
@@ -84,6 +91,7 @@ def span_row(span: Span) -> tuple:
     return (
         clock(span.start_ns),
         span.wave,
+        span.engine or "-",
         rank_label(span),
         span.name,
         format_duration_ns(span.duration_ns),
@@ -127,7 +135,10 @@ def print_trees(source, spans: bool, found: list) -> None:
         return
     for hit in found:
         row = search_row(hit)
-        title = f"trace {hit['traceID']}  root {row[1]}  start {row[0]}  {row[2]}  {row[3]} matched"
+        title = (
+            f"trace {hit['traceID']}  root {row[1]}  engine {row[2]}  start {row[0]}  {row[3]}  "
+            f"{row[4]} matched"
+        )
         print_tree(source, hit["traceID"], marked_spans(hit), title)
         print()
 

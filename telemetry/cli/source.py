@@ -8,7 +8,7 @@ Both sources answer in one currency, so a command prints the same rows whichever
   `Span`s (the API source decodes `/ascend-guard/api/spans` and the OTLP protobuf of
   `/api/traces/<id>`).
 
-`auto` (the default) asks the API that `--api`, `$ASCEND_GUARD_QUERY_URL` or the local
+`auto` (the default) asks the API that `--sidecar`, `$ASCEND_GUARD_QUERY_URL` or the local
 sidecar's `sidecar.json` names, unless `--store` names a file; when that API does not answer, it
 says so on stderr and reads the store file directly.
 """
@@ -25,6 +25,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from telemetry.cli.common import DeprecatedAlias, add_sidecar_argument
 from telemetry.cli.http_client import Unreachable, add_token_argument, refusal_hint, token_of
 from telemetry.spans.builders import STATUS_ERROR, STATUS_UNSET, Span
 from telemetry.spans.query import QueryError
@@ -40,19 +41,16 @@ class SourceError(Exception):
 
 
 def add_source_arguments(parser: argparse.ArgumentParser) -> None:
-    """--store, --api, --source, --token-file and --ca-file."""
+    """--store, --sidecar (old spelling: --api), --source, --token-file and --ca-file."""
     parser.add_argument(
         "--store",
         default=None,
         help="read this store file directly, not the API (when no API answers: "
         + paths.CLI_STORE_HELP.removeprefix("trace store (default: "),
     )
+    add_sidecar_argument(parser, "query")
     parser.add_argument(
-        "--api",
-        default=None,
-        metavar="URL",
-        help=f"the sidecar's query API (default: ${paths.QUERY_URL_ENV}, else the local "
-        f"sidecar's query_url from {paths.DISCOVERY_NAME})",
+        "--api", dest="sidecar", action=DeprecatedAlias, metavar="URL", use="--sidecar URL"
     )
     parser.add_argument(
         "--source",
@@ -151,8 +149,16 @@ class ApiSource:
 
     def check(self) -> None:
         """Raises SourceError when the API does not answer its echo."""
-        if self.get("/api/echo", {}, "text/plain").strip() != b"echo":
-            raise SourceError(f"{self.url}/api/echo did not answer 'echo': not a query API")
+        try:
+            answer = self.get("/api/echo", {}, "text/plain")
+        except NotFound:
+            answer = b""
+        if answer.strip() != b"echo":
+            raise SourceError(
+                f"{self.url}/api/echo did not answer 'echo': not a query API (--sidecar names "
+                f"the sidecar's query API here, port {paths.DEFAULT_QUERY_PORT} by default, not "
+                "its health endpoint)"
+            )
 
     def search(self, q: str, start_s: int, end_s: int, limit: int, spss: int) -> list[dict]:
         body = self.get(
@@ -254,9 +260,9 @@ def spans_of_otlp(data) -> list[Span]:
 
 # -- choosing ------------------------------------------------------------------------------
 def api_url(args: argparse.Namespace) -> str | None:
-    """The query API the CLI would ask: --api, else $ASCEND_GUARD_QUERY_URL, else the local
+    """The query API the CLI would ask: --sidecar, else $ASCEND_GUARD_QUERY_URL, else the local
     sidecar's (sidecar.json)."""
-    return args.api or paths.cli_query_url()
+    return args.sidecar or paths.cli_query_url()
 
 
 def open_source(args: argparse.Namespace, command: str) -> StoreSource | ApiSource:
@@ -269,7 +275,7 @@ def open_source(args: argparse.Namespace, command: str) -> StoreSource | ApiSour
     else:
         if not url:
             raise SourceError(
-                f"no query API known: give --api URL, set ${paths.QUERY_URL_ENV}, or start the "
+                f"no query API known: give --sidecar URL, set ${paths.QUERY_URL_ENV}, or start the "
                 "sidecar with --query-port"
             )
         try:

@@ -51,6 +51,7 @@ from telemetry.wire.collective_columns import columns_of, last_seq_by_group
 from telemetry.wire.liveness_record import RecordReader, proc_stat
 from telemetry.wire.proto import guard_pb2
 from telemetry.wire.replica import RankKey, Replica, rank_key, replica_of
+from telemetry.wire.workload import NO_WORKLOAD, Workload
 
 __all__ = ["HangDetector", "HangSettings", "RankFacts", "RankState", "Verdict"]
 
@@ -69,6 +70,12 @@ def _unseen_part(states: dict[RankKey, RankState]) -> dict[str, Any]:
         "not_seen": [{"tp": tp, "pp": pp, "note": NOT_SEEN} for tp, pp in missing],
         "verdict_scope": "the ranks this sidecar sees; for the others, the cluster alert rules",
     }
+
+
+def _placement(where: Workload) -> dict[str, str]:
+    """The per-rank part of a workload a verdict names: pod, namespace, device (known ones)."""
+    named = {"namespace": where.namespace, "pod": where.pod, "device": where.device}
+    return {k: v for k, v in named.items() if v}
 
 
 IncidentSink = Callable[[str, guard_pb2.RankInfo | None, guard_pb2.Incident], Any]
@@ -99,6 +106,9 @@ class HangDetector:
         self._id_prefix = f"sidecar-{os.getpid()}-{time.time_ns()}"
         self.checker = Checker(self.settings, metrics, self.check, self.caught_up)
         self.bundles: BundleWriter | None = None  # evidence bundle per verdict (None: off)
+        # (engine, dp, tp, pp) -> the workload its worker named: Kubernetes pod, device, model
+        # (telemetry/metrics/workload.py's book; None: verdicts name none)
+        self.workload_of: Callable[[tuple[str, int, int, int]], Workload] | None = None
 
     # -- ingest side ----------------------------------------------------------------------------
     def observe(self, engine: str, batch: guard_pb2.Batch) -> None:
@@ -255,6 +265,7 @@ class HangDetector:
             return
         found = judge(self.settings, key, states, now)
         if found is not None and standing is None:
+            self._place(found)
             self.verdicts[key] = found
             events.append(self._raise(found))
         elif found is None and standing is not None:
@@ -319,6 +330,23 @@ class HangDetector:
                     self._forget_rank(key, states, state)
 
     # -- reporting ------------------------------------------------------------------------------
+    def _workload(self, engine: str, dp: int, tp: int, pp: int) -> Workload:
+        if self.workload_of is None:
+            return NO_WORKLOAD
+        try:
+            return self.workload_of((engine, dp, tp, pp))
+        except Exception:  # noqa: BLE001 - a verdict is raised without it rather than lost
+            log.exception("hang_workload_lookup_failed")
+            return NO_WORKLOAD
+
+    def _place(self, verdict: Verdict) -> None:
+        """Each named rank's Kubernetes pod and the device it opened (`npu-smi` points at that
+        chip), and the replica's model name, where its workers named them."""
+        for entry in (*verdict.stopped, *verdict.waiting):
+            where = self._workload(verdict.engine, entry["dp"], entry["tp"], entry["pp"])
+            entry.update(_placement(where))
+            verdict.model_name = verdict.model_name or where.model_name
+
     def _raise(self, verdict: Verdict) -> dict[str, Any]:
         if self.bundles is not None:  # named in the incident; written on the bundle thread
             ranks = self._ranks.get(Replica(verdict.run_id, verdict.engine, verdict.dp), {})
@@ -387,6 +415,10 @@ class HangDetector:
             "exit": ended, "peers_running": peers, "last_wave": state.last_wave,
             "summary": summary,
         }  # fmt: skip
+        where = self._workload(key.engine, key.dp, rank.tp_rank, rank.pp_rank)
+        event.update(_placement(where))
+        if where.model_name:
+            event["model_name"] = where.model_name
         log.error("rank_exited", **{k: v for k, v in event.items() if k != "event"})
         info = guard_pb2.RankInfo()
         info.CopyFrom(rank)

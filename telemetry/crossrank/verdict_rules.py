@@ -64,6 +64,8 @@ class Verdict:
     onset_unix: float  # estimated start of the stall (wall clock)
     verdict_unix: float
     onset_mono: float
+    # the served model name vLLM's metrics carry, as the ranks' workers named it ("" unknown)
+    model_name: str = ""
     # (tp, pp) of each named rank -> (pid, progress at the verdict); not part of the report
     named: dict[RankKey, tuple[int, tuple]] = dataclasses.field(default_factory=dict, repr=False)
     # the evidence bundle the verdict's incident names (bundle.py), so that a standing verdict
@@ -100,6 +102,7 @@ class Verdict:
             "onset_unix": self.onset_unix,
             "verdict_unix": self.verdict_unix,
             "detect_s": round(self.verdict_unix - self.onset_unix, 3),
+            "model_name": self.model_name,
             "summary": self.summary(),
             **bundle,
         }

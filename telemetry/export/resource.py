@@ -13,6 +13,8 @@ filters by workload without knowing this project:
     k8s.pod.name          the workload's pod        > where the worker sent them (Kubernetes)
     k8s.node.name         the workload's node      /
     ascend_guard.run_id, .dp, .tp, .pp             the rank's coordinates
+    ascend_guard.model_name                        the model name vLLM labels its metrics with
+    ascend_guard.device                            the accelerator the rank opened (NPU id)
 
 A wave root belongs to its replica, not to one rank: its resource is the replica's (no tp, pp
 or pid), with the workload of the replica's tp0 rank.
@@ -112,6 +114,8 @@ def resource_attributes(
         ("k8s.namespace.name", workload.namespace),
         ("k8s.pod.name", workload.pod),
         ("k8s.node.name", workload.node),
+        (schema.attr("model_name"), workload.model_name),
+        (schema.attr("device"), workload.device if tp is not None else ""),
     ):
         if value:
             attrs[name] = value

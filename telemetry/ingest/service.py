@@ -263,6 +263,8 @@ class IngestService:
             runner=rank.runner,
             namespace=where.namespace,
             pod=where.pod,
+            device=where.device,
+            model_name=where.model_name,
         )
         return view
 

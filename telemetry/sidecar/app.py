@@ -19,7 +19,7 @@ from concurrent import futures
 
 import grpc
 import structlog
-from prometheus_client import Counter, start_http_server
+from prometheus_client import start_http_server
 
 from telemetry.crossrank.bundle import BundleSettings, BundleWriter
 from telemetry.crossrank.hangs import HangSettings
@@ -29,6 +29,7 @@ from telemetry.crossrank.roster import EngineRoster
 from telemetry.crossrank.view import CrossRankView
 from telemetry.export.otlp import ExportSettings, OtlpExporter
 from telemetry.ingest.service import IngestService
+from telemetry.metrics.auth import auth_refused_counter
 from telemetry.metrics.bundles import BundleMetrics
 from telemetry.metrics.requests import RequestMetrics
 from telemetry.metrics.sink import MetricsSink
@@ -135,17 +136,14 @@ class Sidecar:
         # the workload's pod per rank; its entries linger as long as the engine's series
         self.ingest.workloads.linger_s = settings.engine_linger_s
         self.metrics.registry.register(WorkloadInfo(self.ingest.workloads))
+        # hang verdicts and exits name each rank's pod, device and model from the same book
+        self.cross_rank.hangs.workload_of = self.ingest.workloads.get
         self.ingest.on_engine_joined = self.roster.joined
         self.ingest.on_engine_idle = self.roster.idle
         self.ingest.check_engine = self.roster.check
         self.build_labels = build_info.build_labels("sidecar")
         self.metrics.probes["build_info"].labels("", "", "", "", *self.build_labels.values()).set(1)
-        self.auth_refused = Counter(
-            "ascend_guard_auth_refused",
-            "Calls and requests refused for a missing or wrong bearer token, per listener",
-            ["listener"],
-            registry=self.metrics.registry,
-        )
+        self.auth_refused = auth_refused_counter(self.metrics.registry)
         self.liveness: LivenessServer | None = None
         self.query_api: TempoApiServer | None = None
         self._server: grpc.Server | None = None
@@ -191,7 +189,7 @@ class Sidecar:
                 self.metrics.registry,
                 socket.gethostname(),
                 store_path=settings.store,
-                workload_of=lambda *rank: self.ingest.workloads.get(*rank),  # made below
+                workload_of=lambda *rank: self.ingest.workloads.get(rank),  # made below
             )
             self.incidents.listeners.append(exporter.on_incident)
             if exporter.settings.requests:
@@ -258,7 +256,9 @@ class Sidecar:
                 f"cannot listen on {settings.listen}: address in use or invalid"
             )
         try:
-            if security.tls or (token and not security.metrics_open):
+            if settings.metrics_port == paths.PORT_OFF:
+                pass  # --metrics-port 0: no /metrics, as 0 means off for every port flag
+            elif security.tls or (token and not security.metrics_open):
                 self._http = start_metrics_server(
                     self.metrics.registry,
                     settings.metrics_host,
@@ -310,7 +310,9 @@ class Sidecar:
         log.info(
             "sidecar_ready",
             listen=settings.listen,
-            metrics=f"http://{settings.metrics_host}:{settings.metrics_port}/metrics",
+            metrics=f"http://{settings.metrics_host}:{settings.metrics_port}/metrics"
+            if settings.metrics_port != paths.PORT_OFF
+            else "off",
             store=settings.store,
             otlp=settings.otlp_endpoint or "off",
         )
@@ -430,7 +432,8 @@ class Sidecar:
         # a table: one row per line, columns aligned (fmt: skip)
         facts = {
             "pid": os.getpid(), "listen": settings.listen, "store": os.path.abspath(settings.store),
-            "metrics_url": f"http://127.0.0.1:{settings.metrics_port}/metrics",
+            "metrics_url": f"http://127.0.0.1:{settings.metrics_port}/metrics"
+                           if settings.metrics_port != paths.PORT_OFF else "",
             "health_url": f"{scheme}://{local}:{self.liveness.port}" if self.liveness else "",
             "query_url": f"{scheme}://{query}:{self.query_api.port}" if self.query_api else "",
             "version": self.build_labels["version"], "wire": self.build_labels["wire"],

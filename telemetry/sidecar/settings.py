@@ -9,8 +9,9 @@ function that reads it (`cli_default`); the dataclass default is what an embedde
 benches) gets.
 
 Kinds of value, as the command line writes them: `duration` ("2s", "15m"; the field holds
-seconds), `size` ("16GiB"; the field holds bytes), `octal` ("0660"), `int`, `str`, `flag` (a
-switch). A field with no flag is set only by code.
+seconds), `size` ("16GiB"; the field holds bytes), `octal` ("0660"), `int`, `port` (1-65535,
+or 0: that listener is off; the same for every port flag), `str`, `flag` (a switch). A field
+with no flag is set only by code.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from telemetry.store import DEFAULT_MAX_BYTES, DEFAULT_RETENTION_S
 from telemetry.wire import paths
 from telemetry.wire.transport import ServerSecurity
 
-KINDS = ("duration", "size", "octal", "int", "str", "flag")
+KINDS = ("duration", "size", "octal", "int", "port", "str", "flag")
 
 
 def setting(
@@ -79,8 +80,8 @@ class SidecarSettings:
     metrics_port: int = setting(
         paths.DEFAULT_METRICS_PORT,
         flag="--metrics-port",
-        kind="int",
-        help="port of the Prometheus /metrics endpoint",
+        kind="port",
+        help="port of the Prometheus /metrics endpoint; 0: off",
     )
     metrics_host: str = setting("0.0.0.0", flag="--metrics-host", help="interface for /metrics")
     store: str = setting(
@@ -144,20 +145,22 @@ class SidecarSettings:
     health_port: int = setting(
         paths.DEFAULT_HEALTH_PORT,
         flag="--health-port",
-        kind="int",
+        kind="port",
         cli_default=paths.health_port,
         help="port of /live, /ready, /hangs, /coverage; a busy port stops start-up; 0: off "
         f"(env ${paths.HEALTH_PORT_ENV})",
     )
     health_host: str = setting("0.0.0.0", flag="--health-host", help="interface for /live")
     # Tempo-compatible trace query API (telemetry/tempo_api/) for Grafana; None: the
-    # metrics port + 2 (paths.query_port), 0: off. Same TLS and token as the other listeners.
+    # metrics port + 2, or its own default while /metrics is off (paths.query_port), 0: off.
+    # Same TLS and token as the other listeners.
     query_port: int | None = setting(
         None,
         flag="--query-port",
-        kind="int",
+        kind="port",
         help="port of the Tempo-compatible trace query API for Grafana; default: the metrics "
-        f"port + {paths.QUERY_PORT_OFFSET}; 0: off",
+        f"port + {paths.QUERY_PORT_OFFSET} ({paths.DEFAULT_QUERY_PORT} while --metrics-port is "
+        "0); 0: off",
     )
     query_host: str = setting("0.0.0.0", flag="--query-host", help="interface for the query API")
     # series of an engine whose streams broke stay this long (ranks_connected at 0)

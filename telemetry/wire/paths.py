@@ -55,6 +55,9 @@ DEFAULT_HEALTH_PORT = 9465
 # the Tempo-compatible trace query API (telemetry/tempo_api.py) listens on the metrics port + 2
 # unless told otherwise (9466 by default), so one offset finds it next to a moved /metrics
 QUERY_PORT_OFFSET = 2
+DEFAULT_QUERY_PORT = DEFAULT_METRICS_PORT + QUERY_PORT_OFFSET
+# every port flag (--metrics-port, --health-port, --query-port): 0 turns that listener off
+PORT_OFF = 0
 # owner only; with --socket-group the group may connect too
 DEFAULT_SOCKET_MODE = 0o600
 GROUP_SOCKET_MODE = 0o660
@@ -115,8 +118,13 @@ def health_port(environ: Mapping[str, str] | None = None) -> int:
 
 
 def query_port(metrics_port: int, asked: int | None = None) -> int:
-    """The query API's port: `asked` (`--query-port`; 0 turns it off), else metrics port + 2."""
-    return metrics_port + QUERY_PORT_OFFSET if asked is None else asked
+    """The query API's port: `asked` (`--query-port`; 0 turns it off), else the metrics port
+    + 2, or its own default while /metrics is off (a port is never derived from 0)."""
+    if asked is not None:
+        return asked
+    if metrics_port == PORT_OFF:
+        return DEFAULT_QUERY_PORT
+    return metrics_port + QUERY_PORT_OFFSET
 
 
 def discovery_path(environ: Mapping[str, str] | None = None) -> str:
@@ -157,6 +165,39 @@ def cli_store(environ: Mapping[str, str] | None = None) -> str:
     sidecar's (from `sidecar.json`), else the default under the state directory."""
     env = _env(environ)
     return env.get(STORE_ENV) or read_discovery(env).get("store") or default_store(env)
+
+
+def health_off_locally(environ: Mapping[str, str] | None = None) -> dict[str, Any] | None:
+    """Why the local sidecar has no health endpoint to ask, or None when it may have one:
+    its `sidecar.json` says it runs with `--health-port 0`, or (no sidecar.json)
+    `$ASCEND_GUARD_HEALTH_PORT` is 0. `$ASCEND_GUARD_HEALTH_URL` overrides both."""
+    env = _env(environ)
+    if env.get(HEALTH_URL_ENV):
+        return None
+    facts = read_discovery(env)
+    if "health_url" in facts:
+        return None if facts["health_url"] else facts
+    if env.get(HEALTH_PORT_ENV, "").strip() == str(PORT_OFF):
+        return {"env": f"{HEALTH_PORT_ENV}={PORT_OFF}"}
+    return None
+
+
+def health_off_message(
+    facts: Mapping[str, Any], command: str, environ: Mapping[str, str] | None = None
+) -> str:
+    """What a command that needs the health endpoint says when the local sidecar has none."""
+    if "env" in facts:
+        who = f"${facts['env']} turns the local sidecar's health endpoint off"
+    else:
+        who = (
+            f"the local sidecar (pid {facts.get('pid', '?')}, {discovery_path(environ)}) runs "
+            f"with its health endpoint off (--health-port {PORT_OFF})"
+        )
+    return (
+        f"{who}, so `ascend-guard {command}` has nothing to ask; next: restart the sidecar "
+        f"with --health-port PORT (default {DEFAULT_HEALTH_PORT}), or name another sidecar's "
+        f"health endpoint with --sidecar URL or ${HEALTH_URL_ENV}"
+    )
 
 
 def cli_health_url(environ: Mapping[str, str] | None = None) -> str:

@@ -168,7 +168,7 @@ def test_rank_that_never_arrives_is_named_while_both_still_speak(sidecar_with):
         assert [r["tp"] for r in verdict["stopped"]] == [1]
         assert verdict["stopped"][0]["silent_s"] < 1.0  # it speaks: it is busy elsewhere
         live = subprocess.run(
-            [sys.executable, "-m", "telemetry.cli", "hangs", "--live", f"http://127.0.0.1:{port}"],
+            [sys.executable, "-m", "telemetry.cli", "hangs", "--live", "--sidecar", f"http://127.0.0.1:{port}"],
             cwd=REPO, capture_output=True, text=True, timeout=30,
         )  # fmt: skip
         assert live.returncode == 3 and "not_arrived" in live.stdout

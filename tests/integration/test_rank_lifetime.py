@@ -47,7 +47,7 @@ def verdict_names(body: dict, tp: int) -> bool:
 
 def hangs_live(port: int) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "telemetry.cli", "hangs", "--live", f"http://127.0.0.1:{port}"],
+        [sys.executable, "-m", "telemetry.cli", "hangs", "--live", "--sidecar", f"http://127.0.0.1:{port}"],
         cwd=REPO, capture_output=True, text=True, timeout=30,
     )  # fmt: skip
 
@@ -78,7 +78,7 @@ def test_a_stopped_ranks_stream_dropped_by_grpc_does_not_end_its_verdict(sidecar
         assert live.returncode == 3 and "other nodes" not in live.stdout, live.stdout
         assert "stream_ended" in live.stdout, live.stdout
         doctor = subprocess.run(
-            [sys.executable, "-m", "telemetry.cli", "doctor", "--live", f"http://127.0.0.1:{port}"],
+            [sys.executable, "-m", "telemetry.cli", "doctor", "--live", "--sidecar", f"http://127.0.0.1:{port}"],
             cwd=REPO, capture_output=True, text=True, timeout=30,
         )  # fmt: skip
         assert doctor.returncode == 1, doctor.stdout + doctor.stderr

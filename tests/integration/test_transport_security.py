@@ -334,16 +334,18 @@ def test_the_cli_sends_the_token_to_a_protected_sidecar(started, tmp_path):
             env={**environ, **(env or {})}, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
 
-    refused = cli("hangs", "--live", live)
-    assert refused.returncode == 1 and "answered 401" in refused.stdout, refused
-    assert "--token-file" in refused.stdout
-    with_token = cli("hangs", "--live", live, "--token-file", token_file(tmp_path))
+    refused = cli("hangs", "--live", "--sidecar", live)
+    assert refused.returncode == 2 and "answered 401" in refused.stderr, refused
+    assert "--token-file" in refused.stderr
+    with_token = cli("hangs", "--live", "--sidecar", live, "--token-file", token_file(tmp_path))
     assert with_token.returncode == 0, with_token
     assert "no hang verdict stands" in with_token.stdout
 
-    doctor = cli("doctor", "--live", live)
+    doctor = cli("doctor", "--live", "--sidecar", live)
     assert doctor.returncode == 2 and "answered 401" in doctor.stderr, doctor
-    doctor = cli("doctor", "--live", live, env={paths.TOKEN_FILE_ENV: token_file(tmp_path)})
+    doctor = cli(
+        "doctor", "--live", "--sidecar", live, env={paths.TOKEN_FILE_ENV: token_file(tmp_path)}
+    )
     assert "answered 401" not in doctor.stdout + doctor.stderr, doctor
     assert "no rank connected" in doctor.stdout, doctor
 

@@ -165,7 +165,7 @@ def test_frozen_rank_on_node_b_is_named_by_the_cluster_rule(two_nodes, tmp_path)
         assert hangs["standing"] == [] and hangs["history"] == []
         assert [(p["engine"], p["not_seen"][0]["tp"]) for p in hangs["partial"]] == [(ENGINE, 1)]
         cli = subprocess.run(
-            [sys.executable, "-m", "telemetry.cli", "hangs", "--live", f"http://127.0.0.1:{a_health}"],
+            [sys.executable, "-m", "telemetry.cli", "hangs", "--live", "--sidecar", f"http://127.0.0.1:{a_health}"],
             cwd=REPO, capture_output=True, text=True, timeout=30,
         )  # fmt: skip
         assert cli.returncode == 0, cli.stdout + cli.stderr

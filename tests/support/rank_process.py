@@ -4,7 +4,7 @@ tests freeze one rank with SIGSTOP without starting vLLM.
 
     python -m tests.support.rank_process ADDRESS --engine E --tp 1 --tp-size 2 [--in-collective]
         [--record-dir DIR] [--hold-gil-after S] [--node NAME] [--enter-on-usr1] [--seq-done N]
-        [--tracker-calls N] [--evidence]
+        [--tracker-calls N] [--evidence] [--npu INDEX] [--model-name NAME]
 
 `--enter-on-usr1`: heartbeats say "in all_reduce on tp, seq 31" from the moment SIGUSR1 arrives
 (a peer that starts waiting when the test says so). `--seq-done N`: the first batch reports
@@ -24,7 +24,9 @@ stand-in TP group (each returns at once; a wave every 6 calls, 512 bytes each) b
 so its liveness record's ring and the stream's collective waves both come from the tracker, as in
 a worker. With --in-collective, the main thread then stays inside call N+1 through the tracker
 (the wait, or the GIL-holding sleep, is the collective's body). `--evidence`: the worker's stack
-signal and facts file (guard/stream/evidence.py), as the guard installs them.
+signal and facts file (guard/stream/evidence.py), as the guard installs them. `--npu INDEX`,
+`--model-name NAME`: the device and model the guard reads when streaming starts, from stand-ins
+(torch_npu cannot run here; see `_place`).
 """
 
 from __future__ import annotations
@@ -49,6 +51,26 @@ WAVE = 5
 SEQ = 31
 
 
+def _place(streamer: Streamer, npu: int | None, model_name: str) -> None:
+    """What the guard reads when streaming starts (guard/stream/placement.py), from stand-ins:
+    torch_npu cannot run here, so `torch.npu.current_device()` is a stand-in answering `npu`,
+    and the runner is a stand-in holding what vLLM's runners hold (`device`, `vllm_config`).
+    The visible-devices variables are the process's real environment."""
+    from types import SimpleNamespace
+
+    from guard.stream import placement
+
+    fake_torch = SimpleNamespace(npu=SimpleNamespace(current_device=lambda: npu))
+    runner = SimpleNamespace(
+        device=SimpleNamespace(type="npu", index=None) if npu is not None else None,
+        vllm_config=SimpleNamespace(
+            model_config=SimpleNamespace(served_model_name=model_name, model="/models/x")
+        ),
+    )
+    streamer.device = placement.device_of(runner, torch_module=fake_torch)
+    streamer.model_name = placement.model_name_of(runner)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("address")
@@ -70,6 +92,14 @@ def main() -> None:
     parser.add_argument("--tracker-calls", type=int, default=0,
                         help="the real tracker makes this many all-reduces first")  # fmt: skip
     parser.add_argument("--evidence", action="store_true", help="install the stack signal")
+    parser.add_argument(
+        "--npu",
+        type=int,
+        default=None,
+        metavar="INDEX",
+        help="the rank opened NPU INDEX (a torch_npu stand-in's current device)",
+    )
+    parser.add_argument("--model-name", default="", help="the model vLLM serves (served name)")
     args = parser.parse_args()
     started = time.perf_counter_ns()
     rank = guard_pb2.RankInfo(
@@ -103,6 +133,8 @@ def main() -> None:
         fillers=[FixedHeartbeat(HeartbeatState(WAVE, "execute_model", 0), fill),
                  *([tracker] if tracker is not None else [])],
     )  # fmt: skip
+    if args.npu is not None or args.model_name:
+        _place(streamer, args.npu, args.model_name)
     record = evidence = None
     if args.record_dir is not None:
         record = LivenessRecord.create(args.record_dir, args.run_id, 0, 0, args.tp)

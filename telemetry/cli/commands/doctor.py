@@ -19,6 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from telemetry.cli.common import LiveFlag, add_sidecar_argument, deprecated, health_base
 from telemetry.cli.http_client import (
     Unreachable,
     add_token_argument,
@@ -44,14 +45,29 @@ def run(args: argparse.Namespace) -> int:
     return main_raw(args.doctor_args)
 
 
+LIVE_OPTIONS = ("--live", "--sidecar")
+SOURCE_TREE = "--source-tree"
+
+
+def _given(argv: Sequence[str], option: str) -> bool:
+    return any(a == option or a.startswith(option + "=") for a in argv)
+
+
 def main_raw(argv: Sequence[str]) -> int:
-    """`ascend-guard doctor ARGS`: `--live` asks the sidecar (imports no vLLM); otherwise the
-    attach-point report of ascend_runtime/doctor/coverage.py, which imports torch/vLLM only when run."""
-    if "--live" in argv:
+    """`ascend-guard doctor ARGS`: `--live` (or `--sidecar URL`) asks the sidecar (imports no
+    vLLM); otherwise the attach-point report of ascend_runtime/doctor/coverage.py, which imports
+    torch/vLLM only when run. `--source PATH` is the old spelling of `--source-tree PATH`
+    (`--source` names where query and trace read)."""
+    if any(_given(argv, option) for option in LIVE_OPTIONS):
         return main(argv)
     from ascend_runtime.doctor.coverage import main as doctor_main
 
-    return doctor_main(list(argv))
+    argv = list(argv)
+    for i, arg in enumerate(argv):
+        if arg == "--source" or arg.startswith("--source="):
+            deprecated("ascend-guard doctor", "--source PATH", f"{SOURCE_TREE} PATH")
+            argv[i] = SOURCE_TREE + arg[len("--source") :]
+    return doctor_main(argv)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -62,13 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--live",
-        nargs="?",
-        const="",
-        default="",
-        metavar="URL",
-        help="the sidecar's health endpoint (default: the local sidecar's, from "
-        f"${paths.RUNTIME_DIR_ENV}/{paths.DISCOVERY_NAME}, else http://127.0.0.1:{paths.DEFAULT_HEALTH_PORT})",
+        action=LiveFlag,
+        help="ask the running sidecar (`--live URL` is the old spelling of --sidecar URL)",
     )
+    add_sidecar_argument(parser, "health")
     parser.add_argument("--engine", default=None, help="only this engine")
     add_token_argument(parser)
     parser.add_argument(
@@ -114,7 +127,14 @@ def main(argv: Sequence[str]) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0) if exc.code in (0, None) else 2
-    base = (args.live or paths.cli_health_url()).rstrip("/")
+    base = health_base(args)
+    if base is None:
+        off = paths.health_off_locally() or {}
+        print(
+            f"ascend-guard doctor --live: {paths.health_off_message(off, 'doctor --live')}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         status, body = get_json(f"{base}/coverage", token=token_of(args))
     except Unreachable as exc:
@@ -170,9 +190,25 @@ def main(argv: Sequence[str]) -> int:
                 f"{e['engine']} ({world}): {e['connected_ranks']} of {e['expected_ranks']} "
                 f"ranks connected; {verdict}"
             )
-        if any(bad.values()):
-            print(
-                "next: for skipped points run `ascend-guard doctor` inside the vLLM container; "
-                "for missing ranks check their sidecar address (docs/runbooks)"
-            )
+        steps = next_steps(engines, args.expect_local)
+        if steps:
+            print("next: " + "; ".join(steps))
     return 1 if any(bad.values()) else 0
+
+
+def next_steps(engines: list[dict[str, Any]], expect_local: int | None = None) -> list[str]:
+    """What to do about the problems these engines have, and only those."""
+    steps: dict[str, None] = {}
+    for e in engines:
+        if e["connected_ranks"] < (expect_local or e["expected_ranks"]) or e.get("without_stream"):
+            steps["for missing ranks check their sidecar address (docs/runbooks)"] = None
+        if e.get("hang_verdict"):
+            steps["for the hang verdict run `ascend-guard hangs --live`"] = None
+        if e["skipped_attach_points"]:
+            steps["for skipped points run `ascend-guard doctor` inside the vLLM container"] = None
+        if e["unreported_attach_points"]:
+            steps[
+                "ranks with no attach-point report yet send one with their next heartbeat "
+                "(about a second after connecting): run doctor --live again"
+            ] = None
+    return list(steps)

@@ -1,17 +1,25 @@
 """`ascend-guard hangs`: hang verdicts, recoveries and watchdog reports, newest first.
 
-From the trace store (what every sidecar on the node recorded), or with `--live URL` from a
-running sidecar's liveness endpoint (verdicts standing right now). `--bundle ID` shows the
-evidence bundle of one verdict (telemetry/crossrank/bundle.py), `--bundle` alone lists them.
+From the trace store (what every sidecar on the node recorded), or with `--live` from a running
+sidecar's health endpoint (verdicts standing right now; `--sidecar URL` names another sidecar).
+`--bundle ID` shows the evidence bundle of one verdict (telemetry/crossrank/bundle.py),
+`--bundle` alone lists them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from telemetry.cli.args import parse_time_ns
-from telemetry.cli.common import add_store_argument, clock
+from telemetry.cli.common import (
+    LiveFlag,
+    add_sidecar_argument,
+    add_store_argument,
+    clock,
+    health_base,
+)
 from telemetry.cli.http_client import (
     Unreachable,
     add_token_argument,
@@ -44,12 +52,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     hangs.add_argument("--limit", type=int, default=50)
     hangs.add_argument(
         "--live",
-        default=None,
-        nargs="?",
-        const=paths.cli_health_url(),
-        metavar="URL",
-        help="ask the running sidecar instead (without URL: the local one, from sidecar.json)",
+        action=LiveFlag,
+        help="ask the running sidecar for the verdicts standing now, instead of the store "
+        "(--sidecar names which; `--live URL` is the old spelling of `--live --sidecar URL`)",
     )
+    add_sidecar_argument(hangs, "health")
     hangs.add_argument(
         "--bundle",
         default=None,
@@ -68,8 +75,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_token_argument(hangs)
 
 
+def _rank(r: dict) -> str:
+    """tp1/pid1234, with /dev3 where the rank named the device it opened (its npu-smi id)."""
+    device = f"/dev{r['device']}" if r.get("device") else ""
+    return f"tp{r.get('tp')}/pid{r.get('pid')}{device}"
+
+
 def _ranks(ranks: list[dict]) -> str:
-    return ",".join(f"tp{r.get('tp')}/pid{r.get('pid')}" for r in ranks) or "-"
+    return ",".join(_rank(r) for r in ranks) or "-"
+
+
+def _model(ev: dict) -> str:
+    return f"; model {ev['model_name']}" if ev.get("model_name") else ""
+
+
+def _pods(ev: dict) -> str:
+    """The Kubernetes pods of the stopped ranks, where their workers named them."""
+    pods = sorted(
+        {f"{r.get('namespace', '?')}/{r['pod']}" for r in ev.get("stopped", []) if r.get("pod")}
+    )
+    return f"; pod {', '.join(pods)}" if pods else ""
 
 
 def _where(ev: dict) -> str:
@@ -87,7 +112,7 @@ def _row(time_ns: int, kind: str, ev: dict) -> tuple:
             _where(ev),
             _ranks(ev.get("waiting", [])),
             ev.get("wave", ""),
-            f"detect {ev.get('detect_s')}s",
+            f"detect {ev.get('detect_s')}s{_model(ev)}{_pods(ev)}",
         )
     if kind in (RECOVERY, CLOSED_VERDICT):  # closed: ended without the ranks moving again
         v = ev.get("verdict", {})
@@ -112,11 +137,11 @@ def _row(time_ns: int, kind: str, ev: dict) -> tuple:
             "rank_exited",
             ev.get("engine", ""),
             ev.get("dp", ""),
-            f"tp{ev.get('tp')}/pid{ev.get('pid')}",
+            _rank(ev),
             "-",
             "-",
             ev.get("last_wave", ""),
-            (ev.get("exit") or {}).get("detail", ""),
+            (ev.get("exit") or {}).get("detail", "") + _model(ev),
         )
     return (
         clock(time_ns),
@@ -139,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         raise QueryError(f"--limit: {args.limit} must be 1 or more")
     if args.bundle is not None:
         return _bundle(args)
-    if args.live:
+    if args.live or args.sidecar:
         return _live(args)
     since = parse_time_ns(args.since, "--since")
     conn = connect(args.store, readonly=True)
@@ -215,15 +240,27 @@ def _quiet_line(r: dict) -> str:
 
 
 def _live(args: argparse.Namespace) -> int:
-    url = args.live.rstrip("/") + "/hangs"
+    """Exit 3 while a verdict stands, 0 when none does, 2 when the sidecar cannot be asked
+    (as `doctor --live`)."""
+    base = health_base(args)
+    if base is None:
+        off = paths.health_off_locally() or {}
+        print(
+            f"ascend-guard hangs: {paths.health_off_message(off, 'hangs --live')}", file=sys.stderr
+        )
+        return 2
+    url = base + "/hangs"
     try:
         status, body = get_json(url, 5.0, token_of(args))
     except Unreachable as exc:
-        print(f"ascend-guard hangs: {exc}")
-        return 1
+        print(
+            f"ascend-guard hangs: {exc}; is the sidecar running with --health-port?",
+            file=sys.stderr,
+        )
+        return 2
     if status != 200:
-        print(f"ascend-guard hangs: {url} answered {status}{refusal_hint(status)}")
-        return 1
+        print(f"ascend-guard hangs: {url} answered {status}{refusal_hint(status)}", file=sys.stderr)
+        return 2
     standing = [
         v for v in body.get("standing", []) if not args.engine or v["engine"] == args.engine
     ]

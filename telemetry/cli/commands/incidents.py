@@ -14,7 +14,11 @@ from telemetry.spans.query import QueryError
 from telemetry.store import connect
 from telemetry.store.incidents import IncidentFilter, list_incidents
 
-HEADER = ("time (UTC)", "type", "severity", "wave", "rank", "request", "hit", "actions", "summary")
+# the engine column: a DaemonSet sidecar serves several engines, whose ranks share coordinates
+HEADER = (
+    "time (UTC)", "type", "severity", "engine", "wave", "rank", "request", "hit", "actions",
+    "summary",
+)  # fmt: skip
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -36,6 +40,7 @@ def _row(r) -> tuple:
         clock(r["time_ns"]),
         r["type"],
         r["severity"],
+        r["engine"] or "-",
         r["wave"] or "",
         rank_label(r) if r["tp"] is not None else "-",
         r["request_id"] or "-",
@@ -68,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
     if not rows:
         print("no incidents match; widen --since or drop a filter")
         return 0
-    print(render_table(HEADER, [_row(r) for r in rows], right=(3,)))
+    print(render_table(HEADER, [_row(r) for r in rows], right=(4,)))
     traced = next((r for r in rows if r["trace_id"]), None)
     hint = (
         f"see its wave with: ascend-guard trace {traced['trace_id']} --store {args.store}"

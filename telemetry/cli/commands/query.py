@@ -155,10 +155,11 @@ def _window(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def _with_coordinates(parsed) -> str:
-    """The search, selecting the rank coordinates too, so each matched span names its rank."""
+    """The search, selecting the engine and rank coordinates too, so each matched span names
+    its engine and rank."""
     from telemetry.traceql import ast
 
-    fields = tuple(ast.Attribute(c, "span") for c in COORDINATES)
+    fields = tuple(ast.Attribute(c, "span") for c in ("engine", *COORDINATES))
     return str(dataclasses.replace(parsed, stages=(*parsed.stages, ast.Select(fields))))
 
 

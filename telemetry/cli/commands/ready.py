@@ -13,6 +13,7 @@ import argparse
 import os
 import urllib.parse
 
+from telemetry.cli.common import add_sidecar_argument, health_base
 from telemetry.cli.http_client import (
     Unreachable,
     add_token_argument,
@@ -20,7 +21,6 @@ from telemetry.cli.http_client import (
     refusal_hint,
     token_of,
 )
-from telemetry.wire import paths
 
 ENGINE_ENV = (
     "ASCEND_GUARD_ENGINE"  # = guard.config.runtime_guard.ENGINE_ENV (telemetry imports no guard)
@@ -40,13 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         metavar="URL",
         help="also require 200 from this URL, e.g. http://127.0.0.1:8000/health",
     )
-    ready.add_argument(
-        "--sidecar",
-        default=None,
-        metavar="URL",
-        help=f"the sidecar's health endpoint (default: ${paths.HEALTH_URL_ENV}, else the local "
-        f"sidecar's from sidecar.json, else http://127.0.0.1:{paths.DEFAULT_HEALTH_PORT})",
-    )
+    add_sidecar_argument(ready, "health")
     ready.add_argument("--timeout", type=float, default=2.0, help="seconds per request")
     add_token_argument(ready)
 
@@ -64,7 +58,13 @@ def run(args: argparse.Namespace) -> int:
         if status != 200:
             print(f"not ready: {args.vllm} answered {status}")
             return 1
-    base = (args.sidecar or paths.cli_health_url()).rstrip("/")
+    base = health_base(args)
+    if base is None:
+        print(
+            "ready (the local sidecar runs with its health endpoint off, --health-port 0, so "
+            "readiness follows vLLM alone)"
+        )
+        return 0
     url = f"{base}/ready/{urllib.parse.quote(args.engine, safe='')}"
     try:
         status, body = get_json(url, args.timeout, token_of(args))

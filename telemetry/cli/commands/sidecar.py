@@ -45,7 +45,7 @@ def _size_text(size: int) -> str:
 
 # how the command line writes a value of each kind, and how argparse reads it
 _TEXT = {"duration": _seconds_text, "size": _size_text}
-_TYPE = {"int": int, "octal": _octal_mode}
+_TYPE = {"int": int, "port": int, "octal": _octal_mode}
 
 
 def _flag_fields() -> list[dataclasses.Field]:
@@ -96,6 +96,8 @@ def _value(field: dataclasses.Field, raw: Any) -> Any:
         value = parse_size(raw, flag)
     else:
         value = raw
+    if kind == "port" and value is not None and not 0 <= value <= 65535:
+        raise QueryError(f"{flag}: {value} is not a port; use 1-65535, or 0 to turn it off")
     if meta["positive"] and value is not None and value <= 0:
         shown = f"{value:g}s" if kind == "duration" else str(value)
         raise QueryError(f"{flag}: must be above 0, got {shown}")

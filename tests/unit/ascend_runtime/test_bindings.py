@@ -61,7 +61,12 @@ class Sentinel(Exception):
 
 
 class Stub:
-    """A `self` that raises on the first attribute the bare method reads, naming it."""
+    """A `self` that raises on the first attribute the bare method reads, naming it. What the
+    guard itself reads of a runner when streaming starts (guard/stream/placement.py: the device
+    it opened, its model config) is there, as on every vLLM runner."""
+
+    device = None
+    vllm_config = None
 
     def __getattr__(self, name):
         raise Sentinel(name)

@@ -87,9 +87,23 @@ def test_the_console_script_and_python_dash_m():
         "--tree",
         "--json",
         "--spans",
-        "--api URL",
+        "--sidecar URL",
         "(default: auto)",
         "(default: 1h)",
         "filter flags",
     ):
         assert text in flat, text
+
+
+def test_doctor_live_names_only_the_next_steps_its_problems_need():
+    from telemetry.cli.commands.doctor import next_steps
+
+    covered = {"connected_ranks": 2, "expected_ranks": 2, "skipped_attach_points": 0,
+               "unreported_attach_points": []}  # fmt: skip
+    assert next_steps([covered]) == []
+    unreported = {**covered, "unreported_attach_points": ["dp0/tp1/pp0"]}
+    (only,) = next_steps([unreported])
+    assert "no attach-point report yet" in only and "skipped" not in only
+    both = next_steps([{**covered, "connected_ranks": 1, "skipped_attach_points": 2}])
+    assert [s.split(" ")[1] for s in both] == ["missing", "skipped"]
+    assert next_steps([{**covered, "connected_ranks": 1}], expect_local=1) == []
