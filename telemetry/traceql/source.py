@@ -181,7 +181,8 @@ class CollectiveTable:
 
 
 def _span_constant(name: str):
-    """Intrinsics with one value on every span we build."""
+    """Intrinsics with one value on every span we build. The planner replaces the ones only a
+    built trace knows (ast.EXACT_INTRINSICS) before a block is read; they are nil here."""
     if name == "status":
         return fields.SPAN_STATUS, True
     if name == "kind":
@@ -190,7 +191,7 @@ def _span_constant(name: str):
         return "", True
     if name == "rootServiceName":
         return fields.SERVICE_NAME, True
-    raise ValueError(f"trace-level {name} is not known per block")  # the planner relaxes it
+    return None, False
 
 
 class BlockCache:
@@ -358,11 +359,17 @@ class SpanTable:
     """Columns over built spans (a loaded trace, or spans with no block table)."""
 
     def __init__(
-        self, spans: list[Span], trace: dict | None = None, nodes: dict | None = None
+        self,
+        spans: list[Span],
+        trace: dict | None = None,
+        nodes: dict | None = None,
+        per_span: dict[str, list] | None = None,
     ) -> None:
         self.spans = spans
         self.n = len(spans)
         self._trace = trace or {}
+        # intrinsics of the trace's tree, one value per span (telemetry/traceql/evaluate.py)
+        self._per_span = per_span or {}
         # (run, engine, dp, tp, pp) -> node: the store's ranks, else the rank spans at hand
         self._nodes = (
             nodes
@@ -396,8 +403,14 @@ class SpanTable:
                 return "", True
             if name == "rootServiceName":
                 return fields.SERVICE_NAME, True
+            if name in self._per_span:
+                return _pack(self._per_span[name])
+            if name in _SPAN_INTRINSICS:
+                return _pack([_SPAN_INTRINSICS[name](s) for s in spans])
             value = self._trace.get(name)
             return (value, value is not None)
+        if field.scope in ("event", "link", "instrumentation"):
+            return _pack([_scoped_attribute(s, field) for s in spans])
         key = fields.attribute_key(field.name)
         values: list = []
         if field.scope in (None, "span"):
@@ -416,6 +429,55 @@ class SpanTable:
             tp, pp = (span.tp, span.pp) if span.tp is not None else (0, 0)
             node = self._nodes.get(_rank_key(span, tp, pp))
         return fields.resource_attributes(node)
+
+
+def _first(items: list) -> dict | None:
+    return items[0] if items else None
+
+
+def _event_name(span: Span):
+    event = _first(span.events)
+    return event.get("name", ABSENT) if event else ABSENT
+
+
+def _event_offset(span: Span):
+    event = _first(span.events)
+    return event["time_ns"] - span.start_ns if event and "time_ns" in event else ABSENT
+
+
+def _link_id(key: str, digits: int):
+    def read(span: Span):
+        link = _first(span.links)
+        return f"{link[key]:0{digits}x}" if link and link.get(key) is not None else ABSENT
+
+    return read
+
+
+# intrinsics read off one built span. A span's events and links are read at their first (an
+# incident span has one event; a wave root links to its requests): nil where it has none.
+_SPAN_INTRINSICS = {
+    "span:id": lambda s: s.span_hex,
+    "trace:id": lambda s: s.trace_hex,
+    "span:parentID": lambda s: f"{s.parent_id:016x}" if s.parent_id is not None else ABSENT,
+    "event:name": _event_name,
+    "event:timeSinceStart": _event_offset,
+    "link:traceID": _link_id("trace_id", 32),
+    "link:spanID": _link_id("span_id", 16),
+    "instrumentation:name": lambda s: fields.INSTRUMENTATION_NAME,
+    "instrumentation:version": lambda s: ABSENT,
+}
+
+
+def _scoped_attribute(span: Span, field: ast.Attribute):
+    """`event.x`, `link.x` (the span's first event's or link's attribute), `instrumentation.x`
+    (none: the scope carries no attributes)."""
+    if field.scope == "event":
+        item = _first(span.events)
+    elif field.scope == "link":
+        item = _first(span.links)
+    else:
+        item = None
+    return item.get("attributes", {}).get(field.name, ABSENT) if item else ABSENT
 
 
 def _rank_key(span: Span, tp, pp) -> tuple:
