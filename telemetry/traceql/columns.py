@@ -143,13 +143,15 @@ def _as_objects(values, n: int) -> np.ndarray:
 
 
 _TRUE = ast.Static(True, "bool", "true")
+_FALSE = ast.Static(False, "bool", "false")
+_VALUES = (ast.Intrinsic, ast.Attribute, ast.Arithmetic, ast.Negate)
 
 
 def evaluate(expr: ast.FieldExpr, table: Table):
     """A boolean expression -> a bool array over the table's rows (or a bool scalar)."""
     if isinstance(expr, ast.Static):
         return bool(expr.value) if expr.type == "bool" else False
-    if isinstance(expr, ast.Intrinsic | ast.Attribute | ast.Arithmetic | ast.Negate):
+    if isinstance(expr, _VALUES):
         # a value used as a condition (`{ .a }`) holds where it is the boolean true
         values, present = raw_value_of(expr, table)
         return compare("=", values, present, _TRUE)
@@ -158,6 +160,9 @@ def evaluate(expr: ast.FieldExpr, table: Table):
         right = evaluate(expr.right, table)
         return (left & right) if expr.op == "&&" else (left | right)
     if isinstance(expr, ast.Not):
+        if isinstance(expr.operand, _VALUES):  # `!.a` holds where .a is the boolean false
+            values, present = raw_value_of(expr.operand, table)
+            return compare("=", values, present, _FALSE)
         return np.logical_not(evaluate(expr.operand, table))
     if isinstance(expr, ast.Comparison):
         left, right, op = expr.left, expr.right, expr.op
@@ -309,6 +314,8 @@ def maybe(expr: ast.FieldExpr, known) -> bool | None:
         if value is UNKNOWN:
             return None
         return value is True
+    if isinstance(expr, _VALUES):
+        return None
     if isinstance(expr, ast.Logical):
         left, right = maybe(expr.left, known), maybe(expr.right, known)
         if expr.op == "&&":
@@ -319,6 +326,11 @@ def maybe(expr: ast.FieldExpr, known) -> bool | None:
             return True
         return False if left is False and right is False else None
     if isinstance(expr, ast.Not):
+        if isinstance(expr.operand, ast.Intrinsic | ast.Attribute):
+            value = known(expr.operand)
+            return None if value is UNKNOWN else value is False
+        if isinstance(expr.operand, _VALUES):
+            return None
         inner = maybe(expr.operand, known)
         return None if inner is None else not inner
     if isinstance(expr, ast.Comparison):
