@@ -11,6 +11,7 @@ time with the CLI's `load_trace` and related by their parent ids in plain Python
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from telemetry.spans.query import load_trace
 from telemetry.tempo_api import traceql_adapter
 from telemetry.tempo_api.params import BadParameter
+from telemetry.tempo_api.server import Request, route
 from telemetry.traceql import TraceQLError, ast, metrics_range, parse, search
 from telemetry.traceql.evaluate import TraceView
 from telemetry.traceql.validate import TraceQLValidationError
@@ -427,6 +429,31 @@ def test_histogram_over_time(conn):
         conn, "{ } | histogram_over_time(duration)", START, END, step
     )
     assert out and all("__bucket" in labels for labels, _ in out)
+
+
+def test_histogram_over_time_over_http_as_traces_drilldown_asks(path):
+    q = '{ name = "execute_model" } | histogram_over_time(duration) by (resource.host.name)'
+    query = {
+        "q": [q],
+        "start": [str(START)],
+        "end": [str(END)],
+        "step": [f"{4 * STEP_NS // 10**6}ms"],
+    }
+    endpoint, reply = route(str(path), Request("/api/metrics/query_range", query, {}))
+    assert (endpoint, reply.code) == ("query_range", 200), reply.body
+    series = json.loads(reply.body)["series"]
+    buckets = {
+        label["value"]["doubleValue"]
+        for item in series
+        for label in item["labels"]
+        if label["key"] == "__bucket"
+    }
+    assert len(series) == len(buckets) >= 2
+    assert sum(float(p.get("value", 0)) for item in series for p in item["samples"]) == 2 * WAVES
+    # an ill-typed query is a 400 naming what is wrong
+    query["q"] = ["{ status > ok } | rate()"]
+    _, reply = route(str(path), Request("/api/metrics/query_range", query, {}))
+    assert reply.code == 400 and b"illegal operation for the given types" in reply.body
 
 
 def test_new_fields_in_metrics(conn):
