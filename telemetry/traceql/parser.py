@@ -16,6 +16,8 @@ from decimal import Decimal
 import lark
 
 from telemetry.traceql import ast
+from telemetry.traceql.errors import TraceQLError
+from telemetry.traceql.validate import validate
 
 _GRAMMAR = r"""
 start: pipeline hints?
@@ -157,10 +159,6 @@ _UNIT_NS = {
 }
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h|d)")
 _ESCAPES = {'"': '"', "\\": "\\", "n": "\n", "t": "\t", "r": "\r"}
-
-
-class TraceQLError(ValueError):
-    """A query that cannot run here (a metrics query given to search, a bad time range...)."""
 
 
 class TraceQLParseError(TraceQLError):
@@ -517,8 +515,6 @@ def parse(text: str) -> ast.Query:
         raise _too_deep(text) from None
     if _depth(query) > MAX_DEPTH:
         raise _too_deep(text)
-    from telemetry.traceql.validate import validate  # it types the tree this module builds
-
     return validate(query)
 
 

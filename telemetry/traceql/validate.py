@@ -20,7 +20,7 @@ comparison or `&&` / `||` boolean, `!` and `-` their operand's, arithmetic its l
 from __future__ import annotations
 
 from telemetry.traceql import ast
-from telemetry.traceql.parser import TraceQLError
+from telemetry.traceql.errors import TraceQLError
 
 NUMERIC = ("int", "float", "duration")
 ATTRIBUTE = "attribute"  # a type known only when the value is read
