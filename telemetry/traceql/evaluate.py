@@ -73,8 +73,15 @@ class TraceView:
             "rootName": self.root_name,
             "traceDuration": self.duration_ns,
         }
-        self.per_span = self._tree_columns()
-        self.table = SpanTable(spans, self.context, nodes, self.per_span)
+        self._tree: dict[str, list] | None = None
+        self.table = SpanTable(spans, self.context, nodes, lambda: self.per_span)
+
+    @property
+    def per_span(self) -> dict[str, list]:
+        """The tree's intrinsics, one value per span (made when a query first reads one)."""
+        if self._tree is None:
+            self._tree = self._tree_columns()
+        return self._tree
 
     def _tree_columns(self) -> dict[str, list]:
         """Tempo's nested set numbers (a depth-first walk from each root: left on the way down,
@@ -106,8 +113,10 @@ class TraceView:
         }
 
     def sub_table(self, rows: list[int]) -> SpanTable:
-        extra = {name: [values[i] for i in rows] for name, values in self.per_span.items()}
-        return SpanTable([self.spans[i] for i in rows], self.context, self.nodes, extra)
+        def per_span() -> dict[str, list]:
+            return {name: [values[i] for i in rows] for name, values in self.per_span.items()}
+
+        return SpanTable([self.spans[i] for i in rows], self.context, self.nodes, per_span)
 
     def ancestors(self, i: int) -> Iterable[int]:
         seen = set()

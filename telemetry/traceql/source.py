@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -37,6 +37,8 @@ from telemetry.wire.trace_ids import split_trace_id, wave_trace_id
 
 WAVE_KINDS = ("wave", "rank", "execute_model", "sample_tokens")
 ALL_KINDS = (*WAVE_KINDS, "collective", "slow_call", "incident")
+# intrinsics of a trace's tree, which only a whole trace answers
+TREE_INTRINSICS = (*ast.NESTED_SET_INTRINSICS, "span:childCount")
 _WAVE_KEYS = {schema.attr(f): f for f in schema.WAVE_FIELDS}
 
 
@@ -363,13 +365,14 @@ class SpanTable:
         spans: list[Span],
         trace: dict | None = None,
         nodes: dict | None = None,
-        per_span: dict[str, list] | None = None,
+        per_span: Callable[[], dict[str, list]] | None = None,
     ) -> None:
         self.spans = spans
         self.n = len(spans)
         self._trace = trace or {}
-        # intrinsics of the trace's tree, one value per span (telemetry/traceql/evaluate.py)
-        self._per_span = per_span or {}
+        # intrinsics of the trace's tree, one value per span, made on first use
+        # (telemetry/traceql/evaluate.py `TraceView`); none for spans of no one trace
+        self._per_span = per_span
         # (run, engine, dp, tp, pp) -> node: the store's ranks, else the rank spans at hand
         self._nodes = (
             nodes
@@ -403,8 +406,9 @@ class SpanTable:
                 return "", True
             if name == "rootServiceName":
                 return fields.SERVICE_NAME, True
-            if name in self._per_span:
-                return _pack(self._per_span[name])
+            if name in TREE_INTRINSICS:
+                tree = self._per_span() if self._per_span is not None else {}
+                return _pack(tree[name]) if name in tree else (None, False)
             if name in _SPAN_INTRINSICS:
                 return _pack([_SPAN_INTRINSICS[name](s) for s in spans])
             value = self._trace.get(name)
