@@ -266,7 +266,9 @@ def test_expected_tokens_are_named():
 _PIECES = ["{", "}", "(", ")", "|", "&&", "||", ">", ">>", "~", "=", "!=", "=~", "!~", "<", "<=",
            ".tp", "span.op", "resource.x", "name", "duration", "50ms", "1.5", ".99", "3", "-2",
            '"a"', '"', "count()", "avg(", "by", "select", "rate()", "quantile_over_time",
-           ",", "nil", "true", "error", "with", "!", " ", "\n", "µs", "`", "\\"]  # fmt: skip
+           ",", "nil", "true", "error", "with", "!", " ", "\n", "µs", "`", "\\", "+", "-", "*", "/",
+           "%", "^", "!>", "&>>", "!~", "&~", "event:name", "link.x", "nestedSetLeft", "span:id",
+           "histogram_over_time(duration)", "max(duration)"]  # fmt: skip
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
