@@ -64,12 +64,13 @@ INTRINSIC_TYPES = {
     "instrumentation:name": "string",
     "instrumentation:version": "string",
 }
-# intrinsics known only once a trace's spans are built (its tree, ids, events and links): the
+# intrinsics known only once a trace's spans are built (its root, its tree, span ids): the
 # planner cannot decide them from block columns
-EXACT_INTRINSICS = frozenset(INTRINSIC_TYPES) - set(SPAN_INTRINSICS) - {"rootServiceName"}
+EXACT_INTRINSICS = frozenset(
+    (*TRACE_INTRINSICS, *NESTED_SET_INTRINSICS, "span:id", "span:parentID", "span:childCount",
+     "trace:id")
+) - {"rootServiceName"}  # fmt: skip
 ATTRIBUTE_SCOPES = ("span", "resource", "event", "link", "instrumentation")
-# attribute scopes the store has nothing for on most spans, read from built spans only
-EXACT_SCOPES = ("event", "link", "instrumentation")
 STATIC_TYPES = ("string", "int", "float", "duration", "bool", "nil", "status", "kind")
 ARITH_OPS = ("+", "-", "*", "/", "%", "^")
 
@@ -106,7 +107,7 @@ class Attribute:
 
     @property
     def trace_level(self) -> bool:
-        return self.scope in EXACT_SCOPES
+        return False  # every table answers an attribute, nil where its spans have none
 
     def __str__(self) -> str:
         return f"{self.scope}.{self.name}" if self.scope else f".{self.name}"

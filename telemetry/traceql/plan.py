@@ -85,7 +85,17 @@ def _known(kind: str, rank: store.RankRow | None):
                 return fields.SPAN_KIND
             if field.name == "rootServiceName":
                 return fields.SERVICE_NAME
+            if field.name == "instrumentation:name":
+                return fields.INSTRUMENTATION_NAME
+            if field.name.startswith("event:"):  # incidents carry the one event a span has
+                return UNKNOWN if kind == "incident" else ABSENT
+            if field.name.startswith(("link:", "instrumentation:")):
+                return ABSENT  # no span a search reads has a link or a scope version
             return UNKNOWN
+        if field.scope == "event":
+            return UNKNOWN if kind == "incident" else ABSENT
+        if field.scope in ("link", "instrumentation"):
+            return ABSENT
         key = fields.attribute_key(field.name)
         if field.scope in (None, "span") and key in keys:
             return values.get(key, UNKNOWN)

@@ -183,8 +183,8 @@ class CollectiveTable:
 
 
 def _span_constant(name: str):
-    """Intrinsics with one value on every span we build. The planner replaces the ones only a
-    built trace knows (ast.EXACT_INTRINSICS) before a block is read; they are nil here."""
+    """Intrinsics with one value on every span a block holds. The planner replaces the ones
+    only a built trace knows (ast.EXACT_INTRINSICS) before a block is read."""
     if name == "status":
         return fields.SPAN_STATUS, True
     if name == "kind":
@@ -193,7 +193,9 @@ def _span_constant(name: str):
         return "", True
     if name == "rootServiceName":
         return fields.SERVICE_NAME, True
-    return None, False
+    if name == "instrumentation:name":
+        return fields.INSTRUMENTATION_NAME, True
+    return None, False  # events and links: spans read from blocks have none
 
 
 class BlockCache:

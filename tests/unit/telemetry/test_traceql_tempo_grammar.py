@@ -18,12 +18,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from telemetry import store
 from telemetry.spans.query import load_trace
 from telemetry.tempo_api import traceql_adapter
 from telemetry.tempo_api.params import BadParameter
 from telemetry.tempo_api.server import Request, route
 from telemetry.traceql import TraceQLError, ast, metrics_range, parse, search
 from telemetry.traceql.evaluate import TraceView
+from telemetry.traceql.plan import plan_leaf
+from telemetry.traceql.search import CandidatePass
 from telemetry.traceql.validate import TraceQLValidationError
 from tests.unit.telemetry.test_traceql_search import (
     END,
@@ -366,6 +369,19 @@ def test_event_link_and_instrumentation_scopes(conn):
         conn, "{ }"
     )
     assert _search(conn, "{ instrumentation:version != nil || instrumentation.x != nil }") == {}
+
+
+def test_events_and_links_prune_before_any_block_is_read(conn):
+    ranks = store.ranks(conn)
+    plan = plan_leaf(parse('{ event:name = "incident" }').spanset, ranks)
+    assert plan.kinds == {} and plan.incidents  # only incident spans carry an event
+    plan = plan_leaf(parse("{ link:traceID != nil || link.x = 1 }").spanset, ranks)
+    assert plan.kinds == {} and not plan.incidents
+    plan = plan_leaf(parse('{ instrumentation:name = "ascend_guard.sidecar" }').spanset, ranks)
+    assert all(len(kinds) >= 5 for kinds in plan.kinds.values()) and plan.incidents
+    finder = CandidatePass(conn, parse('{ event:name = "incident" }'))
+    finder.scan(START, END)
+    assert finder.blocks_read == 0
 
 
 def test_span_and_trace_ids(conn):
