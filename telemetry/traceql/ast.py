@@ -67,8 +67,7 @@ INTRINSIC_TYPES = {
 # intrinsics known only once a trace's spans are built (its root, its tree, span ids): the
 # planner cannot decide them from block columns
 EXACT_INTRINSICS = frozenset(
-    (*TRACE_INTRINSICS, *NESTED_SET_INTRINSICS, "span:id", "span:parentID", "span:childCount",
-     "trace:id")
+    (*TRACE_INTRINSICS, *NESTED_SET_INTRINSICS, "span:id", "span:parentID", "span:childCount")
 ) - {"rootServiceName"}  # fmt: skip
 ATTRIBUTE_SCOPES = ("span", "resource", "event", "link", "instrumentation")
 STATIC_TYPES = ("string", "int", "float", "duration", "bool", "nil", "status", "kind")

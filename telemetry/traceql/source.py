@@ -33,7 +33,12 @@ from telemetry.traceql.columns import ABSENT, Coded
 from telemetry.traceql.parser import TraceQLError
 from telemetry.wire import schema
 from telemetry.wire.collective_columns import to_waves
-from telemetry.wire.trace_ids import split_trace_id, wave_trace_id
+from telemetry.wire.trace_ids import (
+    format_trace_id,
+    split_trace_id,
+    wave_trace_id,
+    wave_trace_key,
+)
 
 WAVE_KINDS = ("wave", "rank", "execute_model", "sample_tokens")
 ALL_KINDS = (*WAVE_KINDS, "collective", "slow_call", "incident")
@@ -163,6 +168,8 @@ class CollectiveTable:
                 ), True
             if name == "duration":
                 return self._stat("host_ns"), True
+            if name == "trace:id":
+                return trace_id_column(self.rank, self.waves), True
             return _span_constant(name)
         key = fields.attribute_key(field.name)
         if field.scope in (None, "span"):
@@ -180,6 +187,16 @@ class CollectiveTable:
             if value is not ABSENT:
                 return value, True
         return None, False
+
+
+def trace_id_column(rank: store.RankRow, waves: np.ndarray) -> Coded:
+    """`trace:id` of rows of this rank's waves: one text per distinct wave."""
+    key = wave_trace_key(rank.run_id, rank.dp)
+    unique, inverse = np.unique(waves, return_inverse=True)
+    out = Coded([])
+    out.levels = [format_trace_id(key << 64 | int(w)) for w in unique]
+    out.codes = inverse.astype(np.int64).reshape(-1)
+    return out
 
 
 def _span_constant(name: str):
@@ -567,6 +584,8 @@ class BlockTable:
                 return self.kind, True
             if name == "duration":
                 return self.end - self.start, True
+            if name == "trace:id":
+                return trace_id_column(self.rank, self.array("wave")), True
             if name == "status" and self.kind in ("wave", "rank") and self.conn is not None:
                 waves = self.array("wave")
                 bad = error_waves(

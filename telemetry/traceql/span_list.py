@@ -51,8 +51,8 @@ def _one_filter(query: str | ast.Query) -> ast.SpansetFilter:
         )
     if uses_trace_level(parsed.spanset.expr):
         raise TraceQLError(
-            "rootName, traceDuration, ids, the nested set, events and links are read from whole "
-            "traces; search traces for those"
+            "rootName, traceDuration, span ids and the nested set are read from whole traces; "
+            "search traces for those"
         )
     return parsed.spanset
 

@@ -389,6 +389,10 @@ def test_span_and_trace_ids(conn):
     pick = next(s for s in spans if s.name == "sample_tokens" and s.tp == 1)
     assert _search(conn, f'{{ span:id = "{pick.span_hex}" }}') == {_tid(9): {pick.span_id}}
     assert _search(conn, f'{{ trace:id = "{_tid(9)}" }}') == {_tid(9): {s.span_id for s in spans}}
+    # the trace id is read off the block columns: the one trace is the only candidate
+    finder = CandidatePass(conn, parse(f'{{ trace:id = "{_tid(9)}" && name = "rank" }}'))
+    finder.scan(START, END)
+    assert [wave for _, _, wave in finder.candidates(None)] == [9]
     parent = next(s for s in spans if s.span_id == pick.parent_id)
     q = f'{{ span:parentID = "{parent.span_hex}" && name = "sample_tokens" }}'
     assert _search(conn, q) == {_tid(9): {pick.span_id}}
