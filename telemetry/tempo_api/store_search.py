@@ -20,7 +20,12 @@ from typing import Any
 import numpy as np
 
 from telemetry import store
-from telemetry.spans.builders import Span
+from telemetry.spans.builders import (
+    COLLECTIVE_WAVE_SPAN_FIELDS,
+    SLOW_CALL_FIELDS,
+    SLOW_CALL_PREFIX,
+    Span,
+)
 from telemetry.spans.query import load_trace
 from telemetry.tempo_api import otlp
 from telemetry.tempo_api.params import BadParameter
@@ -32,9 +37,11 @@ MAX_TRACES_INSPECTED = 5000  # exact-pass cap per search (reported as inspectedT
 TAGS_WINDOW_NS = 3600 * 10**9  # tags and values without start/end: the last hour
 # a table: one row per line, columns aligned (fmt: skip)
 INTRINSIC_TAGS = (
-    "duration", "event:name", "kind", "name", "rootName", "rootServiceName", "span:duration",
-    "span:kind", "span:name", "span:status", "span:statusMessage", "status", "statusMessage",
-    "trace:duration", "trace:rootName", "trace:rootService", "traceDuration",
+    "duration", "event:name", "event:timeSinceStart", "instrumentation:name",
+    "instrumentation:version", "kind", "link:spanID", "link:traceID", "name", "rootName",
+    "rootServiceName", "span:duration", "span:id", "span:kind", "span:name", "span:parentID",
+    "span:status", "span:statusMessage", "status", "statusMessage", "trace:duration",
+    "trace:id", "trace:rootName", "trace:rootService", "traceDuration",
 )  # fmt: skip
 # rank coordinates a legacy tag may name, and the RankRow field it filters on
 # a table: one row per line, columns aligned (fmt: skip)
@@ -64,6 +71,9 @@ def span_attribute_keys() -> list[str]:
     }
     keys |= {schema.attr(f) for f in schema.RANK_SPAN_FIELDS + schema.WAVE_SPAN_FIELDS}
     keys |= {schema.attr(f"collective.{f}") for f in schema.COLLECTIVE_STAT_FIELDS}
+    # collective spans' per-wave aggregates and slow-call spans' fields
+    keys |= {schema.attr(f"collective.{f}") for f in COLLECTIVE_WAVE_SPAN_FIELDS}
+    keys |= {schema.attr(f"collective.{f}") for f in SLOW_CALL_FIELDS}
     return sorted(keys)
 
 
@@ -264,6 +274,32 @@ def _collective_values(conn, ranks, start_ns, end_ns, field: str, blocks: int = 
     return out
 
 
+def _slow_call_ops(conn, start_ns, end_ns) -> set[str]:
+    """The ops of the slow calls that started in the window (slow-call spans' names)."""
+    lo, hi = _window(start_ns, end_ns)
+    try:
+        rows = conn.execute(
+            "SELECT DISTINCT op FROM slow_calls WHERE start_ns >= ? AND start_ns <= ?", (lo, hi)
+        ).fetchall()
+    except sqlite3.OperationalError:  # a store older than the slow-call table
+        return set()
+    return {row[0] for row in rows}
+
+
+def _request_span_names(conn, start_ns, end_ns) -> set[str]:
+    """The request traces' span names, when a request started in the window."""
+    from telemetry.spans import requests as request_spans  # it imports the query layer
+    from telemetry.store.requests import has_request_tables
+
+    lo, hi = _window(start_ns, end_ns)
+    if not has_request_tables(conn):
+        return set()
+    found = conn.execute(
+        "SELECT 1 FROM requests WHERE start_ns >= ? AND start_ns <= ? LIMIT 1", (lo, hi)
+    ).fetchone()
+    return {request_spans.REQUEST_SPAN, "prefill", "decode"} if found else set()
+
+
 def _incident_types(conn, start_ns, end_ns) -> set[str]:
     lo, hi = _window(start_ns, end_ns)
     try:
@@ -281,7 +317,9 @@ def tag_values(
     """(type, value) pairs of a TraceQL identifier (`resource.host.name`, `.tp`, `name`,
     `span.ascend_guard.engine`...); an identifier with no known values gets none."""
     if tag in ("status", "span:status"):
-        return [("keyword", "unset")]
+        # incidents, and the rank and wave spans that raised them, are errors
+        errors = [("keyword", "error")] if _incident_types(conn, start_ns, end_ns) else []
+        return errors + [("keyword", "unset")]
     if tag in ("kind", "span:kind"):
         return [("keyword", "internal")]
     ranks = _recent_ranks(conn, start_ns, end_ns)
@@ -292,7 +330,9 @@ def tag_values(
         names |= {
             f"collective:{op}" for op in _collective_values(conn, ranks, start_ns, end_ns, "op")
         }
+        names |= {f"{SLOW_CALL_PREFIX}{op}" for op in _slow_call_ops(conn, start_ns, end_ns)}
         names |= {f"incident:{t}" for t in _incident_types(conn, start_ns, end_ns)}
+        names |= _request_span_names(conn, start_ns, end_ns)
         return [("string", n) for n in sorted(names)]
     if tag in ("rootServiceName", "trace:rootService"):
         return [("string", otlp.SERVICE_NAME)] if ranks else []

@@ -5,6 +5,7 @@ from telemetry.traceql.metrics import Series, metrics_range
 from telemetry.traceql.parser import TraceQLError, TraceQLParseError, parse
 from telemetry.traceql.search import search
 from telemetry.traceql.source import trace_spans
+from telemetry.traceql.validate import TraceQLValidationError
 
 __all__ = [
     "Series",
@@ -12,6 +13,7 @@ __all__ = [
     "TraceMatch",
     "TraceQLError",
     "TraceQLParseError",
+    "TraceQLValidationError",
     "metrics_range",
     "parse",
     "search",

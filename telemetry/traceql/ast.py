@@ -16,19 +16,62 @@ KIND_VALUES = ("unspecified", "internal", "server", "client", "producer", "consu
 # unscoped intrinsics; `trace:` ones are the same for every span of a trace
 SPAN_INTRINSICS = ("name", "duration", "status", "statusMessage", "kind")
 TRACE_INTRINSICS = ("rootName", "rootServiceName", "traceDuration")
-INTRINSICS = SPAN_INTRINSICS + TRACE_INTRINSICS
-# scoped intrinsic -> its unscoped name
+# where a span sits in its trace's tree (Tempo's nested set numbering)
+NESTED_SET_INTRINSICS = ("nestedSetLeft", "nestedSetRight", "nestedSetParent")
+INTRINSICS = SPAN_INTRINSICS + TRACE_INTRINSICS + NESTED_SET_INTRINSICS
+# scoped intrinsic -> its name in the tree (the unscoped one where there is one)
 SCOPED_INTRINSICS = {
     "span:name": "name",
     "span:duration": "duration",
     "span:status": "status",
     "span:statusMessage": "statusMessage",
     "span:kind": "kind",
+    "span:id": "span:id",
+    "span:parentID": "span:parentID",
+    "span:childCount": "span:childCount",
     "trace:rootName": "rootName",
     "trace:rootService": "rootServiceName",
     "trace:duration": "traceDuration",
+    "trace:id": "trace:id",
+    "event:name": "event:name",
+    "event:timeSinceStart": "event:timeSinceStart",
+    "link:traceID": "link:traceID",
+    "link:spanID": "link:spanID",
+    "instrumentation:name": "instrumentation:name",
+    "instrumentation:version": "instrumentation:version",
 }
+# the type of each intrinsic's values, as Tempo's validation types them
+INTRINSIC_TYPES = {
+    "name": "string",
+    "duration": "duration",
+    "status": "status",
+    "statusMessage": "string",
+    "kind": "kind",
+    "rootName": "string",
+    "rootServiceName": "string",
+    "traceDuration": "duration",
+    "nestedSetLeft": "int",
+    "nestedSetRight": "int",
+    "nestedSetParent": "int",
+    "span:id": "string",
+    "span:parentID": "string",
+    "span:childCount": "int",
+    "trace:id": "string",
+    "event:name": "string",
+    "event:timeSinceStart": "duration",
+    "link:traceID": "string",
+    "link:spanID": "string",
+    "instrumentation:name": "string",
+    "instrumentation:version": "string",
+}
+# intrinsics known only once a trace's spans are built (its root, its tree, span ids): the
+# planner cannot decide them from block columns
+EXACT_INTRINSICS = frozenset(
+    (*TRACE_INTRINSICS, *NESTED_SET_INTRINSICS, "span:id", "span:parentID", "span:childCount")
+) - {"rootServiceName"}  # fmt: skip
+ATTRIBUTE_SCOPES = ("span", "resource", "event", "link", "instrumentation")
 STATIC_TYPES = ("string", "int", "float", "duration", "bool", "nil", "status", "kind")
+ARITH_OPS = ("+", "-", "*", "/", "%", "^")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,11 +88,12 @@ class Static:
 
 @dataclasses.dataclass(frozen=True)
 class Intrinsic:
-    name: str  # one of INTRINSICS
+    name: str  # one of INTRINSIC_TYPES
 
     @property
     def trace_level(self) -> bool:
-        return self.name in TRACE_INTRINSICS
+        """Whether only a built trace answers it (not a block's columns)."""
+        return self.name in EXACT_INTRINSICS
 
     def __str__(self) -> str:
         return self.name
@@ -58,7 +102,11 @@ class Intrinsic:
 @dataclasses.dataclass(frozen=True)
 class Attribute:
     name: str
-    scope: str | None = None  # "span", "resource" or None (either)
+    scope: str | None = None  # one of ATTRIBUTE_SCOPES, or None (span, else resource)
+
+    @property
+    def trace_level(self) -> bool:
+        return False  # every table answers an attribute, nil where its spans have none
 
     def __str__(self) -> str:
         return f"{self.scope}.{self.name}" if self.scope else f".{self.name}"
@@ -76,7 +124,10 @@ class Comparison:
     pattern: re.Pattern | None = dataclasses.field(default=None, compare=False)
 
     def __str__(self) -> str:
-        return f"{self.left} {self.op} {self.right}"
+        left, right = (
+            f"({s})" if isinstance(s, Comparison) else str(s) for s in (self.left, self.right)
+        )
+        return f"{left} {self.op} {right}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +148,25 @@ class Not:
         return f"!({self.operand})"
 
 
-FieldExpr = Static | Intrinsic | Attribute | Comparison | Logical | Not
+@dataclasses.dataclass(frozen=True)
+class Arithmetic:
+    op: str  # one of ARITH_OPS
+    left: FieldExpr
+    right: FieldExpr
+
+    def __str__(self) -> str:
+        return f"({self.left} {self.op} {self.right})"
+
+
+@dataclasses.dataclass(frozen=True)
+class Negate:
+    operand: FieldExpr
+
+    def __str__(self) -> str:
+        return f"-({self.operand})"
+
+
+FieldExpr = Static | Intrinsic | Attribute | Comparison | Logical | Not | Arithmetic | Negate
 
 
 # -- spanset expressions ----------------------------------------------------------------------
@@ -109,14 +178,19 @@ class SpansetFilter:
         return f"{{ {self.expr} }}" if self.expr is not None else "{ }"
 
 
+# plain (the right side's spans that relate), negated `!` (the right side's spans that do not)
+# and union `&` (the spans of both sides that relate)
 STRUCTURAL_OPS = (">", ">>", "<", "<<", "~")
+NEGATED_OPS = tuple("!" + op for op in STRUCTURAL_OPS)
+UNION_OPS = tuple("&" + op for op in STRUCTURAL_OPS)
+ALL_STRUCTURAL_OPS = STRUCTURAL_OPS + NEGATED_OPS + UNION_OPS
 
 
 @dataclasses.dataclass(frozen=True)
 class SpansetOp:
-    """`&&` / `||` between spansets, or a structural operator (the right side's spans)."""
+    """`&&` / `||` between spansets, or a structural operator."""
 
-    op: str  # "&&", "||" or one of STRUCTURAL_OPS
+    op: str  # "&&", "||" or one of ALL_STRUCTURAL_OPS
     left: SpansetExpr
     right: SpansetExpr
 
@@ -124,7 +198,18 @@ class SpansetOp:
         return f"({self.left} {self.op} {self.right})"
 
 
-SpansetExpr = SpansetFilter | SpansetOp
+@dataclasses.dataclass(frozen=True)
+class SubPipeline:
+    """A parenthesised pipeline used as a spanset operand: `({ } | count() > 1) > { }`."""
+
+    spanset: SpansetExpr
+    stages: tuple[Stage, ...]
+
+    def __str__(self) -> str:
+        return "(" + " | ".join([str(self.spanset), *map(str, self.stages)]) + ")"
+
+
+SpansetExpr = SpansetFilter | SpansetOp | SubPipeline
 
 
 # -- pipeline stages ----------------------------------------------------------------------------
@@ -177,6 +262,7 @@ Stage = SpansetFilter | SpansetOp | ScalarFilter | GroupBy | Select | Coalesce
 # -- metrics --------------------------------------------------------------------------------------
 METRICS_FUNCTIONS = (
     "rate",
+    "histogram_over_time",
     "count_over_time",
     "quantile_over_time",
     "min_over_time",
@@ -189,7 +275,7 @@ METRICS_FUNCTIONS = (
 @dataclasses.dataclass(frozen=True)
 class MetricsAggregate:
     fn: str  # one of METRICS_FUNCTIONS
-    field: FieldExpr | None = None  # the value, for quantile_over_time and the *_over_time
+    field: Field | None = None  # the value, for quantile_over_time and the *_over_time
     quantiles: tuple[float, ...] = ()
     by: tuple[FieldExpr, ...] = ()
 

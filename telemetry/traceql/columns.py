@@ -12,6 +12,7 @@ planner skips that rank, kind or block.
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Protocol
 
@@ -114,7 +115,7 @@ def compare(op: str, values, present, static: ast.Static, pattern=None):
             (scalar_cmp(op, v, right, pattern) for v in values.levels), bool, len(values.levels)
         )
         return hits[values.codes] & present
-    if isinstance(values, np.ndarray) and values.dtype != object:
+    if isinstance(values, np.ndarray) and values.dtype != object and _fits_numpy_compare(right):
         if pattern is not None or _array_category(values) != static_category(static):
             return False
         return _NUMPY_OPS[op](values, right) & present
@@ -128,6 +129,11 @@ def compare(op: str, values, present, static: ast.Static, pattern=None):
     )
 
 
+def _fits_numpy_compare(value) -> bool:
+    """Whether numpy compares an array with this static exactly (not an int past 64 bits)."""
+    return not isinstance(value, int) or isinstance(value, bool) or -(2**63) <= value < 2**63
+
+
 def _as_objects(values, n: int) -> np.ndarray:
     if isinstance(values, np.ndarray):
         return values.astype(object) if values.dtype != object else values
@@ -136,15 +142,27 @@ def _as_objects(values, n: int) -> np.ndarray:
     return out
 
 
+_TRUE = ast.Static(True, "bool", "true")
+_FALSE = ast.Static(False, "bool", "false")
+_VALUES = (ast.Intrinsic, ast.Attribute, ast.Arithmetic, ast.Negate)
+
+
 def evaluate(expr: ast.FieldExpr, table: Table):
     """A boolean expression -> a bool array over the table's rows (or a bool scalar)."""
     if isinstance(expr, ast.Static):
         return bool(expr.value) if expr.type == "bool" else False
+    if isinstance(expr, _VALUES):
+        # a value used as a condition (`{ .a }`) holds where it is the boolean true
+        values, present = raw_value_of(expr, table)
+        return compare("=", values, present, _TRUE)
     if isinstance(expr, ast.Logical):
         left = evaluate(expr.left, table)
         right = evaluate(expr.right, table)
         return (left & right) if expr.op == "&&" else (left | right)
     if isinstance(expr, ast.Not):
+        if isinstance(expr.operand, _VALUES):  # `!.a` holds where .a is the boolean false
+            values, present = raw_value_of(expr.operand, table)
+            return compare("=", values, present, _FALSE)
         return np.logical_not(evaluate(expr.operand, table))
     if isinstance(expr, ast.Comparison):
         left, right, op = expr.left, expr.right, expr.op
@@ -174,8 +192,94 @@ def raw_value_of(expr: ast.FieldExpr, table: Table):
         return expr.value, expr.type != "nil"
     if isinstance(expr, (ast.Intrinsic, ast.Attribute)):
         return table.column(expr)
+    if isinstance(expr, ast.Arithmetic | ast.Negate):
+        return _arithmetic(expr, table)
     mask = evaluate(expr, table)
     return mask, True
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+        value, (bool, np.bool_)
+    )
+
+
+def _trunc_div(a: int, b: int) -> int:
+    """Integer division rounding toward zero, as Tempo's (Go's) does."""
+    q = abs(a) // abs(b)
+    return q if (a >= 0) == (b >= 0) else -q
+
+
+def arithmetic_scalar(op: str, a, b):
+    """One arithmetic operation; None (nil) where an operand is not a number, a division is by
+    zero or the result does not fit a float."""
+    if not (_number(a) and _number(b)):
+        return None
+    a = a.item() if isinstance(a, np.generic) else a
+    b = b.item() if isinstance(b, np.generic) else b
+    both_int = isinstance(a, int) and isinstance(b, int)
+    try:
+        if op == "+":
+            return a + b
+        if op == "-":
+            return a - b
+        if op == "*":
+            return a * b
+        if op == "/":
+            if b == 0:
+                return None
+            return _trunc_div(a, b) if both_int else a / b
+        if op == "%":
+            if b == 0:
+                return None
+            return a - b * _trunc_div(a, b) if both_int else math.fmod(a, b)
+        if op == "^":
+            if both_int and 0 <= b <= 64:
+                return a**b
+            result = math.pow(a, b)
+            return result if math.isfinite(result) else None
+    except (OverflowError, ValueError, ZeroDivisionError):
+        return None
+    raise ValueError(f"not an arithmetic operator: {op}")
+
+
+def _fits_numpy(values) -> bool:
+    if isinstance(values, np.ndarray):
+        return values.dtype.kind in "if"
+    if isinstance(values, float | np.floating):
+        return True
+    return isinstance(values, int | np.integer) and abs(int(values)) < 2**53
+
+
+def _arithmetic(expr, table: Table):
+    """(values, present) of `a + b`, `-a`, ...: numbers where both operands are numbers."""
+    if isinstance(expr, ast.Negate):
+        values, present = value_of(expr.operand, table)
+        left, lp, op, right, rp = 0, True, "-", values, present
+    else:
+        left, lp = value_of(expr.left, table)
+        right, rp = value_of(expr.right, table)
+        op = expr.op
+    arrays = isinstance(left, np.ndarray) or isinstance(right, np.ndarray)
+    if arrays and op in "+-*" and _fits_numpy(left) and _fits_numpy(right):
+        with np.errstate(all="ignore"):
+            out = _ARITH_NUMPY[op](np.asarray(left), np.asarray(right))
+        return out, np.broadcast_to(np.asarray(lp) & np.asarray(rp), np.shape(out))
+    if not arrays:
+        result = arithmetic_scalar(op, left, right) if (bool(lp) and bool(rp)) else None
+        return result, result is not None
+    n = table.n
+    lv, rv = _as_objects(left, n), _as_objects(right, n)
+    both = np.broadcast_to(lp, (n,)) & np.broadcast_to(rp, (n,))
+    out = np.empty(n, object)
+    out[:] = [
+        arithmetic_scalar(op, a, b) if p else None for a, b, p in zip(lv, rv, both, strict=True)
+    ]
+    present = np.fromiter((v is not None for v in out), bool, n)
+    return out, present
+
+
+_ARITH_NUMPY = {"+": np.add, "-": np.subtract, "*": np.multiply}
 
 
 def value_of(expr: ast.FieldExpr, table: Table):
@@ -205,6 +309,13 @@ def maybe(expr: ast.FieldExpr, known) -> bool | None:
     ABSENT or UNKNOWN."""
     if isinstance(expr, ast.Static):
         return bool(expr.value) if expr.type == "bool" else False
+    if isinstance(expr, ast.Intrinsic | ast.Attribute):
+        value = known(expr)
+        if value is UNKNOWN:
+            return None
+        return value is True
+    if isinstance(expr, _VALUES):
+        return None
     if isinstance(expr, ast.Logical):
         left, right = maybe(expr.left, known), maybe(expr.right, known)
         if expr.op == "&&":
@@ -215,6 +326,11 @@ def maybe(expr: ast.FieldExpr, known) -> bool | None:
             return True
         return False if left is False and right is False else None
     if isinstance(expr, ast.Not):
+        if isinstance(expr.operand, ast.Intrinsic | ast.Attribute):
+            value = known(expr.operand)
+            return None if value is UNKNOWN else value is False
+        if isinstance(expr.operand, _VALUES):
+            return None
         inner = maybe(expr.operand, known)
         return None if inner is None else not inner
     if isinstance(expr, ast.Comparison):
@@ -223,7 +339,7 @@ def maybe(expr: ast.FieldExpr, known) -> bool | None:
             if op not in _FLIP:
                 return None
             left, right, op = right, left, _FLIP[op]
-        if not isinstance(right, ast.Static) or isinstance(left, ast.Static):
+        if not isinstance(right, ast.Static) or not isinstance(left, ast.Intrinsic | ast.Attribute):
             return None
         value = known(left)
         if value is UNKNOWN:

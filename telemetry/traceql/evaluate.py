@@ -47,7 +47,7 @@ class TraceMatch:
         out = {}
         for field in self.fetched:
             key = fields.attribute_key(field.name)
-            if key in attrs and field.scope != "resource":
+            if key in attrs and field.scope in (None, "span"):
                 out[key] = attrs[key]
         return out
 
@@ -61,6 +61,10 @@ class TraceView:
         self.nodes = nodes
         index = {s.span_id: i for i, s in enumerate(spans)}
         self.parent = [index.get(s.parent_id) if s.parent_id is not None else None for s in spans]
+        self.children: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parent):
+            if p is not None:
+                self.children.setdefault(p, []).append(i)
         roots = [s for s in spans if s.parent_id is None]
         self.root_name = roots[0].name if roots else None
         self.start_ns = min(s.start_ns for s in spans)
@@ -69,10 +73,50 @@ class TraceView:
             "rootName": self.root_name,
             "traceDuration": self.duration_ns,
         }
-        self.table = SpanTable(spans, self.context, nodes)
+        self._tree: dict[str, list] | None = None
+        self.table = SpanTable(spans, self.context, nodes, lambda: self.per_span)
+
+    @property
+    def per_span(self) -> dict[str, list]:
+        """The tree's intrinsics, one value per span (made when a query first reads one)."""
+        if self._tree is None:
+            self._tree = self._tree_columns()
+        return self._tree
+
+    def _tree_columns(self) -> dict[str, list]:
+        """Tempo's nested set numbers (a depth-first walk from each root: left on the way down,
+        right on the way up, parent = the parent's left, -1 for a root; 0 for a span whose root
+        is not in the trace) and each span's child count."""
+        n = len(self.spans)
+        left, right, parent = [0] * n, [0] * n, [0] * n
+        bound = 1
+        for root in (i for i, s in enumerate(self.spans) if s.parent_id is None):
+            left[root], parent[root] = bound, -1
+            bound += 1
+            stack = [(root, iter(self.children.get(root, ())))]
+            while stack:
+                node, pending = stack[-1]
+                child = next(pending, None)
+                if child is None:
+                    right[node] = bound
+                    bound += 1
+                    stack.pop()
+                elif not left[child]:  # (a span seen twice, in a broken tree, is walked once)
+                    left[child], parent[child] = bound, left[node]
+                    bound += 1
+                    stack.append((child, iter(self.children.get(child, ()))))
+        return {
+            "nestedSetLeft": left,
+            "nestedSetRight": right,
+            "nestedSetParent": parent,
+            "span:childCount": [len(self.children.get(i, ())) for i in range(n)],
+        }
 
     def sub_table(self, rows: list[int]) -> SpanTable:
-        return SpanTable([self.spans[i] for i in rows], self.context, self.nodes)
+        def per_span() -> dict[str, list]:
+            return {name: [values[i] for i in rows] for name, values in self.per_span.items()}
+
+        return SpanTable([self.spans[i] for i in rows], self.context, self.nodes, per_span)
 
     def ancestors(self, i: int) -> Iterable[int]:
         seen = set()
@@ -83,6 +127,66 @@ class TraceView:
             parent = self.parent[parent]
 
 
+MULTIPLE_SPANSETS = (
+    "spanset operators are not supported for multiple spansets per trace; consider coalesce()"
+)
+
+
+def _operand(expr: ast.SpansetExpr, view: TraceView, rows: list[int] | None) -> list[set[int]]:
+    """The spansets a spanset operand gives: one, or a pipeline's several."""
+    if isinstance(expr, ast.SubPipeline):
+        first = sorted(_spanset(expr.spanset, view, rows))
+        sets, _ = run_stages([(first, {})] if first else [], expr.stages, view)
+        return [set(r) for r, _ in sets]
+    found = _spanset(expr, view, rows)
+    return [found] if found else []
+
+
+def _related(op: str, left: set[int], right: set[int], view: TraceView) -> set[int]:
+    """`left op right` for a structural operator: the right side's spans that relate to a left
+    one (`>` child, `<` parent, `>>` descendant, `<<` ancestor, `~` sibling); `!op` those that
+    do not; `&op` the spans of both sides that relate."""
+    base = op.lstrip("!&")
+    parent = view.parent
+    if base == ">":
+        hits = {r for r in right if parent[r] in left}
+        back = {parent[r] for r in hits}
+    elif base == "<":
+        parents = {parent[i] for i in left}
+        hits = right & parents
+        back = {i for i in left if parent[i] in hits}
+    elif base == ">>":
+        hits, back = set(), set()
+        for r in right:
+            above = [a for a in view.ancestors(r) if a in left]
+            if above:
+                hits.add(r)
+                back.update(above)
+    elif base == "<<":
+        hits, back = set(), set()
+        for i in left:
+            above = [a for a in view.ancestors(i) if a in right]
+            if above:
+                back.add(i)
+                hits.update(above)
+    else:  # "~": another child of the same parent
+        by_parent: dict[int, set[int]] = {}
+        for i in left:
+            if parent[i] is not None:
+                by_parent.setdefault(parent[i], set()).add(i)
+        hits, back = set(), set()
+        for r in right:
+            others = by_parent.get(parent[r], set()) - {r} if parent[r] is not None else set()
+            if others:
+                hits.add(r)
+                back.update(others)
+    if op.startswith("!"):
+        return right - hits
+    if op.startswith("&"):
+        return hits | back
+    return hits
+
+
 def _spanset(expr: ast.SpansetExpr, view: TraceView, rows: list[int] | None = None) -> set[int]:
     """Indices (into view.spans) of the spans the spanset expression returns, among `rows`."""
     if isinstance(expr, ast.SpansetFilter):
@@ -90,32 +194,19 @@ def _spanset(expr: ast.SpansetExpr, view: TraceView, rows: list[int] | None = No
             return set(np.flatnonzero(mask_of(expr.expr, view.table)).tolist())
         hits = np.flatnonzero(mask_of(expr.expr, view.sub_table(rows)))
         return {rows[i] for i in hits}
-    left, right = _spanset(expr.left, view, rows), _spanset(expr.right, view, rows)
+    if isinstance(expr, ast.SubPipeline):
+        return set().union(*_operand(expr, view, rows))
+    lefts, rights = _operand(expr.left, view, rows), _operand(expr.right, view, rows)
+    left, right = set().union(*lefts), set().union(*rights)
     op = expr.op
     if op == "&&":
         return left | right if left and right else set()
     if op == "||":
         return left | right
-    if op == ">":
-        return {r for r in right if view.parent[r] in left}
-    if op == ">>":
-        return {r for r in right if any(a in left for a in view.ancestors(r))}
-    if op == "<":
-        parents = {view.parent[i] for i in left}
-        return right & parents
-    if op == "<<":
-        above = {a for i in left for a in view.ancestors(i)}
-        return right & above
-    if op == "~":
-        parents: dict[int, set[int]] = {}
-        for i in left:
-            if view.parent[i] is not None:
-                parents.setdefault(view.parent[i], set()).add(i)
-        return {
-            r
-            for r in right
-            if view.parent[r] is not None and parents.get(view.parent[r], set()) - {r}
-        }
+    if op in ast.ALL_STRUCTURAL_OPS:
+        if len(lefts) > 1 or len(rights) > 1:
+            raise TraceQLError(f"TraceQL: {MULTIPLE_SPANSETS}")
+        return _related(op, left, right, view)
     raise TraceQLError(f"unsupported spanset operator {op}")
 
 
@@ -141,10 +232,14 @@ def run_pipeline(query: ast.Query, view: TraceView) -> tuple[list[tuple[list[int
     """The spansets (span indices, attributes) the query leaves of one trace, and the fields
     select() adds."""
     first = sorted(_spanset(query.spanset, view))
-    sets = [(first, {})] if first else []
+    return run_stages([(first, {})] if first else [], query.stages, view)
+
+
+def run_stages(sets: list, stages, view: TraceView) -> tuple[list[tuple[list[int], dict]], list]:
+    """Spansets (span indices, attributes) through pipeline stages."""
     selected: list = []
-    for stage in query.stages:
-        if isinstance(stage, (ast.SpansetFilter, ast.SpansetOp)):
+    for stage in stages:
+        if isinstance(stage, (ast.SpansetFilter, ast.SpansetOp, ast.SubPipeline)):
             sets = [(sorted(_spanset(stage, view, rows)), attrs) for rows, attrs in sets]
         elif isinstance(stage, ast.ScalarFilter):
             kept = []

@@ -26,6 +26,8 @@ from telemetry.wire.proto import guard_pb2
 SERVICE_NAME = "ascend-guard"
 RESOURCE_SERVICE = "service.name"
 RESOURCE_HOST = "host.name"
+# the instrumentation scope the query API's OTLP answers name (telemetry/tempo_api/otlp.py)
+INSTRUMENTATION_NAME = "ascend_guard.sidecar"
 # incidents carry their request id in the span event; the field reads it from there (and from the
 # request traces' own attribute, once they exist)
 ATTR_REQUEST = schema.attr("request_id")

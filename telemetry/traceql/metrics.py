@@ -49,6 +49,7 @@ from telemetry.traceql.source import (
     slow_call_spans_in,
 )
 
+HISTOGRAM_LABEL = "__bucket"  # Tempo's label for histogram_over_time's buckets
 MAX_STEPS = 11_000  # as Prometheus: more points than a panel can show is a mistake
 _DURATION_FIELDS = (ast.Intrinsic("duration"), ast.Intrinsic("traceDuration"))
 
@@ -165,6 +166,9 @@ class _Collector:
                 continue
             keep = ~np.isnan(v)
             b, v = b[keep], v[keep]
+            if metric.fn == "histogram_over_time":
+                out += self._histogram(labels, b, v, base, step_ns)
+                continue
             order = np.argsort(b, kind="stable")
             b, v = b[order], v[order]
             cuts = np.flatnonzero(np.diff(b)) + 1
@@ -195,6 +199,30 @@ class _Collector:
             }[metric.fn]
             samples = [(base + int(kb[0]) * step_ns, float(reduce(kv))) for kb, kv in chunks]
             out.append(Series(labels, samples))
+        return out
+
+    def _histogram(
+        self, labels: dict, steps: np.ndarray, values: np.ndarray, base: int, step_ns: int
+    ):
+        """histogram_over_time: per power-of-two bucket (Tempo's `__bucket` label: the bucket's
+        upper bound, in seconds for durations), the count of each step that has spans. A value
+        below 2 (ns, for durations) has no bucket, as in Tempo."""
+        duration = self.metric.field in _DURATION_FIELDS
+        raw = np.rint(values * 1e9) if duration else values
+        by_bucket: dict[float, list[int]] = {}
+        for step, value in zip(steps.tolist(), raw.tolist(), strict=True):
+            if not value >= 2 or value != value or value == float("inf"):
+                continue
+            bucket = 1 << (int(value) - 1).bit_length()
+            if int(value) != value and bucket == value:  # 2^k + a fraction: the next bucket up
+                bucket <<= 1
+            label = bucket / 1e9 if duration else float(bucket)
+            by_bucket.setdefault(label, []).append(step)
+        out = []
+        for label in sorted(by_bucket):
+            counts = np.bincount(np.array(by_bucket[label], np.int64))
+            samples = [(base + k * step_ns, float(c)) for k, c in enumerate(counts) if c]
+            out.append(Series({**labels, HISTOGRAM_LABEL: label}, samples))
         return out
 
     def _step_histograms(self, group: tuple) -> dict[int, np.ndarray]:

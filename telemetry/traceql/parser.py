@@ -16,29 +16,41 @@ from decimal import Decimal
 import lark
 
 from telemetry.traceql import ast
+from telemetry.traceql.errors import TraceQLError
+from telemetry.traceql.validate import validate
 
 _GRAMMAR = r"""
-start: spanset_expr pipe_item* hints?
+start: pipeline hints?
+
+pipeline: first_stage pipe_item*
+?first_stage: spanset_expr
+            | scalar_filter
+            | group_by
+            | select
 
 pipe_item: "|" stage
 
 ?stage: spanset_expr
       | scalar_filter
-      | BY "(" field_expr ("," field_expr)* ")"          -> group_by
-      | SELECT "(" field ("," field)* ")"               -> select
+      | group_by
+      | select
       | COALESCE "(" ")"                                -> coalesce
       | metrics
 
-scalar_filter: aggregate cmp_op static
+group_by: BY "(" field_expr ("," field_expr)* ")"
+select: SELECT "(" field ("," field)* ")"
+
+scalar_filter: aggregate scalar_op signed_static
+             | signed_static scalar_op aggregate        -> scalar_filter_flipped
 
 aggregate: COUNT "(" ")"
          | AGG_FN "(" field_expr ")"
 
-metrics: METRICS_FN "(" metrics_args? ")" (BY "(" field_expr ("," field_expr)* ")")?
-metrics_args: field_expr ("," static)*
+metrics: METRICS_FN "(" metrics_args? ")" (BY "(" field ("," field)* ")")?
+metrics_args: field ("," signed_static)*
 
 hints: WITH "(" hint ("," hint)* ")"
-hint: IDENT "=" static
+hint: IDENT "=" signed_static
 
 ?spanset_expr: spanset_struct
              | spanset_expr SS_LOGIC spanset_struct        -> spanset_op
@@ -47,37 +59,58 @@ hint: IDENT "=" static
                | spanset_struct struct_op spanset_atom    -> spanset_op
 
 ?spanset_atom: "{" field_expr? "}"                       -> spanset_filter
-             | "(" spanset_expr ")"
+             | "(" pipeline ")"                         -> wrapped
 
-!struct_op: ">>" | ">" | "<<" | "<" | "~"
+!struct_op: ">>" | ">" | "<<" | "<" | "~" | "!>>" | "!>" | "!<<" | "!<" | "!~"
+          | "&>>" | "&>" | "&<<" | "&<" | "&~"
 !cmp_op: "=" | "!=" | ">" | ">=" | "<" | "<=" | "=~" | "!~"
+!scalar_op: "=" | "!=" | ">" | ">=" | "<" | "<=" | "=~" | "!~"
 SS_LOGIC: "&&" | "||"
 
 ?field_expr: field_cmp
            | field_expr SS_LOGIC field_cmp              -> logical
 
-?field_cmp: field_unary
-          | field_unary cmp_op field_unary              -> comparison
+?field_cmp: field_sum
+          | field_cmp cmp_op field_sum                  -> comparison
 
-?field_unary: field_atom
+?field_sum: field_mul
+          | field_sum (PLUS | MINUS) field_mul          -> arithmetic
+
+?field_mul: field_unary
+          | field_mul (STAR | SLASH | PERCENT) field_unary -> arithmetic
+
+?field_unary: field_pow
             | "!" field_unary                           -> not_
+            | MINUS field_unary                         -> negate
+
+?field_pow: field_atom
+          | field_atom CARET field_unary                -> arithmetic
 
 ?field_atom: static
            | field
            | "(" field_expr ")"
 
+PLUS: "+"
+MINUS: "-"
+STAR: "*"
+SLASH: "/"
+PERCENT: "%"
+CARET: "^"
+
 field: INTRINSIC | SCOPED_INTRINSIC | SCOPED_ATTR | UNSCOPED_ATTR | IDENT
 
-static: STRING | DURATION | FLOAT | INT | TRUE | FALSE | NIL | STATUS | KIND | MINUS_NUMBER
+?signed_static: static
+              | MINUS signed_static                     -> negate_static
+
+static: STRING | DURATION | FLOAT | INT | TRUE | FALSE | NIL | STATUS | KIND
 
 {keywords}
-SCOPED_INTRINSIC.4: /(span|trace):[A-Za-z]+/
-SCOPED_ATTR.4: /(span|resource)\.[A-Za-z0-9_][A-Za-z0-9_.\-\/]*/
+SCOPED_INTRINSIC.4: /(span|trace|event|link|instrumentation):[A-Za-z]+/
+SCOPED_ATTR.4: /(span|resource|event|link|instrumentation)\.[A-Za-z0-9_][A-Za-z0-9_.\-\/]*/
 UNSCOPED_ATTR.4: /\.[A-Za-z_][A-Za-z0-9_.\-\/]*/
-DURATION.3: /-?(\d+(\.\d+)?(ns|us|µs|ms|s|m|h|d))+(?![A-Za-z0-9_])/
-FLOAT.2: /-?(\d+\.\d*|\.\d+)([eE][-+]?\d+)?|-?\d+[eE][-+]?\d+/
+DURATION.3: /(\d+(\.\d+)?(ns|us|µs|ms|s|m|h|d))+(?![A-Za-z0-9_])/
+FLOAT.2: /(\d+\.\d*|\.\d+)([eE][-+]?\d+)?|\d+[eE][-+]?\d+/
 INT.1: /\d+/
-MINUS_NUMBER.1: /-\d+/
 IDENT: /[A-Za-z_][A-Za-z0-9_]*/
 STRING: /"(\\.|[^"\\\n])*"/ | /`[^`]*`/
 
@@ -128,10 +161,6 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h|d)")
 _ESCAPES = {'"': '"', "\\": "\\", "n": "\n", "t": "\t", "r": "\r"}
 
 
-class TraceQLError(ValueError):
-    """A query that cannot run here (a metrics query given to search, a bad time range...)."""
-
-
 class TraceQLParseError(TraceQLError):
     """A query that is not in the supported TraceQL subset.
 
@@ -180,17 +209,7 @@ def _unquote(text: str) -> str:
     return "".join(out)
 
 
-def _is_boolean(expr) -> bool:
-    if isinstance(expr, (ast.Comparison, ast.Not)):
-        return True
-    if isinstance(expr, ast.Logical):
-        return _is_boolean(expr.left) and _is_boolean(expr.right)
-    if isinstance(expr, ast.Static):
-        return expr.type == "bool"
-    return False
-
-
-class _ToAst(lark.Transformer):
+class _ToAst(lark.visitors.Transformer_NonRecursive):
     """Parse tree -> ast nodes; checks that lark's grammar leaves to the tree (types, regexes)."""
 
     def __init__(self, text: str) -> None:
@@ -208,7 +227,7 @@ class _ToAst(lark.Transformer):
             return ast.Static(parse_duration(text), "duration", text)
         if kind == "FLOAT":
             return ast.Static(float(text), "float", text)
-        if kind in ("INT", "MINUS_NUMBER"):
+        if kind == "INT":
             return ast.Static(int(text), "int", text)
         if kind in ("TRUE", "FALSE"):
             return ast.Static(kind == "TRUE", "bool", text)
@@ -217,6 +236,12 @@ class _ToAst(lark.Transformer):
         if kind == "STATUS":
             return ast.Static(text, "status", text)
         return ast.Static(text, "kind", text)  # KIND
+
+    def negate_static(self, children):
+        minus, value = children
+        if value.type not in ("int", "float", "duration"):
+            raise _error_at(minus, f"- needs a number or a duration, not {value.text}")
+        return ast.Static(-value.value, value.type, "-" + value.text)
 
     def field(self, children):
         (tok,) = children
@@ -243,6 +268,16 @@ class _ToAst(lark.Transformer):
         (operand,) = children
         return ast.Not(operand)
 
+    def negate(self, children):
+        _, operand = children
+        if isinstance(operand, ast.Static) and operand.type in ("int", "float", "duration"):
+            return ast.Static(-operand.value, operand.type, "-" + operand.text)
+        return ast.Negate(operand)
+
+    def arithmetic(self, children):
+        left, op, right = children
+        return ast.Arithmetic(str(op), left, right)
+
     def comparison(self, children):
         left, op_tree, right = children
         op_tok = op_tree.children[0]
@@ -253,7 +288,7 @@ class _ToAst(lark.Transformer):
                 raise _error_at(op_tok, f"{op} needs a string regular expression on its right")
             try:
                 pattern = re.compile(right.value)
-            except re.error as exc:
+            except (re.error, RecursionError, OverflowError) as exc:
                 raise _error_at(op_tok, f"bad regular expression {right.text}: {exc}") from None
         return ast.Comparison(op, left, right, pattern)
 
@@ -261,19 +296,10 @@ class _ToAst(lark.Transformer):
         left, op, right = children
         return ast.Logical(str(op), left, right)
 
-    @lark.v_args(meta=True)
-    def spanset_filter(self, meta, children):
+    def spanset_filter(self, children):
         if not children:
             return ast.SpansetFilter(None)
         (expr,) = children
-        if not _is_boolean(expr):
-            raise TraceQLParseError(
-                f"the expression inside {{ }} must be true or false, not {expr}",
-                line=meta.line,
-                column=meta.column,
-                offset=meta.start_pos,
-                token=self._text[meta.start_pos : meta.end_pos],
-            )
         return ast.SpansetFilter(expr)
 
     def spanset_op(self, children):
@@ -295,6 +321,13 @@ class _ToAst(lark.Transformer):
         if value.type not in ("int", "float", "duration"):
             raise _error_at(op_tok, f"an aggregate compares with a number, not {value.text}")
         return ast.ScalarFilter(aggregate, str(op_tok), value)
+
+    def scalar_filter_flipped(self, children):
+        value, op_tree, aggregate = children
+        op_tok = op_tree.children[0]
+        flipped = {">": "<", ">=": "<=", "<": ">", "<=": ">="}.get(str(op_tok), str(op_tok))
+        tok = lark.Token(op_tok.type, flipped, op_tok.start_pos, op_tok.line, op_tok.column)
+        return self.scalar_filter([aggregate, lark.Tree("scalar_op", [tok]), value])
 
     def group_by(self, children):
         return ast.GroupBy(tuple(children[1:]))
@@ -329,8 +362,6 @@ class _ToAst(lark.Transformer):
         else:
             if field is None or statics:
                 raise _error_at(fn_tok, f"{fn} takes one value, e.g. {fn}(duration)")
-        if field is not None and not isinstance(field, (ast.Intrinsic, ast.Attribute)):
-            raise _error_at(fn_tok, f"{fn} aggregates a span field, not {field}")
         quantiles = tuple(float(q.value) for q in statics)
         node = ast.MetricsAggregate(fn, field, quantiles, by)
         self._where[id(node)] = fn_tok
@@ -347,13 +378,12 @@ class _ToAst(lark.Transformer):
         (stage,) = children
         return stage
 
-    def start(self, children):
-        spanset, rest = children[0], children[1:]
-        hints: tuple = ()
-        if rest and isinstance(rest[-1], tuple):
-            hints = rest[-1]
-            rest = rest[:-1]
-        stages = list(rest)
+    def pipeline(self, children) -> _Pipeline:
+        first, stages = children[0], list(children[1:])
+        if not isinstance(first, ast.SpansetFilter | ast.SpansetOp | ast.SubPipeline):
+            # a pipeline that starts with a scalar filter, by() or select() reads every span
+            stages.insert(0, first)
+            first = ast.SpansetFilter(None)
         metrics = None
         for i, stage in enumerate(stages):
             if isinstance(stage, ast.MetricsAggregate):
@@ -362,7 +392,30 @@ class _ToAst(lark.Transformer):
                 metrics = stage
         if metrics is not None:
             stages.pop()
-        return ast.Query(spanset, tuple(stages), metrics, hints)
+        return _Pipeline(first, tuple(stages), metrics)
+
+    def wrapped(self, children):
+        (pipeline,) = children
+        if pipeline.metrics is not None:
+            raise _error_at(
+                self._where[id(pipeline.metrics)],
+                f"{pipeline.metrics.fn}() must be the last stage of the whole query",
+            )
+        if not pipeline.stages:
+            return pipeline.spanset
+        return ast.SubPipeline(pipeline.spanset, pipeline.stages)
+
+    def start(self, children):
+        pipeline, rest = children[0], children[1:]
+        hints = rest[0] if rest else ()
+        return ast.Query(pipeline.spanset, pipeline.stages, pipeline.metrics, hints)
+
+
+@dataclasses.dataclass
+class _Pipeline:
+    spanset: ast.SpansetExpr
+    stages: tuple
+    metrics: ast.MetricsAggregate | None
 
 
 @functools.lru_cache(maxsize=1)
@@ -372,6 +425,7 @@ def _parser() -> lark.Lark:
 
 # how an error message names what lark expected
 _EXPECTED_NAMES = {
+    "$END": "end of query",
     "SS_LOGIC": "&&, ||",
     "INTRINSIC": "an intrinsic (name, duration, ...)",
     "SCOPED_INTRINSIC": "span:<intrinsic>",
@@ -382,7 +436,6 @@ _EXPECTED_NAMES = {
     "DURATION": "a duration",
     "FLOAT": "a number",
     "INT": "a number",
-    "MINUS_NUMBER": "a number",
     "STATUS": "a status (ok, error, unset)",
     "KIND": "a kind (server, client, ...)",
     "AGG_FN": "avg, min, max, sum",
@@ -462,7 +515,7 @@ def parse(text: str) -> ast.Query:
         raise _too_deep(text) from None
     if _depth(query) > MAX_DEPTH:
         raise _too_deep(text)
-    return query
+    return validate(query)
 
 
 def _too_deep(text: str) -> TraceQLParseError:

@@ -28,27 +28,27 @@ _PREFIXES = {
 
 
 def relax(expr: ast.FieldExpr | None, positive: bool = True):
-    """The filter with trace-level comparisons (rootName, traceDuration: unknown per span)
-    replaced by what keeps every possible match: true, or false under a `!`."""
+    """The filter with every condition only a built trace decides (rootName, traceDuration, the
+    tree's nested set, ids, events, links: `uses_trace_level`) replaced by what keeps every
+    possible match: true, or false under a `!`."""
     if expr is None:
         return None
     if isinstance(expr, ast.Logical):
         return ast.Logical(expr.op, relax(expr.left, positive), relax(expr.right, positive))
     if isinstance(expr, ast.Not):
         return ast.Not(relax(expr.operand, not positive))
-    if isinstance(expr, ast.Comparison):
-        sides = (expr.left, expr.right)
-        if any(isinstance(s, ast.Intrinsic) and s.trace_level for s in sides):
-            return ast.Static(positive, "bool", "true" if positive else "false")
+    if uses_trace_level(expr):
+        return ast.Static(positive, "bool", "true" if positive else "false")
     return expr
 
 
 def uses_trace_level(expr) -> bool:
-    if isinstance(expr, ast.Intrinsic):
+    """Whether the expression reads a field that only a built trace answers."""
+    if isinstance(expr, ast.Intrinsic | ast.Attribute):
         return expr.trace_level
-    if isinstance(expr, ast.Comparison | ast.Logical):
+    if isinstance(expr, ast.Comparison | ast.Logical | ast.Arithmetic):
         return uses_trace_level(expr.left) or uses_trace_level(expr.right)
-    if isinstance(expr, ast.Not):
+    if isinstance(expr, ast.Not | ast.Negate):
         return uses_trace_level(expr.operand)
     return False
 
@@ -85,7 +85,17 @@ def _known(kind: str, rank: store.RankRow | None):
                 return fields.SPAN_KIND
             if field.name == "rootServiceName":
                 return fields.SERVICE_NAME
+            if field.name == "instrumentation:name":
+                return fields.INSTRUMENTATION_NAME
+            if field.name.startswith("event:"):  # incidents carry the one event a span has
+                return UNKNOWN if kind == "incident" else ABSENT
+            if field.name.startswith(("link:", "instrumentation:")):
+                return ABSENT  # no span a search reads has a link or a scope version
             return UNKNOWN
+        if field.scope == "event":
+            return UNKNOWN if kind == "incident" else ABSENT
+        if field.scope in ("link", "instrumentation"):
+            return ABSENT
         key = fields.attribute_key(field.name)
         if field.scope in (None, "span") and key in keys:
             return values.get(key, UNKNOWN)
@@ -156,4 +166,23 @@ def _unset(known):
 def leaves(expr: ast.SpansetExpr) -> list[ast.SpansetFilter]:
     if isinstance(expr, ast.SpansetFilter):
         return [expr]
+    if isinstance(expr, ast.SubPipeline):
+        return leaves(expr.spanset)
     return leaves(expr.left) + leaves(expr.right)
+
+
+def requirements(query: ast.Query) -> list[ast.SpansetExpr]:
+    """Spanset expressions a trace must match somewhere for the query to match it: the first
+    spanset, and where that is `{ }` (every span: also a pipeline that starts with by(),
+    select() or an aggregate) the spanset stages after it instead, since the spans they keep
+    must match them."""
+    first = query.spanset
+    if isinstance(first, ast.SpansetFilter) and first.expr is None:
+        later = [
+            s
+            for s in query.stages
+            if isinstance(s, ast.SpansetFilter | ast.SpansetOp | ast.SubPipeline)
+        ]
+        if later:
+            return later
+    return [first]

@@ -24,7 +24,7 @@ from telemetry.traceql import requests as request_traceql
 from telemetry.traceql.columns import mask_of
 from telemetry.traceql.evaluate import TraceMatch, match_trace
 from telemetry.traceql.parser import TraceQLError, parse
-from telemetry.traceql.plan import LeafPlan, leaves, plan_leaf
+from telemetry.traceql.plan import LeafPlan, leaves, plan_leaf, requirements
 from telemetry.traceql.source import (
     WAVE_KINDS,
     BlockCache,
@@ -99,6 +99,10 @@ def _needed(expr: ast.SpansetExpr, sets: dict[int, Candidates]):
     """The traces that can satisfy the spanset expression, from each filter's trace set."""
     if isinstance(expr, ast.SpansetFilter):
         return sets[id(expr)].final()
+    if isinstance(expr, ast.SubPipeline):
+        return _needed(expr.spanset, sets)
+    if expr.op in ast.NEGATED_OPS:  # the right side's spans that do not relate: the right's
+        return _needed(expr.right, sets)
     left, right = _needed(expr.left, sets), _needed(expr.right, sets)
     return _combine(left, right, both=expr.op != "||")
 
@@ -114,7 +118,12 @@ class CandidatePass:
         self.ranks = {r.id: r for r in store.ranks(conn)}
         self.keys = {r.id: wave_trace_key(r.run_id, r.dp) for r in self.ranks.values()}
         self.nodes = node_map(self.ranks.values())
-        self.plans = [plan_leaf(leaf, list(self.ranks.values())) for leaf in leaves(query.spanset)]
+        self.required = requirements(query)
+        self.plans = [
+            plan_leaf(leaf, list(self.ranks.values()))
+            for expr in self.required
+            for leaf in leaves(expr)
+        ]
         self.sets = {id(p.leaf): Candidates() for p in self.plans}
         self.blocks_read = 0
 
@@ -232,8 +241,11 @@ class CandidatePass:
 
     def candidates(self, query: ast.Query) -> list[tuple[int, int, int]]:
         """(start, replica key, wave) of every trace that may match, newest first."""
+        needed = _needed(self.required[0], self.sets)
+        for expr in self.required[1:]:
+            needed = _combine(needed, _needed(expr, self.sets), both=True)
         out = []
-        for key, (waves, starts) in _needed(query.spanset, self.sets).items():
+        for key, (waves, starts) in needed.items():
             out += zip(starts.tolist(), [key] * len(waves), waves.tolist(), strict=False)
         out.sort(reverse=True)
         return out

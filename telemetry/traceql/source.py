@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -33,10 +33,17 @@ from telemetry.traceql.columns import ABSENT, Coded
 from telemetry.traceql.parser import TraceQLError
 from telemetry.wire import schema
 from telemetry.wire.collective_columns import to_waves
-from telemetry.wire.trace_ids import split_trace_id, wave_trace_id
+from telemetry.wire.trace_ids import (
+    format_trace_id,
+    split_trace_id,
+    wave_trace_id,
+    wave_trace_key,
+)
 
 WAVE_KINDS = ("wave", "rank", "execute_model", "sample_tokens")
 ALL_KINDS = (*WAVE_KINDS, "collective", "slow_call", "incident")
+# intrinsics of a trace's tree, which only a whole trace answers
+TREE_INTRINSICS = (*ast.NESTED_SET_INTRINSICS, "span:childCount")
 _WAVE_KEYS = {schema.attr(f): f for f in schema.WAVE_FIELDS}
 
 
@@ -161,6 +168,8 @@ class CollectiveTable:
                 ), True
             if name == "duration":
                 return self._stat("host_ns"), True
+            if name == "trace:id":
+                return trace_id_column(self.rank, self.waves), True
             return _span_constant(name)
         key = fields.attribute_key(field.name)
         if field.scope in (None, "span"):
@@ -180,8 +189,19 @@ class CollectiveTable:
         return None, False
 
 
+def trace_id_column(rank: store.RankRow, waves: np.ndarray) -> Coded:
+    """`trace:id` of rows of this rank's waves: one text per distinct wave."""
+    key = wave_trace_key(rank.run_id, rank.dp)
+    unique, inverse = np.unique(waves, return_inverse=True)
+    out = Coded([])
+    out.levels = [format_trace_id(key << 64 | int(w)) for w in unique]
+    out.codes = inverse.astype(np.int64).reshape(-1)
+    return out
+
+
 def _span_constant(name: str):
-    """Intrinsics with one value on every span we build."""
+    """Intrinsics with one value on every span a block holds. The planner replaces the ones
+    only a built trace knows (ast.EXACT_INTRINSICS) before a block is read."""
     if name == "status":
         return fields.SPAN_STATUS, True
     if name == "kind":
@@ -190,7 +210,9 @@ def _span_constant(name: str):
         return "", True
     if name == "rootServiceName":
         return fields.SERVICE_NAME, True
-    raise ValueError(f"trace-level {name} is not known per block")  # the planner relaxes it
+    if name == "instrumentation:name":
+        return fields.INSTRUMENTATION_NAME, True
+    return None, False  # events and links: spans read from blocks have none
 
 
 class BlockCache:
@@ -358,11 +380,18 @@ class SpanTable:
     """Columns over built spans (a loaded trace, or spans with no block table)."""
 
     def __init__(
-        self, spans: list[Span], trace: dict | None = None, nodes: dict | None = None
+        self,
+        spans: list[Span],
+        trace: dict | None = None,
+        nodes: dict | None = None,
+        per_span: Callable[[], dict[str, list]] | None = None,
     ) -> None:
         self.spans = spans
         self.n = len(spans)
         self._trace = trace or {}
+        # intrinsics of the trace's tree, one value per span, made on first use
+        # (telemetry/traceql/evaluate.py `TraceView`); none for spans of no one trace
+        self._per_span = per_span
         # (run, engine, dp, tp, pp) -> node: the store's ranks, else the rank spans at hand
         self._nodes = (
             nodes
@@ -396,8 +425,15 @@ class SpanTable:
                 return "", True
             if name == "rootServiceName":
                 return fields.SERVICE_NAME, True
+            if name in TREE_INTRINSICS:
+                tree = self._per_span() if self._per_span is not None else {}
+                return _pack(tree[name]) if name in tree else (None, False)
+            if name in _SPAN_INTRINSICS:
+                return _pack([_SPAN_INTRINSICS[name](s) for s in spans])
             value = self._trace.get(name)
             return (value, value is not None)
+        if field.scope in ("event", "link", "instrumentation"):
+            return _pack([_scoped_attribute(s, field) for s in spans])
         key = fields.attribute_key(field.name)
         values: list = []
         if field.scope in (None, "span"):
@@ -416,6 +452,55 @@ class SpanTable:
             tp, pp = (span.tp, span.pp) if span.tp is not None else (0, 0)
             node = self._nodes.get(_rank_key(span, tp, pp))
         return fields.resource_attributes(node)
+
+
+def _first(items: list) -> dict | None:
+    return items[0] if items else None
+
+
+def _event_name(span: Span):
+    event = _first(span.events)
+    return event.get("name", ABSENT) if event else ABSENT
+
+
+def _event_offset(span: Span):
+    event = _first(span.events)
+    return event["time_ns"] - span.start_ns if event and "time_ns" in event else ABSENT
+
+
+def _link_id(key: str, digits: int):
+    def read(span: Span):
+        link = _first(span.links)
+        return f"{link[key]:0{digits}x}" if link and link.get(key) is not None else ABSENT
+
+    return read
+
+
+# intrinsics read off one built span. A span's events and links are read at their first (an
+# incident span has one event; a wave root links to its requests): nil where it has none.
+_SPAN_INTRINSICS = {
+    "span:id": lambda s: s.span_hex,
+    "trace:id": lambda s: s.trace_hex,
+    "span:parentID": lambda s: f"{s.parent_id:016x}" if s.parent_id is not None else ABSENT,
+    "event:name": _event_name,
+    "event:timeSinceStart": _event_offset,
+    "link:traceID": _link_id("trace_id", 32),
+    "link:spanID": _link_id("span_id", 16),
+    "instrumentation:name": lambda s: fields.INSTRUMENTATION_NAME,
+    "instrumentation:version": lambda s: ABSENT,
+}
+
+
+def _scoped_attribute(span: Span, field: ast.Attribute):
+    """`event.x`, `link.x` (the span's first event's or link's attribute), `instrumentation.x`
+    (none: the scope carries no attributes)."""
+    if field.scope == "event":
+        item = _first(span.events)
+    elif field.scope == "link":
+        item = _first(span.links)
+    else:
+        item = None
+    return item.get("attributes", {}).get(field.name, ABSENT) if item else ABSENT
 
 
 def _rank_key(span: Span, tp, pp) -> tuple:
@@ -499,6 +584,8 @@ class BlockTable:
                 return self.kind, True
             if name == "duration":
                 return self.end - self.start, True
+            if name == "trace:id":
+                return trace_id_column(self.rank, self.array("wave")), True
             if name == "status" and self.kind in ("wave", "rank") and self.conn is not None:
                 waves = self.array("wave")
                 bad = error_waves(

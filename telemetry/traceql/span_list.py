@@ -16,8 +16,10 @@ import sqlite3
 import numpy as np
 
 from telemetry import store
+from telemetry.spans import requests as request_spans
 from telemetry.spans.builders import Span, collective_spans
 from telemetry.traceql import ast
+from telemetry.traceql import requests as request_traceql
 from telemetry.traceql.columns import mask_of
 from telemetry.traceql.parser import TraceQLError, parse
 from telemetry.traceql.plan import plan_leaf, uses_trace_level
@@ -30,6 +32,7 @@ from telemetry.traceql.source import (
     collective_waves_in_range,
     incident_spans,
     node_map,
+    slow_call_spans_in,
 )
 from telemetry.wire import schema
 
@@ -47,7 +50,10 @@ def _one_filter(query: str | ast.Query) -> ast.SpansetFilter:
             "search traces for those"
         )
     if uses_trace_level(parsed.spanset.expr):
-        raise TraceQLError("rootName and traceDuration belong to traces; search traces for those")
+        raise TraceQLError(
+            "rootName, traceDuration, span ids and the nested set are read from whole traces; "
+            "search traces for those"
+        )
     return parsed.spanset
 
 
@@ -97,7 +103,8 @@ def top_spans(
 ) -> list[Span]:
     """The spans starting in [start_ns, end_ns] that one `{ }` filter matches, best first by
     `sort` (descending; ties: the later start first), at most `limit`."""
-    leaf = _one_filter(query)
+    parsed = parse(query) if isinstance(query, str) else query
+    leaf = _one_filter(parsed)
     if sort not in SORT_KEYS:
         raise TraceQLError(f"sort: {sort!r}; one of {', '.join(SORT_KEYS)}")
     if limit < 1:
@@ -142,16 +149,29 @@ def top_spans(
             keys = _sort_key(sort, duration, table.start, table.waves)
             best.offer(keys, table.start, rows, lambda i, t=table: _collective_span(t, i))
 
+    # spans the store keeps as rows, built before the filter: slow calls, incidents and (where
+    # the filter names them, as the trace search reads them) request traces' spans
+    built: list[Span] = []
+    slow = {rid: ranks[rid] for rid, kinds in plan.kinds.items() if "slow_call" in kinds}
+    if slow:
+        built += slow_call_spans_in(conn, slow, start_ns, end_ns)
     if plan.incidents:
-        spans = [s for s in incident_spans(conn, start_ns, end_ns) if s.start_ns >= start_ns]
-        if spans:
-            table = SpanTable(spans, nodes=node_map(ranks.values()))
-            rows = np.flatnonzero(mask_of(expr, table))
-            start = np.array([s.start_ns for s in spans], np.int64)
-            duration = np.array([s.duration_ns for s in spans], np.int64)
-            wave = np.array([s.wave for s in spans], np.int64)
-            keys = _sort_key(sort, duration, start, wave)
-            best.offer(keys, start, rows, lambda i, s=spans: s[i])
+        built += incident_spans(conn, start_ns, end_ns)
+    if request_traceql.names_requests(parsed):
+        pinned = request_traceql.wanted_request(leaf)
+        for spans in request_spans.spans_in_range(
+            conn, start_ns, end_ns, pinned, request_traceql.MAX_INSPECTED
+        ):
+            built += spans
+    spans = [s for s in built if start_ns <= s.start_ns <= end_ns]
+    if spans:
+        table = SpanTable(spans, nodes=node_map(ranks.values()))
+        rows = np.flatnonzero(mask_of(expr, table))
+        start = np.array([s.start_ns for s in spans], np.int64)
+        duration = np.array([s.duration_ns for s in spans], np.int64)
+        wave = np.array([s.wave for s in spans], np.int64)
+        keys = _sort_key(sort, duration, start, wave)
+        best.offer(keys, start, rows, lambda i, s=spans: s[i])
     return best.spans()
 
 

@@ -98,3 +98,15 @@ def test_our_queries_parse_with_grafanas_grammar():
     # lezer fails on the original only where a number form was written out
     for query, out in written.items():
         assert (errors[query] is None) == (query == out), query
+
+
+def test_tempos_constructs_parse_with_grafanas_grammar_too():
+    """Tempo's grammar, which ours follows, and Grafana's editor grammar agree on the constructs
+    tests/unit/telemetry/test_traceql_tempo_grammar.py parses, but for Tempo's undocumented
+    intrinsics (`nestedSet*`, `span:childCount`), which lezer does not know."""
+    from tests.unit.telemetry.test_traceql_tempo_grammar import VALID
+
+    errors = _lezer_errors(VALID)
+    undocumented = {q for q in VALID if "nestedSet" in q or "childCount" in q}
+    assert undocumented
+    assert {q for q, at in errors.items() if at is not None} == undocumented

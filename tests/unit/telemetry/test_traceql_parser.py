@@ -233,14 +233,14 @@ def test_printed_query_parses_back_to_the_same_tree(text):
         ("{ .a = @ }", 1, 8, "@", "unexpected character"),
         ('{ .a =~ "(" }', 1, 6, "=~", "bad regular expression"),
         ("{ .a =~ 3 }", 1, 6, "=~", "string regular expression"),
-        ("{ .x }", 1, 1, "{ .x }", "must be true or false"),
+        ("{ .a = 1 } !- { .b = 1 }", 1, 12, "!", "unexpected token"),
         ("{ } | rate() | count() > 1", 1, 7, "rate", "last stage"),
         ("{ } | rate(duration)", 1, 7, "rate", "no arguments"),
         ("{ } | quantile_over_time(duration, 2)", 1, 7, "quantile_over_time", "[0, 1]"),
         ("{ } | quantile_over_time(duration)", 1, 7, "quantile_over_time", "quantiles"),
         ('{ } | count() > "a"', 1, 15, ">", "a number"),
         ("{ span:bogus = 1 }", 1, 3, "span:bogus", "unknown scoped intrinsic"),
-        ("{ .a = 1 } !~ { .b = 1 }", 1, 12, "!~", "unexpected token"),
+        ("{ .a = 1 } &| { .b = 1 }", 1, 12, "&|", "unexpected character"),
     ],
 )
 def test_errors_name_line_column_and_token(text, line, column, token, reason):
@@ -266,7 +266,9 @@ def test_expected_tokens_are_named():
 _PIECES = ["{", "}", "(", ")", "|", "&&", "||", ">", ">>", "~", "=", "!=", "=~", "!~", "<", "<=",
            ".tp", "span.op", "resource.x", "name", "duration", "50ms", "1.5", ".99", "3", "-2",
            '"a"', '"', "count()", "avg(", "by", "select", "rate()", "quantile_over_time",
-           ",", "nil", "true", "error", "with", "!", " ", "\n", "µs", "`", "\\"]  # fmt: skip
+           ",", "nil", "true", "error", "with", "!", " ", "\n", "µs", "`", "\\", "+", "-", "*", "/",
+           "%", "^", "!>", "&>>", "!~", "&~", "event:name", "link.x", "nestedSetLeft", "span:id",
+           "histogram_over_time(duration)", "max(duration)"]  # fmt: skip
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
