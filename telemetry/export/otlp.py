@@ -411,7 +411,7 @@ class OtlpExporter:
             for key, members in by_resource.items():
                 rs = request.resource_spans.add(resource=self._resource(key))
                 ss = rs.scope_spans.add()
-                ss.scope.name = "ascend_guard.sidecar"
+                ss.scope.name = schema.SCOPE_NAME
                 ss.scope.version = SCOPE_VERSION
                 ss.spans.extend(to_otlp(span) for span in members)
             try:

@@ -24,7 +24,7 @@ from telemetry.spans.builders import Span
 from telemetry.wire import schema
 
 SERVICE_NAME = "ascend-guard"  # the OTLP exporter's service.name (telemetry/export/otlp.py)
-SCOPE_NAME = "ascend_guard.sidecar"
+SCOPE_NAME = schema.SCOPE_NAME
 RESOURCE_KEYS = ("service.name", "service.namespace", "service.instance.id", "host.name")
 _ID_KEYS = ("traceId", "spanId", "parentSpanId")
 

@@ -27,7 +27,7 @@ SERVICE_NAME = "ascend-guard"
 RESOURCE_SERVICE = "service.name"
 RESOURCE_HOST = "host.name"
 # the instrumentation scope the query API's OTLP answers name (telemetry/tempo_api/otlp.py)
-INSTRUMENTATION_NAME = "ascend_guard.sidecar"
+INSTRUMENTATION_NAME = schema.SCOPE_NAME
 # incidents carry their request id in the span event; the field reads it from there (and from the
 # request traces' own attribute, once they exist)
 ATTR_REQUEST = schema.attr("request_id")

@@ -68,6 +68,10 @@ WAVE_RANGES: dict[str, tuple[int, int]] = {
     for f in guard_pb2.WaveRecord.DESCRIPTOR.fields
 }
 
+# the instrumentation scope of every span the sidecar builds (OTLP export, the query API's
+# traces, TraceQL's instrumentation:name)
+SCOPE_NAME = "ascend_guard.sidecar"
+
 # -- span attribute names (semantic conventions of this project) -----------------------------
 PREFIX = "ascend_guard."
 
