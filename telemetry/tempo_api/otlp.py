@@ -3,8 +3,9 @@
 Grafana's trace view takes a span's service from its resource (`service.name`, and
 `service.namespace`), and shows the resource attributes as "process" tags. Every span here
 belongs to one rank (or, for the wave root and sidecar-raised incidents, to one replica), so
-each rank gets its own resource: `service.name` ascend-guard (as the OTLP exporter's
-resource), the engine as `service.namespace`, the rank as `service.instance.id`, the node as
+each rank gets its own resource: `service.name` ascend-guard, the engine as
+`service.namespace` (the OTLP export, telemetry/export/resource.py, follows OTel's conventions
+instead: the engine is its `service.name`), the rank as `service.instance.id`, the node as
 `host.name`. The spans are the ones `ascend-guard trace` shows (telemetry/spans/query.py
 `load_trace`), converted with the exporter's `to_otlp`.
 """
@@ -23,7 +24,7 @@ from telemetry.export.resource import attributes as _attributes
 from telemetry.spans.builders import Span
 from telemetry.wire import schema
 
-SERVICE_NAME = "ascend-guard"  # the OTLP exporter's service.name (telemetry/export/otlp.py)
+SERVICE_NAME = "ascend-guard"  # this API's service.name (OTLP export names the engine instead)
 SCOPE_NAME = schema.SCOPE_NAME
 RESOURCE_KEYS = ("service.name", "service.namespace", "service.instance.id", "host.name")
 _ID_KEYS = ("traceId", "spanId", "parentSpanId")
