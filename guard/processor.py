@@ -355,15 +355,19 @@ class GuardProcessor:
                 self.errors.record("observer_on_record")
 
     # -- sampling detectors and live config ----------------------------------------------------
-    def on_logits(self, logits: Any, rows_per_req: list[int] | None) -> None:
-        """Called by the sampler decorators with the logits about to be sampled."""
+    def on_logits(
+        self, logits: Any, rows_per_req: list[int] | None, req_ids: list[str] | None = None
+    ) -> None:
+        """Called by the sampler decorators with the logits about to be sampled; `req_ids`:
+        the request id of each row when the sampler is handed its batch (MRV2), else the
+        detectors read them off the runner (V1's `input_batch`)."""
         if self.logits_checked or logits is None:
             return
         suite = self.detector_host.suite  # straight to it: one frame less in the sampler
         if suite is None:
             return
         try:
-            suite.on_logits(self.wave, self._runner, logits, rows_per_req)
+            suite.on_logits(self.wave, self._runner, logits, rows_per_req, req_ids)
         except Exception:  # noqa: BLE001
             self.errors.record("detectors_logits")
 

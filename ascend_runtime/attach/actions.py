@@ -22,6 +22,7 @@ from guard import decorators
 from guard.config.reload import guard_schedule
 from guard.decorators import (
     WRAPPED_ATTR,
+    runtime_guard_batch_logits,
     runtime_guard_dummy_step,
     runtime_guard_logits,
     runtime_guard_sample_tokens,
@@ -265,6 +266,7 @@ WRAPPERS: dict[str, Wrapper] = {
     "speculator_propose": _after(_speculator),
     "communicator_init": _after(_communicator),
     "logits": _guard_decorator(runtime_guard_logits),
+    "batch_logits": _guard_decorator(runtime_guard_batch_logits),
     "verify_logits": _guard_decorator(runtime_guard_verify_logits),
     "schedule": _guard_decorator(guard_schedule),
     "collective": _collective,

@@ -308,3 +308,41 @@ def test_bind_all_binds_a_runner_when_its_module_is_imported(modules):
     assert BINDINGS[points[3]].reason == "Other defines no execute_model"
     install(None)
     assert module.Runner().execute_model(5) == ("ran", 5)
+
+
+def test_mrv2_sampler_hands_the_detectors_the_request_ids_of_its_batch():
+    """MRV2's real `Sampler.__call__(self, logits, input_batch)`, wrapped as its attach point
+    says: the logits and the batch's `req_ids` reach the processor before the real call runs
+    (MRV2's runner has no `input_batch` for the detectors to read them from)."""
+    pytest.importorskip("vllm")
+    import torch
+    import vllm.v1.worker.cpu.shm  # noqa: F401
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    from ascend_runtime.attach.actions import WRAPPERS
+    from ascend_runtime.attach.points import ATTACH_POINTS
+
+    assert list(inspect.signature(Sampler.__call__).parameters)[:3] == [
+        "self", "logits", "input_batch"
+    ]  # fmt: skip
+    (point,) = [p for p in ATTACH_POINTS if p.module == "vllm.v1.worker.gpu.sample.sampler"]
+    assert (point.method, point.action) == ("__call__", "batch_logits")
+    wrapped = WRAPPERS[point.action](Sampler.__call__, point)
+    seen = []
+
+    class Processor:
+        wants_logits = True
+
+        def on_logits(self, logits, rows_per_req, req_ids=None):
+            seen.append((logits, rows_per_req, req_ids))
+
+    logits = torch.zeros(2, 5)
+    batch = SimpleNamespace(req_ids=["a", "b"])  # the real call fails on what it lacks
+    install(Processor())
+    try:
+        assert _first_error(lambda: wrapped(Stub(), logits, batch)) is not None
+        assert _first_error(lambda: wrapped(Stub(), logits=logits, input_batch=batch)) is not None
+    finally:
+        install(None)
+    assert seen == [(logits, None, ["a", "b"])] * 2
+    assert unwrap(wrapped) is Sampler.__call__
