@@ -346,3 +346,38 @@ def test_mrv2_sampler_hands_the_detectors_the_request_ids_of_its_batch():
         install(None)
     assert seen == [(logits, None, ["a", "b"])] * 2
     assert unwrap(wrapped) is Sampler.__call__
+
+
+def test_the_guard_runs_beneath_the_runners_inference_mode(upstream):
+    """Bound as the binder binds a runner's step and sample points, the guard runs inside
+    the method's own `@torch.inference_mode()`, as a runner carrying the decorators in source
+    has it (`@torch.inference_mode()` outside, the guard inside); `unwrap` gives vLLM's method."""
+    import torch
+
+    from ascend_runtime.attach.actions import WRAPPERS
+
+    _, cls, originals = upstream
+    seen = []
+
+    class Processor:
+        def run_step(self, fn, runner, args, kwargs):
+            seen.append(("step", torch.is_inference_mode_enabled()))
+            raise Sentinel("step")
+
+        def run_sample(self, fn, runner, args, kwargs):
+            seen.append(("sample", torch.is_inference_mode_enabled()))
+            raise Sentinel("sample")
+
+    for name, action in (("execute_model", "step"), ("sample_tokens", "sample")):
+        point = AttachPoint("model_runner", cls.__module__, cls.__qualname__, name, action, ("x",))
+        wrapped = WRAPPERS[action](originals[name], point)
+        assert is_guarded(wrapped) and unwrap(wrapped) is originals[name]
+        assert inspect.signature(wrapped) == inspect.signature(originals[name])
+        install(Processor())
+        try:
+            with pytest.raises(Sentinel):
+                wrapped(Stub(), None)
+        finally:
+            install(None)
+    assert not torch.is_inference_mode_enabled()
+    assert seen == [("step", True), ("sample", True)]
