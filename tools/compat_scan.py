@@ -85,7 +85,7 @@ def scan(tree: Path) -> tuple[dict, int]:
         capture_output=True, text=True, env=env, cwd=ROOT,
     )  # fmt: skip
     if out.returncode not in (0, 1):
-        raise SystemExit(f"doctor --source {tree} failed: {out.stderr[-2000:]}")
+        raise SystemExit(f"doctor --source-tree {tree} failed: {out.stderr[-2000:]}")
     return json.loads(out.stdout), out.returncode
 
 

@@ -22,6 +22,7 @@ from guard import decorators
 from guard.config.reload import guard_schedule
 from guard.decorators import (
     WRAPPED_ATTR,
+    runtime_guard_batch_logits,
     runtime_guard_dummy_step,
     runtime_guard_logits,
     runtime_guard_sample_tokens,
@@ -233,7 +234,38 @@ def _communicator(comm: Any, _args: tuple, _kwargs: dict, _result: Any) -> None:
 
 
 def _guard_decorator(decorator: Callable) -> Wrapper:
-    return lambda fn, point: decorator(fn)
+    """A guard decorator applied as a runner carries it in source: beneath the method's
+    `@torch.inference_mode()` when it has one (vLLM's runners decorate `execute_model` and
+    `sample_tokens` so), so that the guard's own work runs in inference mode too. The result
+    is a new inference-mode wrapper around the guarded body; `unwrap` gives vLLM's method."""
+
+    def factory(fn: Callable[..., Any], point: AttachPoint) -> Callable[..., Any]:
+        layer = _inference_mode_layer(fn)
+        if layer is None:
+            return decorator(fn)
+        mode, body = layer
+        return _mark(mode.clone()(decorator(body)), fn)
+
+    return factory
+
+
+def _inference_mode_layer(fn: Any) -> tuple[Any, Callable[..., Any]] | None:
+    """(the `torch.inference_mode` object, the function it wraps) when `fn` is a function
+    decorated with `@torch.inference_mode()`, else None. torch's decorator is a closure over
+    `ctx_factory` (the mode object's bound `clone`) and `func`."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    code = getattr(fn, "__code__", None)
+    closure = getattr(fn, "__closure__", None)
+    if torch is None or code is None or not closure:
+        return None
+    cells = dict(zip(code.co_freevars, (cell.cell_contents for cell in closure), strict=True))
+    mode = getattr(cells.get("ctx_factory"), "__self__", None)
+    body = cells.get("func")
+    if not isinstance(mode, torch.inference_mode) or not callable(body):
+        return None
+    return mode, body
 
 
 def _collective(method: Callable[..., Any], point: AttachPoint) -> Callable[..., Any]:
@@ -265,6 +297,7 @@ WRAPPERS: dict[str, Wrapper] = {
     "speculator_propose": _after(_speculator),
     "communicator_init": _after(_communicator),
     "logits": _guard_decorator(runtime_guard_logits),
+    "batch_logits": _guard_decorator(runtime_guard_batch_logits),
     "verify_logits": _guard_decorator(runtime_guard_verify_logits),
     "schedule": _guard_decorator(guard_schedule),
     "collective": _collective,

@@ -43,6 +43,8 @@ ACTIONS = {
     "speculator_propose": "dispatched speculator; drafts proposed (accepted from the sampler)",
     "communicator_init": "device communicator in use; HCCL settings as an info metric",
     "logits": "logits before sampling: the logits detectors",
+    "batch_logits": "logits before sampling, with the batch that names their rows (MRV2): the "
+    "logits detectors",
     "verify_logits": "spec-decode verification logits: the logits detectors",
     "schedule": "engine core: stamp hot-reloaded config onto the scheduler output",
     "collective": "op, group, backend, bytes, per-group sequence number; per-wave aggregates",
@@ -305,12 +307,13 @@ ATTACH_POINTS: tuple[AttachPoint, ...] = tuple(
         ASCEND_V1,
     )
     # MRV2's sampler: called with the logits after the grammar bitmask, before sampling (it
-    # copies them before changing any); its watermark subclass inherits __call__
+    # copies them before changing any), and with the step's input batch, whose req_ids name
+    # the rows; its watermark subclass inherits __call__
     + _points(
         "sampler",
         "vllm.v1.worker.gpu.sample.sampler",
         "Sampler",
-        {"__call__": "logits"},
+        {"__call__": "batch_logits"},
         UPSTREAM_MRV2,
     )
     # -- KV cache: layout checks after initialisation ----------------------------------------

@@ -116,17 +116,26 @@ class EvidenceDumper:
         return f"dump:{bundle}"
 
 
-def request_kv_blocks(runner: Any, row: int, max_blocks: int = 64) -> dict[str, Any] | None:
-    """The KV-cache blocks of the request in batch row `row`, per layer, where exposed.
+def request_kv_blocks(
+    runner: Any, req_id: str, row: int | None = None, max_blocks: int = 64
+) -> dict[str, Any] | None:
+    """The KV-cache blocks of request `req_id` (in batch row `row`, where known), per layer,
+    where exposed. None when anything is missing.
 
-    V1 runners keep a block table per KV-cache group and one cache tensor per layer; layouts
+    V1 runners keep a block table per KV-cache group in their input batch, one row per batch
+    row. An MRV2 runner keeps them in `block_tables`, one row per request state
+    (`req_states.req_id_to_index`), and has no input batch between steps. Cache layouts
     differ (K and V stacked in dim 0, or the block dimension first), so the block dimension is
-    found as the one whose length is the number of blocks. None when anything is missing.
+    found as the one whose length is the number of blocks.
     """
     try:
-        table = runner.input_batch.block_table[0]
-        count = int(table.num_blocks_per_row[row])
-        block_ids = [int(b) for b in table.block_table.np[row, : min(count, max_blocks)]]
+        block_ids = _mrv2_block_ids(runner, req_id, max_blocks)
+        if block_ids is None:
+            table = runner.input_batch.block_table[0]
+            if row is None:
+                row = list(runner.input_batch.req_ids).index(req_id)
+            count = int(table.num_blocks_per_row[row])
+            block_ids = [int(b) for b in table.block_table.np[row, : min(count, max_blocks)]]
         caches = runner.kv_caches
     except Exception:  # noqa: BLE001 - not exposed in this runtime/version
         return None
@@ -142,3 +151,15 @@ def request_kv_blocks(runner: Any, row: int, max_blocks: int = 64) -> dict[str, 
         dim = 1 if cache.dim() >= 2 and cache.shape[0] == 2 else 0
         out[f"layer{layer}"] = cache.index_select(dim, index.to(cache.device))
     return out
+
+
+def _mrv2_block_ids(runner: Any, req_id: str, max_blocks: int) -> list[int] | None:
+    """The first KV-cache group's block ids of a request on an MRV2 runner (None: not MRV2).
+    Its block table lives on the device; this reads one row of it (only for an incident)."""
+    tables = getattr(runner, "block_tables", None)
+    states = getattr(runner, "req_states", None)
+    if tables is None or states is None or not hasattr(tables, "num_blocks"):
+        return None
+    index = states.req_id_to_index[req_id]
+    count = min(int(tables.num_blocks.np[0, index]), max_blocks)
+    return [int(b) for b in tables.block_tables[0].gpu[index, :count].tolist()]

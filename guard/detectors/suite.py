@@ -2,6 +2,7 @@
 
     on_schedule(wave, scheduler_output)   execute_model entry: finished requests, drafts
     on_logits(wave, runner, logits, rows) Sampler / RejectionSampler entry (inside sample_tokens)
+                                          (MRV2's sampler also hands over its batch's request ids)
     on_output(wave, runner, output)       the runner's output: token lists per request
 
 Each hit goes to the `IncidentReporter` (caps, backoff, counting). Only ranks that sample run
@@ -145,13 +146,22 @@ class DetectorSuite:
 
     # -- sampler entry ----------------------------------------------------------------------
     def on_logits(
-        self, wave: int, runner: Any, logits: Any, rows_per_req: list[int] | None
+        self,
+        wave: int,
+        runner: Any,
+        logits: Any,
+        rows_per_req: list[int] | None,
+        batch_ids: list[str] | None = None,
     ) -> None:
+        """`batch_ids`: the request id of each row, from the batch the sampler was handed (an
+        MRV2 runner has no batch of its own to read them from; its batch's list is built for
+        the step and never changed after, so it is kept, not copied). None: read off the
+        runner (`runner_reads.request_ids`)."""
         stats_wave = bool(self.stats_every) and wave % self.stats_every == 0
         if self._on_host:  # every wave after the first on a CPU engine
             checked = None
             if self.check_finite:
-                checked = self._check_host_rows(wave, runner, logits, rows_per_req)
+                checked = self._check_host_rows(wave, runner, logits, rows_per_req, batch_ids)
             if stats_wave:
                 self._queue_host_stats(wave, logits, checked)
             return
@@ -174,14 +184,16 @@ class DetectorSuite:
         ):
             self._on_host = True
             if stats is None:
-                self._check_host_rows(wave, runner, logits, rows_per_req)
+                self._check_host_rows(wave, runner, logits, rows_per_req, batch_ids)
                 return
         event = stats_event or event  # recorded last on the same stream: covers both copies
         keep_logits = config.action == "dump"
         # read in this wave (on the host, or the sync gate), the runner's request ids are
         # still this batch's: they are looked up only for a finding
         read_now = event is None or config.sync_gate
-        req_ids = None if read_now else request_ids(runner, requests_in_rows(rows_per_req, logits))
+        req_ids = batch_ids
+        if req_ids is None and not read_now:
+            req_ids = request_ids(runner, requests_in_rows(rows_per_req, logits))
         check = logit_checks.PendingCheck(
             wave,
             host,
@@ -199,7 +211,12 @@ class DetectorSuite:
             self._pending.append(check)
 
     def _check_host_rows(
-        self, wave: int, runner: Any, logits: Any, rows_per_req: list[int] | None
+        self,
+        wave: int,
+        runner: Any,
+        logits: Any,
+        rows_per_req: list[int] | None,
+        batch_ids: list[str] | None = None,
     ) -> Any:
         """A host wave's row check: the compiled pass, read at once (one integer back). Until
         the kernels are in, or for logits it does not take (bfloat16, a strided view), the
@@ -221,7 +238,7 @@ class DetectorSuite:
                             wave,
                             logit_checks.row_max(logits),
                             None,
-                            None,
+                            batch_ids,
                             rows_per_req,
                             None,
                             None,
@@ -229,7 +246,7 @@ class DetectorSuite:
                         )
                     )
                 return rows
-        self._defer_host_check(wave, runner, logit_checks.row_max(logits), rows_per_req)
+        self._defer_host_check(wave, runner, logit_checks.row_max(logits), rows_per_req, batch_ids)
         return None
 
     def _host_row_check(self) -> Any:
@@ -277,12 +294,18 @@ class DetectorSuite:
             self._report_stats(wave, (max_abs, entropy) if finite else None)
 
     def _defer_host_check(
-        self, wave: int, runner: Any, row_max: Any, rows_per_req: list[int] | None
+        self,
+        wave: int,
+        runner: Any,
+        row_max: Any,
+        rows_per_req: list[int] | None,
+        batch_ids: list[str] | None = None,
     ) -> None:
         """Keep a host wave's row maxima, with its request ids as of now, to be read with the
         next `HOST_READ_WAVES - 1` waves' (or by the streamer thread when the engine idles)."""
-        count = requests_in_rows(rows_per_req, row_max)
-        deferred = (wave, row_max, self._ids_as_of_now(runner, count), rows_per_req)
+        if batch_ids is None:
+            batch_ids = self._ids_as_of_now(runner, requests_in_rows(rows_per_req, row_max))
+        deferred = (wave, row_max, batch_ids, rows_per_req)
         with self._tokens_lock:
             self._unread.append(deferred)
             full = len(self._unread) >= HOST_READ_WAVES
@@ -522,12 +545,7 @@ class DetectorSuite:
         if self.repeat is not None:
             with self._tokens_lock:  # the streamer thread's idle flush may be screening
                 tokens = self.repeat.recent_tokens(req_id) or None
-        if row is None and runner is not None:
-            try:
-                row = list(runner.input_batch.req_ids).index(req_id)
-            except (AttributeError, ValueError):
-                row = None
-        kv = request_kv_blocks(runner, row) if runner is not None and row is not None else None
+        kv = request_kv_blocks(runner, req_id, row) if runner is not None else None
         return self.dumper.dump(
             type_,
             wave,

@@ -13,23 +13,42 @@ for this platform: the stand-in is tests/support/triton_interp, a backend entry 
 it is active, with TRITON_INTERPRET=1 so that Triton's own interpreter runs MRV2's real kernels.
 Nothing of vLLM or the guard is replaced. The figures are checked against vLLM's own counters
 and the OpenAI API, and against the V1 runner on the same workload.
+
+All three serve the tiny model saved with real weights whose token 300 has a NaN embedding row
+(tests/e2e/test_sampling_guard.py's model): prompts without that token decode as on the plain
+model, and the last tests send NaN requests (their KV blocks can leave NaN behind for later
+requests, so they go last). The MRV2 servers also load tests/support/contract_probe, a test
+plugin that notes inside the worker where the guard ran relative to MRV2's own machinery
+(inference mode, the sampler's input, `AsyncOutput.get_output`), and return processed
+logprobs (`--logprobs-mode processed_logprobs`: after temperature), which the probe's view of
+the logits is checked against.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import sqlite3
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.support.metrics import value
 from tests.support.sidecar import SidecarProcess
 from tests.support.vllm_server import VllmServer, completion_tokens, mrv2_env, token_ids
+from tools.make_tiny_model import build_tiny_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
+
+REPO = Path(__file__).resolve().parents[2]
+CONTRACT_PROBE = REPO / "tests" / "support" / "contract_probe"
+NAN_TOKEN = 300
+MRV2 = ["mrv2", "mrv2-0.34"]
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "Numbers should always agree"]
 MAX_TOKENS = [9, 14, 6]
@@ -48,16 +67,28 @@ class Deployment:
         self.name = name
         sock = root / "guard.sock"
         self.sidecar = SidecarProcess.start(root, address=f"unix://{sock}")
-        guard = {"sidecar": f"unix://{sock}", "engine": "e2e", "flush_interval_ms": 20}
-        env = None
-        if name == "mrv2":
-            env = mrv2_env()
-        elif name == "mrv2-0.34":
-            from tools.mrv2_overlay import build
+        guard = {
+            "sidecar": f"unix://{sock}", "engine": "e2e", "flush_interval_ms": 20,
+            "detectors": {"logits_finite": {"action": "dump"},
+                          "dump": {"directory": str(root / "dumps"), "min_free_bytes": 0}},
+        }  # fmt: skip
+        env, extra_args = None, ()
+        self.probe_dir = root / "probe"
+        if name in MRV2:
+            overlay = None
+            if name == "mrv2-0.34":
+                from tools.mrv2_overlay import build
 
-            env = mrv2_env(build())
+                overlay = build()
+            env = mrv2_env(overlay)
+            env["PYTHONPATH"] = os.pathsep.join((str(CONTRACT_PROBE), env["PYTHONPATH"]))
+            self.probe_dir.mkdir()
+            env["AG_CONTRACT_PROBE_DIR"] = str(self.probe_dir)
+            extra_args = ("--logprobs-mode", "processed_logprobs")
         try:
-            self.server = VllmServer.launch(model, root, guard=guard, env=env)
+            self.server = VllmServer.launch(
+                model, root, guard=guard, env=env, extra_args=extra_args
+            )
         except BaseException:
             self.sidecar.stop()
             raise
@@ -94,11 +125,12 @@ class Deployment:
 
 
 @pytest.fixture(scope="module")
-def deployments(tiny_model, tmp_path_factory):
+def deployments(tmp_path_factory):
+    model = build_tiny_model(REPO / ".cache" / "tiny-llama-nan", nan_token_id=NAN_TOKEN)
     deps: dict[str, Deployment] = {}
     try:
         for name in EXPECTED:
-            deps[name] = Deployment(name, tmp_path_factory.mktemp(name), tiny_model)
+            deps[name] = Deployment(name, tmp_path_factory.mktemp(name), model)
         VllmServer.start_together([dep.server for dep in deps.values()])
     except BaseException:
         for dep in deps.values():
@@ -167,3 +199,137 @@ def test_mrv2_concurrent_requests_counted_once(deployments, name) -> None:
     text = dep.sidecar.metrics_text()
     assert value(text, "ascend_guard_records_dropped_total") == 0
     assert value(text, "ascend_guard_guard_errors_total") == 0
+
+
+# -- the seed's MRV2 contract, from inside the real worker (tests/support/contract_probe) ----
+def probe_records(dep: Deployment) -> list[dict]:
+    records = []
+    for path in sorted(dep.probe_dir.glob("*.jsonl")):
+        records += [json.loads(line) for line in path.read_text().splitlines() if line]
+    return records
+
+
+@pytest.mark.parametrize("name", MRV2)
+def test_mrv2_guard_steps_in_inference_mode_and_reads_tokens_only_after_the_trim(
+    deployments, name
+) -> None:
+    """In the worker, on every wave so far: the guard's step and sample decorators handed the
+    call to the processor with torch's inference mode on (the runner's own
+    `@torch.inference_mode()` outside, the guard inside). MRV2's `sample_tokens` returns an
+    `AsyncOutput` (with or without async scheduling); the guard's after-sample read found no
+    token lists on it, and found them only on the output `AsyncOutput.get_output` returned,
+    after its wait for the device-to-host copy and its trim of each row to the sampled count.
+
+    Async scheduling itself cannot run here: vLLM's CPU platform turns it off
+    (`CpuPlatform.check_and_update_config` sets `scheduler_config.async_scheduling = False`,
+    "async scheduling is not required on CPU"); the output path above is the one async
+    scheduling uses too."""
+    dep = deployments[name]
+    dep.server.complete("contract check", max_tokens=4)
+    records = probe_records(dep)
+    phases = {(r["e"], r["inference"]) for r in records if r["e"] in ("step", "sample")}
+    assert phases == {("step", True), ("sample", True)}, records
+    reads = {(r["output"], r["tokens"], r["trimmed"]) for r in records if r["e"] == "read"}
+    assert ("AsyncOutput", False, False) in reads, reads
+    assert ("ModelRunnerOutput", True, True) in reads, reads
+    assert all(trimmed for _, tokens, trimmed in reads if tokens), reads
+
+
+@pytest.mark.parametrize("name", MRV2)
+def test_mrv2_sampler_hook_sees_the_logits_before_the_sampler_changes_them(
+    deployments, name
+) -> None:
+    """A request at temperature 0.5 with its logprobs: the server returns processed logprobs
+    (after temperature), so each sampled token's logprob is log_softmax(logits / 0.5) of the
+    sampler's input. The rows the guard's sampler hook saw give exactly that, and not what the
+    same rows give without the temperature: the hook saw the logits before the sampler
+    scaled them."""
+    dep = deployments[name]
+    temperature = 0.5
+    body = {
+        "model": dep.server.model, "prompt": [[23, 41, 67, 89, 101]], "max_tokens": 3,
+        "temperature": temperature, "seed": 3, "logprobs": 1, "ignore_eos": True,
+        "return_token_ids": True,
+    }  # fmt: skip
+    request_id = f"contract-{name}"
+    req = urllib.request.Request(
+        f"{dep.server.base}/v1/completions", data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "X-Request-Id": request_id},
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        choice = json.loads(resp.read())["choices"][0]
+    tokens, api = choice["token_ids"], choice["logprobs"]["token_logprobs"]
+    rows = [r["row"] for r in probe_records(dep) if r["e"] == "logits" and request_id in r["req"]]
+    assert len(rows) == len(tokens) == len(api) == 3, (rows and len(rows), tokens, api)
+    for row, token, logprob in zip(rows, tokens, api, strict=True):
+        logits = torch.tensor(row)
+        scaled = float(torch.log_softmax(logits / temperature, -1)[token])
+        raw = float(torch.log_softmax(logits, -1)[token])
+        assert math.isclose(scaled, logprob, abs_tol=1e-3), (scaled, raw, logprob)
+        assert abs(raw - logprob) > 1e-2, (scaled, raw, logprob)
+
+
+# -- NaN logits: incidents name the API's request ids, on MRV2 as on V1 (last: NaN KV blocks) -
+NAN_PROMPTS = [[21 + i, NAN_TOKEN, 61 + i, 81 + i] for i in range(3)]
+CLEAN_PROMPTS = [[20 + i, 40 + i, 60 + i, 80 + i, 100 + i] for i in range(3)]
+NAN_TOKENS = 12
+
+
+def incidents(dep: Deployment, type_: str, since_ns: int) -> list[dict]:
+    conn = sqlite3.connect(f"file:{dep.sidecar.store_path}?mode=ro", uri=True, timeout=5)
+    conn.row_factory = sqlite3.Row
+    try:
+        rows = conn.execute(
+            "SELECT * FROM incidents WHERE type = ? AND time_ns >= ? ORDER BY time_ns",
+            (type_, since_ns),
+        ).fetchall()
+    except sqlite3.OperationalError:
+        return []
+    finally:
+        conn.close()
+    return [dict(r) for r in rows]
+
+
+def owner(incident: dict, api_ids: list[str]) -> str | None:
+    """The API's id of prompt i is "<response id>-<i>"; the engine may append a suffix."""
+    for api_id in api_ids:
+        if incident["request_id"] == api_id or incident["request_id"].startswith(api_id + "-"):
+            return api_id
+    return None
+
+
+@pytest.mark.parametrize("name", [*MRV2, "v1"])
+def test_nan_logits_incidents_name_the_request_ids_the_api_returned(deployments, name) -> None:
+    """NaN and clean prompts in one API request (admitted and finished together): the
+    logits_finite incidents name exactly the NaN prompts' request ids, as the API numbers
+    them, never a batch row; each carries a bundle with the NaN logits row and the request's
+    KV blocks (NaN too: the embedding's NaN reaches K and V). On MRV2 the ids come from the
+    batch its sampler is handed, the KV blocks from the request's state row."""
+    dep = deployments[name]
+    start = time.time_ns()
+    response = dep.server.complete(NAN_PROMPTS + CLEAN_PROMPTS, NAN_TOKENS)
+    choices = sorted(response["choices"], key=lambda c: c["index"])
+    ids = [f"{response['id']}-{c['index']}" for c in choices]
+    nan_ids = ids[: len(NAN_PROMPTS)]
+    # independent evidence: argmax over a NaN row picks id 0 every time
+    assert all(c["token_ids"] == [0] * NAN_TOKENS for c in choices[: len(NAN_PROMPTS)])
+    assert all(c["token_ids"] != [0] * NAN_TOKENS for c in choices[len(NAN_PROMPTS) :])
+    deadline = time.monotonic() + 30
+    while {owner(r, nan_ids) for r in incidents(dep, "logits_finite", start)} < set(nan_ids):
+        assert time.monotonic() < deadline, (incidents(dep, "logits_finite", start), name)
+        time.sleep(0.2)
+    time.sleep(0.5)
+    rows = incidents(dep, "logits_finite", start)
+    assert {owner(r, ids) for r in rows} == set(nan_ids), [r["request_id"] for r in rows]
+    assert not any(r["request_id"].startswith("row") for r in rows)
+    bundles = [
+        a[len("dump:") :] for r in rows for a in json.loads(r["actions"]) if a[:5] == "dump:"
+    ]
+    assert bundles, [r["actions"] for r in rows]
+    bundle = Path(bundles[0])
+    meta = json.loads((bundle / "meta.json").read_text())
+    assert owner({"request_id": meta["request_id"]}, nan_ids) is not None
+    assert bool(torch.isnan(torch.load(bundle / "logits.pt")).any())
+    kv = torch.load(bundle / "kv.pt")
+    assert kv and all(bool(torch.isnan(t).any()) for t in kv.values()), name
+    assert value(dep.sidecar.metrics_text(), "ascend_guard_guard_errors_total") == 0

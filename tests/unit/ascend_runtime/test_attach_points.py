@@ -400,3 +400,63 @@ def test_a_failing_probe_is_counted_and_the_call_still_returns():
     finally:
         install(None)
     assert processor.errors.total == 1
+
+
+def test_idle_dp_rank_dummy_batch_on_mrv2_is_one_dummy_wave():
+    """An idle DP rank on Model Runner V2: vLLM's real `Worker.execute_dummy_batch`, bound as
+    the binder binds it, calls the runner's `_dummy_run`, which on MRV2 runs the runner's own
+    guarded `execute_model(..., dummy_run=True)`; that returns None and no `sample_tokens`
+    follows (`_dummy_run` takes the step's state itself). Each dummy batch is one dummy wave,
+    not two, and it is sent though no sample phase closes it.
+
+    The runner is a stand-in with MRV2's call structure, its `execute_model` bound with the
+    step point's real wrapper: vLLM runs dummy batches only for DP engines in lockstep (MoE
+    with expert parallelism), and this host runs neither a MoE model on MRV2's Triton kernels
+    in the interpreter in test time nor a DP group of dense engines (they are independent
+    replicas, tests/e2e/test_data_parallel.py). The real MRV2 signatures are checked to take
+    the calls the stand-in makes."""
+    pytest.importorskip("vllm")
+    import vllm.v1.worker.cpu.shm  # noqa: F401 - MRV2 imports on CPU only after this
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
+
+    (worker_point,) = [
+        p for p in ATTACH_POINTS if p.qualname == "Worker" and p.method == "execute_dummy_batch"
+    ]
+    (step_point,) = [
+        p for p in ATTACH_POINTS
+        if p.module == "vllm.v1.worker.gpu.model_runner" and p.method == "execute_model"
+    ]  # fmt: skip
+    execute_dummy_batch = actions.WRAPPERS[worker_point.action](
+        Worker.__dict__["execute_dummy_batch"], worker_point
+    )
+    real_step = inspect.signature(GPUModelRunner.execute_model)
+    real_dummy = inspect.signature(GPUModelRunner._dummy_run)
+    calls = []
+
+    def bare_execute_model(self, scheduler_output, intermediate_tensors=None, **kwargs):
+        real_step.bind(self, scheduler_output, intermediate_tensors, **kwargs)
+        calls.append(("execute_model", kwargs.get("dummy_run", False)))
+
+    class Mrv2Runner:
+        uniform_decode_query_len = decode_query_len = 1
+        execute_model = actions.WRAPPERS["step"](bare_execute_model, step_point)
+
+        def _dummy_run(self, num_tokens, *args, **kwargs):
+            real_dummy.bind(self, num_tokens, *args, **kwargs)
+            calls.append(("_dummy_run", num_tokens))
+            self.execute_model(SchedulerOutput.make_empty(), dummy_run=True)
+
+    worker = SimpleNamespace(model_runner=Mrv2Runner(), randomize_dummy_inputs=False)
+    processor, streamer = _processor()
+    install(processor)
+    try:
+        execute_dummy_batch(worker)
+        execute_dummy_batch(worker)
+        processor.close()
+    finally:
+        install(None)
+    assert calls == [("_dummy_run", 1), ("execute_model", True)] * 2
+    assert [w.wave for w in streamer.waves] == [1, 2]
+    assert all(w.dummy and w.num_reqs == 0 and not w.sampled for w in streamer.waves)

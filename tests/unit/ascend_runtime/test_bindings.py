@@ -313,3 +313,76 @@ def test_bind_all_binds_a_runner_when_its_module_is_imported(modules):
     assert BINDINGS[points[3]].reason == "Other defines no execute_model"
     install(None)
     assert module.Runner().execute_model(5) == ("ran", 5)
+
+
+def test_mrv2_sampler_hands_the_detectors_the_request_ids_of_its_batch():
+    """MRV2's real `Sampler.__call__(self, logits, input_batch)`, wrapped as its attach point
+    says: the logits and the batch's `req_ids` reach the processor before the real call runs
+    (MRV2's runner has no `input_batch` for the detectors to read them from)."""
+    pytest.importorskip("vllm")
+    import torch
+    import vllm.v1.worker.cpu.shm  # noqa: F401
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    from ascend_runtime.attach.actions import WRAPPERS
+    from ascend_runtime.attach.points import ATTACH_POINTS
+
+    assert list(inspect.signature(Sampler.__call__).parameters)[:3] == [
+        "self", "logits", "input_batch"
+    ]  # fmt: skip
+    (point,) = [p for p in ATTACH_POINTS if p.module == "vllm.v1.worker.gpu.sample.sampler"]
+    assert (point.method, point.action) == ("__call__", "batch_logits")
+    wrapped = WRAPPERS[point.action](Sampler.__call__, point)
+    seen = []
+
+    class Processor:
+        wants_logits = True
+
+        def on_logits(self, logits, rows_per_req, req_ids=None):
+            seen.append((logits, rows_per_req, req_ids))
+
+    logits = torch.zeros(2, 5)
+    batch = SimpleNamespace(req_ids=["a", "b"])  # the real call fails on what it lacks
+    install(Processor())
+    try:
+        assert _first_error(lambda: wrapped(Stub(), logits, batch)) is not None
+        assert _first_error(lambda: wrapped(Stub(), logits=logits, input_batch=batch)) is not None
+    finally:
+        install(None)
+    assert seen == [(logits, None, ["a", "b"])] * 2
+    assert unwrap(wrapped) is Sampler.__call__
+
+
+def test_the_guard_runs_beneath_the_runners_inference_mode(upstream):
+    """Bound as the binder binds a runner's step and sample points, the guard runs inside
+    the method's own `@torch.inference_mode()`, as a runner carrying the decorators in source
+    has it (`@torch.inference_mode()` outside, the guard inside); `unwrap` gives vLLM's method."""
+    import torch
+
+    from ascend_runtime.attach.actions import WRAPPERS
+
+    _, cls, originals = upstream
+    seen = []
+
+    class Processor:
+        def run_step(self, fn, runner, args, kwargs):
+            seen.append(("step", torch.is_inference_mode_enabled()))
+            raise Sentinel("step")
+
+        def run_sample(self, fn, runner, args, kwargs):
+            seen.append(("sample", torch.is_inference_mode_enabled()))
+            raise Sentinel("sample")
+
+    for name, action in (("execute_model", "step"), ("sample_tokens", "sample")):
+        point = AttachPoint("model_runner", cls.__module__, cls.__qualname__, name, action, ("x",))
+        wrapped = WRAPPERS[action](originals[name], point)
+        assert is_guarded(wrapped) and unwrap(wrapped) is originals[name]
+        assert inspect.signature(wrapped) == inspect.signature(originals[name])
+        install(Processor())
+        try:
+            with pytest.raises(Sentinel):
+                wrapped(Stub(), None)
+        finally:
+            install(None)
+    assert not torch.is_inference_mode_enabled()
+    assert seen == [("step", True), ("sample", True)]

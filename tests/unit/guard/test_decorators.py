@@ -625,3 +625,25 @@ def test_the_detectors_suite_takes_the_wave_hooks_itself_and_a_rebuild_swaps_it(
     runner.execute_model(sched(b=1))
     runner.sample_tokens(None)
     assert [r.wave for r in guard.records] == [1, 2] and guard.processor.errors.total == 0
+
+
+def test_async_output_of_a_rank_whose_output_vllm_never_fetches_is_sent_at_once():
+    """vLLM fetches the async output of the first TP rank only: on TP rank 1 MRV2's
+    `AsyncOutput` is dropped unread, so the wave is sent when `sample_tokens` returns (no
+    token counts: the output rank has them), and once only if something fetches it after all."""
+    rank1 = guard_pb2.RankInfo(run_id="r1", engine="e", tp_rank=1, tp_size=2, dp_size=1, pp_size=1)
+    guard = Guard(describe_rank=lambda runner: rank1)
+    try:
+        pending = AsyncOutput(Output([[1], [2]]))
+        runner = Runner(sample_result=pending)
+        runner.execute_model(sched(a=1, b=1))
+        assert runner.sample_tokens(None) is pending
+        (record,) = guard.records
+        assert (record.wave, record.sampled, record.sampled_tokens) == (1, True, 0)
+        assert pending.calls == 0  # never fetched by the guard either: no sync forced
+        pending.get_output()
+        runner.execute_model(sched(a=1, b=1))
+        runner.sample_tokens(None)
+        assert [r.wave for r in guard.records] == [1, 2]
+    finally:
+        install(None)

@@ -762,3 +762,70 @@ def test_an_engine_without_speculative_decoding_drops_the_acceptance_tracker(tmp
     drafting, _, _ = make_suite(tmp_path)
     drafting.on_output(1, Runner(["a"]), output)
     assert drafting.spec is not None
+
+
+# -- Model Runner V2: the sampler is handed the batch that names the rows ------------------
+class Mrv2Runner:
+    """Stands in for an MRV2 runner: no `input_batch` (it builds one per step and hands it to
+    the sampler); its request states and block tables, as 0.32 and 0.34 name them."""
+
+    def __init__(self, req_states: dict[str, int], blocks: dict[int, list[int]]) -> None:
+        self.model_config = types.SimpleNamespace(get_vocab_size=lambda: 50)
+        self.speculative_config = None
+        self.req_states = types.SimpleNamespace(req_id_to_index=req_states)
+        table = torch.zeros((4, 8), dtype=torch.int32)
+        num_blocks = np.zeros((1, 4), dtype=np.int32)
+        for index, ids in blocks.items():
+            table[index, : len(ids)] = torch.tensor(ids)
+            num_blocks[0, index] = len(ids)
+        self.block_tables = types.SimpleNamespace(
+            block_tables=[types.SimpleNamespace(gpu=table)],
+            num_blocks=types.SimpleNamespace(np=num_blocks),
+        )
+        # one layer, K and V stacked in dim 0: [2, blocks, block size, heads x dim]
+        self.kv_caches = [torch.arange(2 * 6 * 2 * 3, dtype=torch.float32).view(2, 6, 2, 3)]
+
+
+def test_mrv2_rows_are_named_by_the_batch_handed_to_the_sampler_on_every_read_path(
+    tmp_path, monkeypatch
+):
+    """The runner has no batch to read ids from: the first (host) wave, the waves torch reads
+    later (kernels still loading), and a device copy read in a later wave all name the
+    request of the batch the sampler was handed for that wave."""
+    runner = Mrv2Runner({}, {})
+    suite, sent, _ = make_suite(tmp_path, logits_stats=LogitsStatsConfig(enabled=False))
+    logits = torch.randn(2, 50)
+    logits[1, 3] = NAN
+    suite.on_logits(1, runner, logits, None, ["a", "b"])
+    assert [(i.request_id, i.wave) for i in sent] == [("b", 1)]
+
+    kernels_loading(monkeypatch)
+    suite, sent, _ = make_suite(tmp_path, logits_stats=LogitsStatsConfig(enabled=False))
+    suite.on_logits(1, runner, torch.randn(2, 50), None, ["a", "b"])
+    suite.on_logits(2, runner, logits, None, ["c", "d"])
+    suite.on_logits(3, runner, torch.randn(2, 50), None, ["e", "f"])
+    suite.close()
+    assert [(i.request_id, i.wave) for i in sent] == [("d", 2)]
+
+    events = _copies_in_flight(monkeypatch)
+    suite, sent, _ = make_suite(tmp_path, logits_stats=LogitsStatsConfig(enabled=False))
+    suite.on_logits(4, runner, logits, None, ["g", "h"])
+    events[0].done = True
+    suite.on_output(5, runner, types.SimpleNamespace(req_ids=["x"], sampled_token_ids=[]))
+    assert [(i.request_id, i.wave) for i in sent] == [("h", 4)]
+    assert not any(i.request_id.startswith("row") for i in sent)
+
+
+def test_mrv2_evidence_holds_the_requests_kv_blocks_from_its_request_state(tmp_path):
+    """An MRV2 runner's block table has one row per request state, not per batch row: the
+    bundle holds the blocks of the request's own state row (index 2 here, batch row 1)."""
+    runner = Mrv2Runner({"a": 0, "b": 2}, {0: [1], 2: [4, 5]})
+    suite, sent, _ = make_suite(tmp_path, logits_finite=LogitsFiniteConfig(action="dump"))
+    logits = torch.randn(2, 50)
+    logits[1, 3] = NAN
+    suite.on_logits(1, runner, logits, None, ["a", "b"])
+    (incident,) = sent
+    assert incident.request_id == "b"
+    bundle = [a for a in incident.actions if a.startswith("dump:")][0][len("dump:") :]
+    kv = torch.load(f"{bundle}/kv.pt")
+    assert torch.equal(kv["layer0"], runner.kv_caches[0][:, [4, 5]])
