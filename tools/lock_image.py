@@ -22,7 +22,10 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-import tomllib
+try:
+    import tomllib  # novermin - a maintainer's tool, run where the lock is made (3.11+)
+except ModuleNotFoundError:  # Python 3.10
+    raise SystemExit("tools/lock_image.py needs Python 3.11 or newer (tomllib)") from None
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
