@@ -15,6 +15,7 @@ import numpy as np
 from telemetry.store import block_summary
 from telemetry.wire.collective_columns import columns_of
 from telemetry.wire.proto import guard_pb2
+from telemetry.wire.protobuf_fields import length_delimited
 
 
 def _signed(value: int) -> int:
@@ -34,24 +35,12 @@ def decode_waves(blob: bytes) -> guard_pb2.WaveColumns:
 # v3): written as that field's tag and length before the columns' own encoding, so nothing is
 # copied into a holder message. A block written from v2 messages (`collective_waves`) decodes
 # to columns the same way.
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while value > 0x7F:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 _COLUMNS_FIELD = guard_pb2.Batch.DESCRIPTOR.fields_by_name["collective_columns"].number
-
-
-_COLUMNS_TAG = _varint(_COLUMNS_FIELD << 3 | 2)  # wire type 2: length-delimited
 
 
 def encode_collectives(cols: guard_pb2.CollectiveColumns) -> bytes:
     payload = cols.SerializeToString()
-    return zlib.compress(_COLUMNS_TAG + _varint(len(payload)) + payload, 1)
+    return zlib.compress(length_delimited(_COLUMNS_FIELD, payload), 1)
 
 
 def decode_collectives(blob: bytes) -> guard_pb2.CollectiveColumns:

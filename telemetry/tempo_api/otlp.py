@@ -23,6 +23,7 @@ from telemetry.export.otlp import to_otlp
 from telemetry.export.resource import attributes as _attributes
 from telemetry.spans.builders import Span
 from telemetry.wire import schema
+from telemetry.wire.protobuf_fields import length_delimited
 
 SERVICE_NAME = "ascend-guard"  # this API's service.name (OTLP export names the engine instead)
 SCOPE_NAME = schema.SCOPE_NAME
@@ -85,19 +86,10 @@ def traces_data(spans: list[Span]) -> trace_pb2.TracesData:
     return data
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
 def trace_by_id_v2(data: trace_pb2.TracesData) -> bytes:
     """`TraceByIDResponse{trace = 1}` (status COMPLETE = 0 is the default, so not written)."""
     body = data.SerializeToString()
-    return b"\x0a" + _varint(len(body)) + body
+    return length_delimited(1, body)
 
 
 def otlp_json(message) -> dict[str, Any]:
