@@ -40,13 +40,12 @@ from guard.config.runtime_guard import GuardConfig  # noqa: E402
 from guard.processor import GuardProcessor  # noqa: E402
 from telemetry.cli.table import render_table  # noqa: E402
 from telemetry.export.otlp import ExportSettings, OtlpExporter  # noqa: E402
-from telemetry.ingest.validation import validate_batch  # noqa: E402
-from telemetry.pipeline.writer import Drops, Item, RankSource  # noqa: E402
+from telemetry.pipeline.writer import Drops, Item  # noqa: E402
 from telemetry.store import Store  # noqa: E402
 from telemetry.wire.proto import guard_pb2  # noqa: E402
 from tests.support.flood import _filler as with_collectives  # noqa: E402
 from tests.support.ports import free_port  # noqa: E402
-from tests.support.request_sim import Sim, SimRequest, _QuietStreamer, drive  # noqa: E402
+from tests.support.request_sim import Sim, SimRequest, _QuietStreamer, drive, items_of  # noqa: E402
 
 TP, DP = 8, 2
 ENGINE = "bench"
@@ -96,13 +95,7 @@ def node_items(requests: int) -> list[Item]:
             collectives = with_collectives(tp)
             for batch in batches:
                 collectives(batch, False)
-                validate_batch(batch, rank_known=False)
-                if not batch.HasField("rank"):
-                    batch.rank.CopyFrom(rank)
-                labels = (ENGINE, str(dp), str(tp), "0")
-                process = ("run-bench", ENGINE, dp, tp, 0, rank.pid)
-                source = RankSource(rank, ENGINE, labels, process)
-                items.append(Item(source, batch, batch.ByteSize(), len(batch.wave_columns.wave)))
+            items += items_of(batches, ENGINE)
     return items
 
 

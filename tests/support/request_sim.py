@@ -240,12 +240,8 @@ def drive(processor: GuardProcessor, sim: Sim, max_waves: int = 10_000) -> list[
     return []
 
 
-def store_batches(tmp_path: Any, batches: list[guard_pb2.Batch]) -> tuple[Store, str]:
-    """A real store at `tmp_path`/store.db holding `batches` (validated as ingest does), for the
-    request traces and wave records built from it; engine label "sim"."""
-    path = str(tmp_path / "store.db")
-    store = Store(path)
-    engine = EngineLabels().label("sim")
+def items_of(batches: list[guard_pb2.Batch], engine: str) -> list[Item]:
+    """One rank's batches (validated as ingest does) as ingest hands them to the sinks."""
     rank = None
     items = []
     for batch in batches:
@@ -253,9 +249,17 @@ def store_batches(tmp_path: Any, batches: list[guard_pb2.Batch]) -> tuple[Store,
         rank = rank or batch.rank
         if not batch.HasField("rank"):
             batch.rank.CopyFrom(rank)
-        labels = (engine, "0", str(rank.tp_rank), "0")
-        process = (rank.run_id, engine, 0, rank.tp_rank, 0, rank.pid)
+        labels = (engine, str(rank.dp_rank), str(rank.tp_rank), str(rank.pp_rank))
+        process = (rank.run_id, engine, rank.dp_rank, rank.tp_rank, rank.pp_rank, rank.pid)
         source = RankSource(rank, engine, labels, process)
         items.append(Item(source, batch, batch.ByteSize(), len(batch.wave_columns.wave)))
-    store.write(items)
+    return items
+
+
+def store_batches(tmp_path: Any, batches: list[guard_pb2.Batch]) -> tuple[Store, str]:
+    """A real store at `tmp_path`/store.db holding `batches` (validated as ingest does), for the
+    request traces and wave records built from it; engine label "sim"."""
+    path = str(tmp_path / "store.db")
+    store = Store(path)
+    store.write(items_of(batches, EngineLabels().label("sim")))
     return store, path

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 from guard.config.runtime_guard import GuardConfig
 from guard.processor import GuardProcessor
-from telemetry.ingest.validation import validate_batch
-from telemetry.pipeline.writer import Item, RankSource
+from telemetry.pipeline.writer import Item
 from telemetry.spans.builders import Span
 from telemetry.spans.requests import link_wave_spans
 from telemetry.store import Store, connect
 from telemetry.wire.proto import guard_pb2
 from telemetry.wire.trace_ids import request_trace_id, wave_span_id, wave_trace_id
-from tests.support.request_sim import Sim, SimRequest, _QuietStreamer, drive
+from tests.support.request_sim import Sim, SimRequest, _QuietStreamer, drive, items_of
 
 RUN, ENGINE = "run-links", "links"
 
@@ -30,16 +29,7 @@ def _replica(dp: int) -> tuple[list[Item], list[SimRequest]]:
     )
     reqs = [SimRequest(f"cmpl-dp{dp}-{i}", prompt=20, max_tokens=4 + i, arrive_wave=1 + i)
             for i in range(3)]  # fmt: skip
-    items = []
-    for batch in drive(processor, Sim(reqs, budget=64)):
-        validate_batch(batch, rank_known=False)
-        if not batch.HasField("rank"):
-            batch.rank.CopyFrom(rank)
-        source = RankSource(
-            rank, ENGINE, (ENGINE, str(dp), "0", "0"), (RUN, ENGINE, dp, 0, 0, rank.pid)
-        )
-        items.append(Item(source, batch, batch.ByteSize(), len(batch.wave_columns.wave)))
-    return items, reqs
+    return items_of(drive(processor, Sim(reqs, budget=64)), ENGINE), reqs
 
 
 def _root(dp: int, wave: int) -> Span:
