@@ -48,48 +48,65 @@ LONG_PROMPT = " ".join(
 
 
 @pytest.fixture(scope="module")
-def chunked(tiny_model, tmp_path_factory):
-    server = GuardedServer(
-        tmp_path_factory.mktemp("acct-chunked"),
-        tiny_model,
-        TP,
-        (
-            "--no-enable-prefix-caching",
-            "--enable-chunked-prefill",
-            "--max-num-batched-tokens",
-            "64",
-        ),
-    )
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def pressured(tiny_model, tmp_path_factory):
+def servers(tiny_model, tmp_path_factory):
+    """Both servers, launched at once; the one whose tests are not running sits idle."""
     spec = {
         "method": "ngram",
         "num_speculative_tokens": 3,
         "prompt_lookup_max": 3,
         "prompt_lookup_min": 2,
     }
-    server = GuardedServer(
-        tmp_path_factory.mktemp("acct-pressured"),
-        tiny_model,
-        TP,
-        (
-            "--enable-prefix-caching",
-            "--block-size",
-            "32",
-            "--num-gpu-blocks-override",
-            "12",
-            "--max-model-len",
-            "256",
-            "--speculative-config",
-            json.dumps(spec),
-        ),
-    )
-    yield server
-    server.stop()
+    launched: list[GuardedServer] = []
+    try:
+        launched.append(
+            GuardedServer(
+                tmp_path_factory.mktemp("acct-chunked"),
+                tiny_model,
+                TP,
+                (
+                    "--no-enable-prefix-caching",
+                    "--enable-chunked-prefill",
+                    "--max-num-batched-tokens",
+                    "64",
+                ),
+            )
+        )
+        launched.append(
+            GuardedServer(
+                tmp_path_factory.mktemp("acct-pressured"),
+                tiny_model,
+                TP,
+                (
+                    "--enable-prefix-caching",
+                    "--block-size",
+                    "32",
+                    "--num-gpu-blocks-override",
+                    "12",
+                    "--max-model-len",
+                    "256",
+                    "--speculative-config",
+                    json.dumps(spec),
+                ),
+            )
+        )
+    except BaseException:
+        for server in launched:
+            server.stop()
+        raise
+    GuardedServer.started(launched)
+    yield launched
+    for server in launched:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def chunked(servers) -> GuardedServer:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def pressured(servers) -> GuardedServer:
+    return servers[1]
 
 
 def assert_ranks_agree(delta) -> None:

@@ -2,6 +2,12 @@
 
 Every number the sidecar reports is checked against an independent source: the tokens the
 OpenAI API returned and vLLM's own `vllm:generation_tokens_total`.
+
+Three servers start at once and serve one after the other: TP=1 and TP=2 with the guard on, and
+a TP=1 twin with the guard off. The TP=1 server runs every sampling detector (logits checked
+synchronously, stats every wave), serves its model under another name and sees a pod's
+Downward-API environment, so the same server also shows that the guard changes no token and that
+the workload labels name what vLLM names.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from telemetry.wire import workload
 from tests.support.metrics import samples, value
 from tests.support.sidecar import SidecarProcess
 from tests.support.store import stored_spans
@@ -35,6 +42,20 @@ PROMPTS = [
 # stalled that long) and the tokens never settled.
 BUFFER_SIZE = 256
 OUTAGE_TOKENS = 3 * BUFFER_SIZE  # per request, 2 at once: 3 x BUFFER_SIZE waves while it is down
+ALL_DETECTORS = {
+    "logits_finite": {"enabled": True, "sync_gate": True},
+    "token_repeat": {"enabled": True},
+    "spec_acceptance": {"enabled": True},
+    "logits_stats": {"enabled": True, "every_n_waves": 1},
+    "token_range": {"enabled": True},
+}
+# the TP=1 server's name in the API and in vLLM's `model_name` label, and its pod
+SERVED = "tiny-chat"
+POD = {
+    workload.POD_NAME_ENV: "vllm-tiny-5d8f-xk2lp",
+    workload.POD_NAMESPACE_ENV: "serving",
+    workload.NODE_NAME_ENV: "node-a",
+}
 
 
 def guard_config(sock: Path) -> dict:
@@ -55,11 +76,19 @@ class Deployment:
         self.root = root
         self.sock = root / "guard.sock"
         self.sidecar = SidecarProcess.start(root, address=f"unix://{self.sock}")
+        guard, extra_args, env = guard_config(self.sock), (), None
+        if tp == 1:
+            guard["detectors"] = ALL_DETECTORS
+            extra_args, env = ("--served-model-name", SERVED), POD
         try:  # launched only: the `deployments` fixture waits for its server
-            self.server = VllmServer.launch(model, root, tp=tp, guard=guard_config(self.sock))
+            self.server = VllmServer.launch(
+                model, root, tp=tp, guard=guard, extra_args=extra_args, env=env
+            )
         except BaseException:
             self.sidecar.stop()
             raise
+        if tp == 1:
+            self.server.model = SERVED  # what requests name
 
     def guard_metrics(self) -> str:
         return self.sidecar.metrics_text()
@@ -86,21 +115,33 @@ def _rank(tp: int) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def deployments(tiny_model, tmp_path_factory):
-    """Both shapes, their servers started at once (`VllmServer.start_together`); the one whose
-    tests are not running sits idle (about 0.03 of a core)."""
+def servers(tiny_model, tmp_path_factory):
+    """Both shapes and the guard-off twin, their servers started at once
+    (`VllmServer.start_together`); those whose tests are not running sit idle (about 0.03 of a
+    core each)."""
     deps: dict[int, Deployment] = {}
+    unguarded: list[VllmServer] = []
     try:
         for tp in (1, 2):
             deps[tp] = Deployment(tp, tmp_path_factory.mktemp(f"tp{tp}"), tiny_model)
-        VllmServer.start_together([dep.server for dep in deps.values()])
+        root = tmp_path_factory.mktemp("off")
+        unguarded.append(VllmServer.launch(tiny_model, root, tp=1, guard=None))
+        VllmServer.start_together([dep.server for dep in deps.values()] + unguarded)
     except BaseException:
         for dep in deps.values():
             dep.stop()
+        for server in unguarded:
+            server.stop()
         raise
-    yield deps
+    yield deps, unguarded[0]
     for dep in deps.values():
         dep.stop()
+    unguarded[0].stop()
+
+
+@pytest.fixture(scope="module")
+def deployments(servers) -> dict[int, Deployment]:
+    return servers[0]
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
@@ -281,3 +322,56 @@ def test_serving_survives_sidecar_outage_and_stream_resumes(
     assert seen_old + seen_new + dropped - ran <= 32  # at most one batch counted twice
     # the buffered records (the newest ones) arrived after the restart, tokens included
     assert samples(text, "ascend_guard_sampled_tokens_total", **_rank(0))
+
+
+def test_greedy_outputs_identical_with_guard_on_and_off(servers) -> None:
+    """Pure observability: the same greedy and seeded sampled requests give token-identical
+    outputs with the guard on (streaming to a live sidecar, every sampling detector enabled,
+    logits checked synchronously and stats taken every wave) and off (no runtime_guard config,
+    nothing wrapped)."""
+    deps, off = servers
+    on = deps[1]
+    prompts = PROMPTS[:6]
+    before = value(on.guard_metrics(), "ascend_guard_sampled_tokens_total")
+    outputs = {}
+    for mode, server in (("off", off), ("on", on.server)):
+        outputs[mode] = [token_ids(r) for r in server.complete_many(prompts, max_tokens=48)]
+        outputs[mode + "-sampled"] = [
+            token_ids(r)
+            for r in server.complete_many(prompts[:3], max_tokens=32, temperature=0.9, seed=11)
+        ]
+    assert "guard_streaming" not in off.log_path.read_text()
+    expected = before + 6 * 48 + 3 * 32
+    on.wait_settled(lambda t: value(t, "ascend_guard_sampled_tokens_total") >= expected)
+    time.sleep(0.5)  # anything extra would show up now
+    text = on.guard_metrics()
+    assert value(text, "ascend_guard_sampled_tokens_total") == expected
+    assert value(text, "ascend_guard_guard_errors_total") == 0
+    # the detectors did run: statistics were taken from the logits
+    assert value(text, "ascend_guard_logits_entropy_nats") > 0
+    assert outputs["on"] == outputs["off"]
+    assert outputs["on-sampled"] == outputs["off-sampled"]
+    assert all(len(ids) == 48 for ids in outputs["on"])
+
+
+def test_the_info_series_names_vllms_model_name_and_the_pod(deployments) -> None:
+    """The TP=1 server names its pod (Downward-API env) and its served model to the sidecar:
+    `ascend_guard_rank_workload_info` carries the `model_name` that vLLM's own /metrics carries
+    (the independent source: vLLM's label, read from vLLM's endpoint), and no device (CPU)."""
+    dep = deployments[1]
+    dep.server.complete("The quick brown fox", max_tokens=4)  # a wave, whatever ran before
+    text = dep.wait_settled(lambda t: bool(samples(t, "ascend_guard_rank_workload_info")), 60)
+    ((labels, _),) = samples(text, "ascend_guard_rank_workload_info")
+    vllm_names = {
+        lab["model_name"]
+        for family in ("vllm:num_requests_waiting", "vllm:num_requests_running")
+        for lab, _ in samples(dep.server.metrics_text(), family)
+    }
+    assert vllm_names == {SERVED}, vllm_names  # what vLLM labels its own series with
+    assert labels["model_name"] == SERVED
+    assert (labels["namespace"], labels["pod"], labels["node"]) == (
+        "serving",
+        "vllm-tiny-5d8f-xk2lp",
+        "node-a",
+    )
+    assert labels["device"] == ""  # CPU: no accelerator to name

@@ -111,7 +111,8 @@ class Delta:
 
 
 class GuardedServer:
-    """A sidecar and a guarded `vllm serve` (TP ranks report to the sidecar)."""
+    """A sidecar and a guarded `vllm serve` (TP ranks report to the sidecar). The server is
+    launched only; `started` waits for several at once and sends each its first request."""
 
     def __init__(self, root: Path, model: Path, tp: int, extra_args: tuple[str, ...]) -> None:
         self.tp = tp
@@ -128,16 +129,26 @@ class GuardedServer:
             "reconnect_max_backoff_s": 0.5,
         }
         try:
-            self.server = VllmServer.start(model, root, tp=tp, guard=guard, extra_args=extra_args)
+            self.server = VllmServer.launch(model, root, tp=tp, guard=guard, extra_args=extra_args)
         except BaseException:
             self.sidecar.stop()
             raise
         self.model = self.server.model
-        try:  # the guard streams from the first wave: one request connects every rank
-            self.post("/v1/completions", {"prompt": "warm up", "max_tokens": 2})
+
+    @staticmethod
+    def started(servers: list[GuardedServer]) -> list[GuardedServer]:
+        """Wait for servers launched side by side (they import vLLM at once), then warm each
+        up: the guard streams from the first wave, so one request connects every rank. If one
+        fails, all are stopped."""
+        try:
+            VllmServer.start_together([s.server for s in servers])
+            for s in servers:
+                s.post("/v1/completions", {"prompt": "warm up", "max_tokens": 2})
         except BaseException:
-            self.stop()
+            for s in servers:
+                s.stop()
             raise
+        return servers
 
     def stop(self) -> None:
         self.server.stop()
