@@ -88,7 +88,7 @@ class StoreSource:
 
         start_ns, end_ns = params.search_window(str(start_s), str(end_s))
         try:
-            hits = traceql_adapter.search(self.conn, q, start_ns or 0, end_ns or 0, limit, spss)
+            hits, _ = traceql_adapter.search(self.conn, q, start_ns or 0, end_ns or 0, limit, spss)
         except params.BadParameter as exc:
             raise QueryError(str(exc)) from None
         return [server.hit_json(h) for h in hits]

@@ -13,8 +13,12 @@ its incidents can arrive, then keeps a wave (all its ranks) when
 The wave root and this node's rank spans say why it was kept (`ascend_guard.kept_for`:
 incident, slow or sampled), so a Collector's tail sampler downstream can keep a whole trace that
 any node marked (deploy/otel/: a wave slow on one node is kept with every node's ranks). Kept waves'
-spans are built with the same builder as `ascend-guard trace` (telemetry/spans/builders.py); wave
-roots link to the request traces of the requests they ran, as the store has them.
+spans are written as OTLP bytes straight from the batch's columns (telemetry/export/otlp_wire.py:
+the names, ids, times and attributes `ascend-guard trace` builds with telemetry/spans/builders.py,
+without a span object each); wave roots link to the request traces of the requests they ran, as
+the store has them. An incident's span has status error, and so have the rank span it hangs under
+and its wave's root, also when they go out in a later round than the incident (the exporter
+remembers the last `max_marked_waves` incidents' spans).
 
 Request traces (`requests`, on by default): when the store commits a request's finish, its trace
 (telemetry/spans/requests.py: the request, a span per wave it ran in linked to that wave's trace,
@@ -38,34 +42,25 @@ from urllib.parse import urlparse
 
 import grpc
 import structlog
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.proto.resource.v1 import resource_pb2
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 from prometheus_client import CollectorRegistry, Counter
 
 from telemetry import store as store_api
-from telemetry.export.resource import (
-    ResourceKey,
-    encoded_attributes,
-    resource,
-    resource_attributes,
-)
+from telemetry.export import otlp_wire
+from telemetry.export.resource import ResourceKey, resource, resource_attributes
 from telemetry.pipeline.writer import STAGE_EXPORT, Drops, Item
 from telemetry.spans.builders import (
-    STATUS_ERROR,
     Span,
-    collective_spans,
     incident_span,
     mark_errors,
     rank_end_ns,
-    slow_call_spans,
-    wave_spans,
 )
-from telemetry.spans.requests import build_trace, link_wave_spans
+from telemetry.spans.requests import build_trace, wave_links
 from telemetry.store import RankRow
 from telemetry.store.requests import requests_of_trace
 from telemetry.wire import schema
-from telemetry.wire.collective_columns import columns_of, to_waves
+from telemetry.wire.collective_columns import columns_of
 from telemetry.wire.workload import NO_WORKLOAD, Workload
 
 log = structlog.get_logger("ascend_guard.export")
@@ -97,34 +92,9 @@ def sampled(wave: int, keep_one_in: int) -> bool:
     return keep_one_in <= 1 or ((wave * _GOLDEN) & _MASK64) % keep_one_in == 0
 
 
-# field numbers of the attributes in OTLP's Span, Span.Event and Span.Link (trace.proto)
-_SPAN_ATTRIBUTES, _EVENT_ATTRIBUTES, _LINK_ATTRIBUTES = 9, 3, 4
-
-
 def to_otlp(span: Span) -> trace_pb2.Span:
-    out = trace_pb2.Span(
-        trace_id=span.trace_id.to_bytes(16, "big"),
-        span_id=span.span_id.to_bytes(8, "big"),
-        name=span.name,
-        kind=trace_pb2.Span.SPAN_KIND_INTERNAL,
-        start_time_unix_nano=span.start_ns,
-        end_time_unix_nano=span.end_ns,
-    )
-    out.MergeFromString(encoded_attributes(_SPAN_ATTRIBUTES, span.attributes))
-    if span.parent_id is not None:
-        out.parent_span_id = span.parent_id.to_bytes(8, "big")
-    if span.status == STATUS_ERROR:
-        out.status.code = trace_pb2.Status.STATUS_CODE_ERROR
-    for event in span.events:
-        added = out.events.add(name=event["name"], time_unix_nano=event["time_ns"])
-        added.MergeFromString(encoded_attributes(_EVENT_ATTRIBUTES, event["attributes"]))
-    for link in span.links:
-        added = out.links.add(
-            trace_id=link["trace_id"].to_bytes(16, "big"),
-            span_id=link["span_id"].to_bytes(8, "big"),
-        )
-        added.MergeFromString(encoded_attributes(_LINK_ATTRIBUTES, link.get("attributes", {})))
-    return out
+    """A built span as an OTLP Span message (parsed from the exporter's own bytes)."""
+    return trace_pb2.Span.FromString(otlp_wire.encode_span(span))
 
 
 def _channel(endpoint: str) -> grpc.Channel:
@@ -137,6 +107,14 @@ def _channel(endpoint: str) -> grpc.Channel:
 
 KEPT_FOR = schema.attr("kept_for")  # on wave roots and rank spans: incident | slow | sampled
 INCIDENT, SLOW, SAMPLED = "incident", "slow", "sampled"
+_KEPT_FOR = {
+    why: otlp_wire.attribute(otlp_wire.SPAN_ATTRIBUTES, KEPT_FOR, why)
+    for why in (INCIDENT, SLOW, SAMPLED)
+}
+# the gRPC method the request bytes go to (TraceService.Export)
+_EXPORT = "/{}/Export".format(
+    trace_service_pb2.DESCRIPTOR.services_by_name["TraceService"].full_name
+)
 
 WorkloadOf = Callable[[str, int, int, int], Workload]  # (engine, dp, tp, pp) -> its workload
 
@@ -173,11 +151,21 @@ class OtlpExporter:
         self._finished: collections.deque[tuple[float, tuple[int, int, int]]] = collections.deque()
         self._exported_traces: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._pids: dict[ResourceKey, int] = {}  # a rank's worker pid, from its batches
-        self._resources: dict[tuple[ResourceKey, int, Workload], resource_pb2.Resource] = {}
+        self._resources: dict[tuple[ResourceKey, int, Workload], bytes] = {}
+        self._encoders: dict[RankRow, otlp_wire.RankWaves] = {}
+        # what recent incidents hang under (rank span ids) and their traces: those spans go
+        # out with status error, also when the incident was exported in an earlier round
+        self._error_spans: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._error_traces: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._scope = otlp_wire.scope(schema.SCOPE_NAME, SCOPE_VERSION)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._channel = _channel(settings.endpoint)
-        self._stub = trace_service_pb2_grpc.TraceServiceStub(self._channel)
+        self._export = self._channel.unary_unary(
+            _EXPORT,
+            request_serializer=None,  # the request is already its bytes
+            response_deserializer=trace_service_pb2.ExportTraceServiceResponse.FromString,
+        )
         self.decisions = Counter(
             "ascend_guard_otlp_records",
             "Wave records (rank-waves) the OTLP exporter decided on: exported or sampled out.",
@@ -280,11 +268,16 @@ class OtlpExporter:
         incidents = []
         while self._incidents:
             incidents.append(self._incidents.popleft())
-        out: list[tuple[ResourceKey, Span]] = [
-            (_incident_key(row), incident_span(row)) for row in incidents
+        incident_spans = [incident_span(row) for row in incidents]
+        self._remember_errors(incident_spans)
+        errors = (set(self._error_spans), set(self._error_traces)) if self._error_spans else None
+        out: list[tuple[ResourceKey, bytes]] = [
+            (_incident_key(row), otlp_wire.encode_span(span))
+            for row, span in zip(incidents, incident_spans, strict=True)
         ]
-        kept_records: list[int] = []  # records per request chunk, for counting failures
-        roots: list[Span] = []
+        # the decision: which rows of each batch are kept, and why
+        plans = []
+        roots: list[tuple[int, int]] = []  # (trace id, wave) of the kept wave roots
         kept = sampled_out = 0
         for item in due:
             source = item.source
@@ -298,41 +291,47 @@ class OtlpExporter:
                 source.rank.node,
                 source.rank.pid,
             )
-            key = (rank.run_id, rank.engine, rank.dp, rank.tp, rank.pp)
-            replica = (rank.run_id, rank.engine, rank.dp, None, None)
+            encoder = self._encoder(rank)
             run_id, cols = rank.run_id, item.batch.wave_columns
+            rows: list[tuple[int, bytes]] = []
             keep_waves = set()
             for i, wave in enumerate(cols.wave):
                 why = marked.get((run_id, wave))
                 if why is None and sampled(wave, self.settings.keep_one_in):
                     why = SAMPLED
                 if why is None:
-                    sampled_out += 1
                     continue
+                rows.append((i, _KEPT_FOR[why]))
                 keep_waves.add(wave)
-                for span in wave_spans(rank, cols, i):
-                    if span.parent_id is None:
-                        span.attributes[KEPT_FOR] = why
-                        roots.append(span)
-                        out.append((replica, span))
-                        continue
-                    if span.name == "rank":  # this node's mark, where the root is another's
-                        span.attributes[KEPT_FOR] = why
-                    out.append((key, span))
-                kept_records.append(len(out))
-                kept += 1
+                if encoder.root:
+                    roots.append((encoder.trace_base | wave, wave))
+            kept += len(rows)
+            sampled_out += len(cols.wave) - len(rows)
             coll = columns_of(item.batch)
             keep_waves.update(w for w in coll.wave if (run_id, w) in marked)
-            for cw in to_waves(coll, keep_waves):
-                out += [(key, span) for span in collective_spans(rank, cw)]
-                out += [(key, span) for span in slow_call_spans(rank, cw)]
-        mark_errors([span for _, span in out])
+            plans.append((rank, encoder, cols, rows, coll, keep_waves))
         conn = self._store() if (roots or finished) else None
+        links_of: dict[int, bytes] = {}
         if conn is not None and roots:
-            link_wave_spans(conn, roots)
+            found = wave_links(conn, roots)
+            links_of = {trace: otlp_wire.links(links) for trace, links in found.items()}
+        kept_records: list[int] = []  # where each kept record's spans end in `out`
+        no_errors: set[int] = set()
+        for rank, encoder, cols, rows, coll, keep_waves in plans:
+            key = (rank.run_id, rank.engine, rank.dp, rank.tp, rank.pp)
+            replica = (rank.run_id, rank.engine, rank.dp, None, None)
+            error_spans, error_traces = errors or (no_errors, no_errors)
+            for root, spans in encoder.waves(cols, rows, links_of, error_spans, error_traces):
+                if root is not None:
+                    out.append((replica, root))
+                out += [(key, span) for span in spans]
+                kept_records.append(len(out))
+            if keep_waves:
+                for spans in encoder.collectives(coll, keep_waves):
+                    out += [(key, span) for span in spans]
         traces = self._request_traces(conn, finished) if finished else []
         for request_key, spans in traces:
-            out += [(request_key, span) for span in spans]
+            out += [(request_key, otlp_wire.encode_span(span)) for span in mark_errors(spans)]
         if kept:
             self.decisions.labels("exported").inc(kept)
         if sampled_out:
@@ -341,6 +340,30 @@ class OtlpExporter:
         if traces:
             self.request_traces.labels("exported").inc(len(traces))
         return sent
+
+    def _encoder(self, rank: RankRow) -> otlp_wire.RankWaves:
+        found = self._encoders.get(rank)
+        if found is None:
+            if len(self._encoders) > 4096:
+                self._encoders.clear()
+            found = self._encoders[rank] = otlp_wire.RankWaves(rank)
+        return found
+
+    def _remember_errors(self, incidents: list[Span]) -> None:
+        """The spans an incident marks as errors (`mark_errors`): the rank span it hangs under
+        and its wave's root."""
+        limit = self.settings.max_marked_waves
+        for span in incidents:
+            for ids, value in (
+                (self._error_spans, span.parent_id),
+                (self._error_traces, span.trace_id),
+            ):
+                if value is None:
+                    continue
+                ids[value] = None
+                ids.move_to_end(value)
+                while len(ids) > limit:
+                    ids.popitem(last=False)
 
     def _store(self) -> sqlite3.Connection | None:
         """The exporter thread's read-only store connection (None: no store yet, or none)."""
@@ -386,7 +409,8 @@ class OtlpExporter:
             self.request_traces.labels("not_found").inc(missing)
         return built_traces
 
-    def _resource(self, key: ResourceKey) -> resource_pb2.Resource:
+    def _resource(self, key: ResourceKey) -> bytes:
+        """The serialized Resource of these spans' rank (or replica)."""
         run_id, engine, dp, tp, pp = key
         pid = self._pids.get(key, 0) if tp is not None else 0
         workload = self._workload_of(engine, dp, 0 if tp is None else tp, 0 if pp is None else pp)
@@ -395,27 +419,27 @@ class OtlpExporter:
         if found is None:
             if len(self._resources) > 4096:
                 self._resources.clear()
-            found = resource(resource_attributes(key, self._node, pid, workload))
+            attrs = resource_attributes(key, self._node, pid, workload)
+            found = resource(attrs).SerializeToString()
             self._resources[cache_key] = found
         return found
 
-    def _send(self, spans: list[tuple[ResourceKey, Span]], record_ends: list[int]) -> int:
+    def _send(self, spans: list[tuple[ResourceKey, bytes]], record_ends: list[int]) -> int:
         step = self.settings.max_spans_per_request
         sent = 0
         for begin in range(0, len(spans), step):
             chunk = spans[begin : begin + step]
-            request = trace_service_pb2.ExportTraceServiceRequest()
-            by_resource: dict[ResourceKey, list[Span]] = {}
+            by_resource: dict[ResourceKey, list[bytes]] = {}
             for key, span in chunk:
                 by_resource.setdefault(key, []).append(span)
-            for key, members in by_resource.items():
-                rs = request.resource_spans.add(resource=self._resource(key))
-                ss = rs.scope_spans.add()
-                ss.scope.name = schema.SCOPE_NAME
-                ss.scope.version = SCOPE_VERSION
-                ss.spans.extend(to_otlp(span) for span in members)
+            request = b"".join(
+                [
+                    otlp_wire.resource_spans(self._resource(key), self._scope, members)
+                    for key, members in by_resource.items()
+                ]
+            )
             try:
-                self._stub.Export(request, timeout=self.settings.timeout_s)
+                self._export(request, timeout=self.settings.timeout_s)
                 sent += len(chunk)
             except grpc.RpcError as exc:
                 # records whose spans ended in this chunk are lost

@@ -29,7 +29,6 @@ from opentelemetry.proto.resource.v1 import resource_pb2
 
 from telemetry.wire import schema
 from telemetry.wire.build_info import version
-from telemetry.wire.protobuf_fields import length_delimited
 from telemetry.wire.workload import NO_WORKLOAD, Workload
 
 SERVICE_NAMESPACE = "ascend-guard"
@@ -56,30 +55,6 @@ def any_value(value: Any) -> common_pb2.AnyValue:
 
 def attributes(attrs: dict[str, Any]) -> list[common_pb2.KeyValue]:
     return [common_pb2.KeyValue(key=k, value=any_value(v)) for k, v in attrs.items()]
-
-
-_ENCODED: dict[tuple, bytes] = {}  # (field, key, type, value) -> one encoded attribute entry
-_MAX_ENCODED = 200_000
-
-
-def encoded_attributes(field: int, attrs: dict[str, Any]) -> bytes:
-    """`attrs` as the wire bytes of repeated KeyValue field `field` of the message that holds
-    them, for `MergeFromString`: protobuf's C code parses them, where adding each KeyValue from
-    Python costs several times more. Entries are cached: most attribute values repeat (run,
-    engine, rank coordinates, op, group)."""
-    parts = []
-    for key, value in attrs.items():
-        cache_key = (field, key, type(value), value) if not isinstance(value, list) else None
-        entry = _ENCODED.get(cache_key) if cache_key is not None else None
-        if entry is None:
-            kv = common_pb2.KeyValue(key=key, value=any_value(value)).SerializeToString()
-            entry = length_delimited(field, kv)
-            if cache_key is not None:
-                if len(_ENCODED) >= _MAX_ENCODED:
-                    _ENCODED.clear()
-                _ENCODED[cache_key] = entry
-        parts.append(entry)
-    return b"".join(parts)
 
 
 def resource_attributes(

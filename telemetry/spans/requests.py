@@ -300,37 +300,50 @@ MAX_LINKS = 1024  # links added to one wave span
 
 
 def link_wave_spans(conn: sqlite3.Connection, spans: list[Span]) -> None:
-    """Add to each `wave` root span links to the request traces of the requests it ran.
+    """Add to each `wave` root span links to the request traces of the requests it ran."""
+    roots = [s for s in spans if s.name == "wave" and s.parent_id is None]
+    found = wave_links(conn, [(s.trace_id, s.wave) for s in roots])
+    for span in roots:
+        span.links.extend(found.get(span.trace_id, ()))
+
+
+def wave_links(conn: sqlite3.Connection, roots: list[tuple[int, int]]) -> dict[int, list[dict]]:
+    """The links of wave roots, given as (trace id, wave), to the request traces of the
+    requests each ran: {trace id: links}, only roots that ran a request.
 
     Roots are taken by replica (the high half of their trace id, which the replica's ranks
     keep), and each replica's request blocks over the roots' waves are read once."""
-    if not spans or not has_request_tables(conn):
-        return
-    replicas: dict[int, list[Span]] = {}
-    for span in spans:
-        if span.name == "wave" and span.parent_id is None:
-            replicas.setdefault(span.trace_id >> 64, []).append(span)
-    for trace_key, roots in replicas.items():
-        first, last = min(s.wave for s in roots), max(s.wave for s in roots)
+    out: dict[int, list[dict]] = {}
+    if not roots or not has_request_tables(conn):
+        return out
+    replicas: dict[int, list[tuple[int, int]]] = {}
+    for trace_id, wave in roots:
+        replicas.setdefault(trace_id >> 64, []).append((trace_id, wave))
+    for trace_key, members in replicas.items():
+        first, last = min(w for _, w in members), max(w for _, w in members)
         ran: dict[int, list[tuple[int, str]]] = {}
         for rank in store_blocks.ranks_of_trace_key(conn, trace_key):
             if rank.tp != 0:  # membership comes from each stage's tp0 rank
                 continue
             for wave, found in requests_in_waves(conn, rank.id, first, last).items():
                 ran.setdefault(wave, []).extend(found)
-        for span in roots:
+        for trace_id, wave in members:
             seen: set[int] = set()
-            for trace, req_id in ran.get(span.wave, ()):
+            links = []
+            for trace, req_id in ran.get(wave, ()):
                 if trace in seen or len(seen) >= MAX_LINKS:
                     continue
                 seen.add(trace)
-                span.links.append(
+                links.append(
                     {
                         "trace_id": trace,
                         "span_id": request_span_id(trace),
                         "attributes": {ATTR_REQUEST: req_id},
                     }
                 )
+            if links:
+                out[trace_id] = links
+    return out
 
 
 def spans_in_range(

@@ -173,10 +173,13 @@ def _search(conn: sqlite3.Connection, req: Request) -> Reply:
                 "use tags=, minDuration= and maxDuration=",
                 "not_implemented",
             )
-        hits = traceql_adapter.search(
+        hits, stats = traceql_adapter.search(
             conn, q, start_ns or 0, end_ns if end_ns is not None else time.time_ns(), limit, spss
         )
-        return _json({"traces": [hit_json(h) for h in hits], "metrics": {}})
+        # as Tempo: the traces inspected (at most traceql.MAX_TRACES_INSPECTED, as the legacy
+        # search: a search that reaches it answers with what it found so far)
+        metrics = {"inspectedTraces": stats.inspected_traces} if stats.inspected_traces else {}
+        return _json({"traces": [hit_json(h) for h in hits], "metrics": metrics})
     if tags:
         legacy_tags += params.logfmt("tags", tags)
     result = store_search.legacy_search(

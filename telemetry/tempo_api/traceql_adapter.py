@@ -28,11 +28,13 @@ def _rejected(exc: Exception, name: str) -> BadParameter:
 
 def search(
     conn: sqlite3.Connection, q: str, start_ns: int, end_ns: int, limit: int, spss: int
-) -> list[Hit]:
-    """TraceQL search; a query the evaluator refuses is a bad `q`."""
+) -> tuple[list[Hit], Any]:
+    """TraceQL search: (hits, its `traceql.SearchStats`); a query the evaluator refuses is a
+    bad `q`."""
     assert traceql is not None
+    stats = traceql.SearchStats()
     try:
-        matches = traceql.search(conn, q, start_ns, end_ns, limit, spss)
+        matches = traceql.search(conn, q, start_ns, end_ns, limit, spss, stats)
     except traceql.TraceQLError as exc:
         raise _rejected(exc, "q") from None
     hits = []
@@ -42,7 +44,7 @@ def search(
             for ss in m.spansets
         ]
         hits.append(Hit(m.trace_id, m.root_name, m.start_ns, m.duration_ns, sets))
-    return hits
+    return hits, stats
 
 
 def metrics_range(

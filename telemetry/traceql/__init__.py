@@ -3,11 +3,13 @@
 from telemetry.traceql.evaluate import SpanSet, TraceMatch
 from telemetry.traceql.metrics import Series, metrics_range
 from telemetry.traceql.parser import TraceQLError, TraceQLParseError, parse
-from telemetry.traceql.search import search
+from telemetry.traceql.search import MAX_TRACES_INSPECTED, SearchStats, search
 from telemetry.traceql.source import trace_spans
 from telemetry.traceql.validate import TraceQLValidationError
 
 __all__ = [
+    "MAX_TRACES_INSPECTED",
+    "SearchStats",
     "Series",
     "SpanSet",
     "TraceMatch",

@@ -12,6 +12,7 @@ window while a narrow one scans the range."""
 
 from __future__ import annotations
 
+import dataclasses
 import sqlite3
 from collections.abc import Iterable
 
@@ -47,6 +48,17 @@ DEFAULT_SPSS = 3
 
 
 FIRST_WINDOW_NS = 2 * 10**9
+# traces built and checked exactly per search, as the legacy tag search caps them; a search
+# that reaches it answers what it found so far (`SearchStats.capped`)
+MAX_TRACES_INSPECTED = 5000
+
+
+@dataclasses.dataclass
+class SearchStats:
+    """What a search did, as Tempo's search metrics say it (`inspectedTraces`)."""
+
+    inspected_traces: int = 0  # traces built and checked exactly
+    capped: bool = False  # stopped at MAX_TRACES_INSPECTED: there may be more matches
 
 
 # -- candidate sets: trace keys (replica key, wave) with the earliest matching start ------------
@@ -271,9 +283,13 @@ def search(
     end_ns: int,
     limit: int = DEFAULT_LIMIT,
     spans_per_spanset: int | None = DEFAULT_SPSS,
+    stats: SearchStats | None = None,
 ) -> list[TraceMatch]:
     """The traces in [start_ns, end_ns] that match a TraceQL search, newest first, at most
-    `limit`; each spanset keeps `spans_per_spanset` spans (None: all)."""
+    `limit`; each spanset keeps `spans_per_spanset` spans (None: all). At most
+    MAX_TRACES_INSPECTED wave traces are built and checked; `stats`, when given, is filled in
+    (traces inspected, and whether the cap stopped the search)."""
+    stats = stats if stats is not None else SearchStats()
     parsed = parse(query) if isinstance(query, str) else query
     if parsed.metrics is not None:
         raise TraceQLError(f"{parsed.metrics.fn}() is a metrics query; use metrics_range")
@@ -293,7 +309,11 @@ def search(
         for _, key, wave in finder.candidates(parsed):
             if (key, wave) in done:
                 continue
+            if len(done) >= MAX_TRACES_INSPECTED:
+                stats.capped = True
+                return _newest_first(out)[:limit]
             done.add((key, wave))
+            stats.inspected_traces = len(done)
             trace_id = _trace_id(key, wave)
             spans = load_trace_cached(conn, trace_id, cache)
             found = match_trace(parsed, spans, trace_id, spans_per_spanset, finder.nodes)

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 def varint(value: int) -> bytes:
     """`value` (not negative) as a protobuf base-128 varint."""
+    if value < 0x80:  # lengths and small numbers: most calls
+        return bytes((value,))
+    if value < 0x4000:
+        return bytes((value & 0x7F | 0x80, value >> 7))
     out = bytearray()
     while value > 0x7F:
         out.append(value & 0x7F | 0x80)

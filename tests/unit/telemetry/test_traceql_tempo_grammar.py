@@ -582,3 +582,38 @@ def test_generated_queries_raise_nothing_but_traceql_errors(conn, text):
             metrics_range(conn, query, START, END, 4 * STEP_NS)
     except TraceQLError:
         pass
+
+
+# -- a search that cannot be narrowed is capped as the legacy search is ---------------------------
+def test_a_search_that_cannot_narrow_stops_at_the_inspection_cap(conn, path, monkeypatch):
+    """`rootName` and `traceDuration` only a built trace knows: every trace of the range is a
+    candidate. The exact pass stops at the cap and says so (SearchStats, the API's
+    inspectedTraces); below the cap it inspects each candidate once."""
+    import sys
+
+    from telemetry.traceql import MAX_TRACES_INSPECTED, SearchStats
+
+    assert MAX_TRACES_INSPECTED == 5000  # the legacy search's cap, as docs/traceql.md says
+    stats = SearchStats()
+    found = search(conn, '{ rootName = "wave" }', START, END, limit=99, stats=stats)
+    assert {m.trace_id for m in found} == {_tid(w) for w in EVERY_WAVE}
+    assert (stats.inspected_traces, stats.capped) == (WAVES, False)
+    monkeypatch.setattr(sys.modules["telemetry.traceql.search"], "MAX_TRACES_INSPECTED", 5)
+    stats = SearchStats()
+    found = search(conn, '{ rootName = "wave" }', START, END, limit=99, stats=stats)
+    assert (stats.inspected_traces, stats.capped) == (5, True)
+    assert [m.trace_id for m in found] == [_tid(w) for w in range(WAVES, WAVES - 5, -1)]
+    # a limit reached first is no cap
+    stats = SearchStats()
+    assert len(search(conn, "{ traceDuration > 0 }", START, END, limit=3, stats=stats)) == 3
+    assert (stats.inspected_traces, stats.capped) == (3, False)
+    query = {
+        "q": ["{ traceDuration > 0 }"],
+        "start": [str(START // 10**9)],
+        "end": [str(END // 10**9 + 1)],
+        "limit": ["99"],
+    }
+    _, reply = route(str(path), Request("/api/search", query, {}))
+    body = json.loads(reply.body)
+    assert reply.code == 200 and len(body["traces"]) == 5
+    assert body["metrics"] == {"inspectedTraces": 5}
