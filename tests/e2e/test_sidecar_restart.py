@@ -51,7 +51,7 @@ TP = 2
 BATCH_MAX = 32
 PROMPTS = [f"Request {i} of the restart drill repeats" for i in range(8)]
 MAX_TOKENS = 192
-ROUNDS = 8  # of all prompts at once, per run
+ROUNDS = 4  # of all prompts at once, per run: each run outlasts the outage and the restart
 OUTAGE_S = 2.0
 # A sidecar started beside the two pinned, spinning ranks under load gets a sliver of the two
 # cores: it took 11.3 s to answer /metrics here (0.46 s on an idle machine, the same code), and

@@ -27,7 +27,7 @@ from telemetry.wire.proto import guard_pb2
 U32, U64, I64 = 2**32 - 1, 2**64 - 1, 2**63 - 1
 ANSWERS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 FUZZ = settings(
-    max_examples=150,
+    max_examples=80,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     database=None,
