@@ -213,6 +213,9 @@ class RingWriter:
             words[_DP], words[_TP], words[_PP] = rank
             words[_MAGIC] = MAGIC  # last: a reader sees a whole header or none
             words.release()
+            # touch every page now, so that no first write of a slot pays a page fault
+            for at in range(HEADER_BYTES, size, mmap.PAGESIZE):
+                mm[at] = 0
             os.replace(tmp, path)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -320,12 +323,13 @@ class RingReader:
         self.start_ticks = int(words[_START])
         self.rank = (int(words[_DP]), int(words[_TP]), int(words[_PP]))
         # every slot's sequence and fixed fields, as one strided view
-        self._slots = np.ndarray(
-            (self.slots,),
-            dtype=FIXED_DTYPE,
-            buffer=mm,
-            offset=HEADER_BYTES,
-            strides=(self.slot_bytes,),
+        # every slot as raw bytes (rows copied as bytes, then viewed as FIXED_DTYPE: numpy
+        # copies a packed structured type field by field, much slower), and their sequences
+        self._raw = np.ndarray(
+            (self.slots, self.slot_bytes), dtype=np.uint8, buffer=mm, offset=HEADER_BYTES
+        )
+        self._seqs = np.ndarray(
+            (self.slots,), dtype="<u8", buffer=mm, offset=HEADER_BYTES, strides=(self.slot_bytes,)
         )
         committed = int(words[_COMMITTED])
         # a reader that attaches late starts at the oldest record the ring still holds
@@ -406,13 +410,14 @@ class RingReader:
             return Drained(np.empty(0, FIXED_DTYPE), [] if arrays else None)
         numbers = np.arange(cursor + 1, end + 1, dtype=np.uint64)
         index = ((numbers - 1) & np.uint64(self.slots - 1)).astype(np.intp)
-        slots = self._slots
-        before = slots["seq"][index]
-        taken = slots[index]  # a copy
+        seqs = self._seqs
+        before = seqs[index]
+        rows = self._raw[index, :FIXED_BYTES]  # a copy
+        taken = rows.view(FIXED_DTYPE).reshape(-1)
         bodies = (
             [self._arrays_of(int(i), taken[k]) for k, i in enumerate(index)] if arrays else None
         )
-        after = slots["seq"][index]
+        after = seqs[index]
         want = numbers * np.uint64(2)
         good = (before == want) & (after == want) & (taken["seq"] == want)
         lapped = ~good & ((before > want) | (after > want))
@@ -420,7 +425,8 @@ class RingReader:
         self.torn += int(np.count_nonzero(~good & ~lapped))
         self.cursor = end
         self.read += int(np.count_nonzero(good))
-        fields = taken[good]
+        # masked as raw rows: numpy masks a packed structured type field by field, slowly
+        fields = taken if good.all() else rows[good].view(FIXED_DTYPE).reshape(-1)
         if bodies is not None:
             bodies = [body for body, keep in zip(bodies, good.tolist(), strict=True) if keep]
         return Drained(fields, bodies)
@@ -447,13 +453,13 @@ class RingReader:
         self._finished = True
         n = self.committed + 1
         slot = (n - 1) & (self.slots - 1)
-        if int(self._slots["seq"][slot]) == 2 * n - 1:
+        if int(self._seqs[slot]) == 2 * n - 1:
             self.torn += 1
             return 1
         return 0
 
     def close(self) -> None:
-        self._slots = None  # type: ignore[assignment]
+        self._raw = self._seqs = None  # type: ignore[assignment]
         self._header = None  # type: ignore[assignment]
         with contextlib.suppress(BufferError):
             self._mm.close()
