@@ -134,6 +134,8 @@ class GuardProcessor:
             max_backoff_s=config.reconnect_max_backoff_s,
             fillers=[self, self.incidents],
             **({"security": security} if security is not None else {}),
+            # waves in the ring: batches still follow them, for what the fillers add per wave
+            **({"progress": self._wave_count} if config.wave_ring else {}),
         )
         self.streaming = False
         self.streamer.offer_probe("config_generation", float(self.config_generation), {})
@@ -397,6 +399,9 @@ class GuardProcessor:
         self.incidents.reconfigure(config.incidents)
         if self._rank is not None:
             self.detector_host.build(config.detectors, self._rank)
+
+    def _wave_count(self) -> int:
+        return self.wave
 
     def _run_id(self) -> str:
         return self._rank.run_id if self._rank is not None else "run"

@@ -66,3 +66,30 @@ def test_a_ring_that_cannot_be_made_leaves_the_waves_on_grpc(tmp_path: Path):
         guard.processor.close()
     finally:
         install(None)
+
+
+def test_with_waves_in_the_ring_batches_still_follow_the_waves():
+    """The fillers (collectives, membership, detectors) add per-wave data to each batch; with
+    no wave records in the streamer's buffer a batch is still made in each flush interval in
+    which the wave count moved, not only at each heartbeat."""
+    import threading
+
+    from guard.stream.streamer import Streamer, _InFlight
+
+    waves = [0]
+    streamer = Streamer(
+        "localhost:1", RANK, buffer_size=16, batch_max=8, flush_interval_s=0.01,
+        heartbeat_interval_s=60.0, max_backoff_s=1.0, progress=lambda: waves[0],
+    )  # fmt: skip
+    batches = streamer._batches(_InFlight())
+    assert next(batches).HasField("heartbeat")  # the first, always
+    got = []
+    pull = threading.Thread(target=lambda: got.append(next(batches)), daemon=True)
+    pull.start()
+    pull.join(0.3)
+    assert not got  # nothing moved: no batch before the next heartbeat
+    waves[0] = 3
+    pull.join(5.0)
+    assert len(got) == 1 and not got[0].HasField("heartbeat")
+    assert not got[0].wave_columns.wave  # the waves themselves went into the ring
+    streamer._stop.set()
