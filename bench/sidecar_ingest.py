@@ -57,6 +57,7 @@ def peak_rss_mib(pid: int) -> float:
 
 
 def _flood(address: str, tp: int, args, records: int, rate: float, engine: str) -> subprocess.Popen:
+    waves_only = ("--waves-only",) if getattr(args, "waves_only", False) else ()
     return subprocess.Popen(
         [
             sys.executable,
@@ -75,6 +76,7 @@ def _flood(address: str, tp: int, args, records: int, rate: float, engine: str) 
             engine,
             "--run-id",
             f"run-{engine}",
+            *waves_only,
         ],
         cwd=REPO,
         stdin=subprocess.PIPE,
@@ -528,10 +530,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.ring:
         work = Path(tempfile.mkdtemp(prefix="sidecar-ingest-"))
         ring = run_ring(args, work)
+        args.waves_only = True  # as the ring's records: wave fields alone
         grpc_run = run_ingest("unix", args, work)
         _print_ring(ring, args)
         print(
-            f"grpc path (unix socket), same run, records with 2 collective stats each: sent "
+            f"grpc path (unix socket), same run, wave fields only as well: sent "
             f"{grpc_run['sent']}, stored {grpc_run['stored']}, dropped {int(grpc_run['dropped'])}, "
             f"lost without a count: {grpc_run['lost']}; sidecar CPU {grpc_run['cpu_s']:.2f} s: "
             f"{grpc_run['per_cpu_s']:,.0f} records per sidecar CPU-second"

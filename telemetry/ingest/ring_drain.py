@@ -14,7 +14,9 @@ were read, torn slots, records the writer dropped) as its `dropped_total`, which
 and the store read as the worker's own drops, as they do on the gRPC path (the worker's gRPC
 buffer stays empty in ring mode, so its count stays 0 and the two never mix). When the stream
 ends the drainer takes what is left, counts a record begun and never committed (a worker killed
-mid-write) as torn, and lets the ring go. A ring whose layout this sidecar does not know is
+mid-write) as torn, and lets the ring go. A reader that attaches late (the worker started
+first, or this sidecar restarted) counts the records the ring no longer holds as dropped: never
+a loss without a count, but after a restart it may count records its predecessor stored. A ring whose layout this sidecar does not know is
 refused, logged with the reason, and the records its header says were written are counted as
 dropped at ingest (`ring_layout`), so the accounting closes even then.
 """
