@@ -34,7 +34,13 @@ from telemetry.pipeline.writer import STAGE_INGEST
 from telemetry.wire import liveness_record
 from telemetry.wire.proto import guard_pb2
 from telemetry.wire.schema import WAVE_FIELDS, WIRE_VERSION, InvalidBatch
-from telemetry.wire.wave_ring import FIXED_BYTES, RingLayoutError, RingReader, ring_path
+from telemetry.wire.wave_ring import (
+    FIXED_BYTES,
+    RingLayoutError,
+    RingReader,
+    header_of,
+    ring_path,
+)
 
 log = structlog.get_logger("ascend_guard.ring_drain")
 
@@ -154,8 +160,6 @@ class RingDrainer:
         return total
 
     def _count_refused(self, refused: _Refused) -> None:
-        from telemetry.wire.wave_ring import header_of
-
         try:
             written = header_of(refused.path)["committed"]
         except (OSError, ValueError, IndexError):
