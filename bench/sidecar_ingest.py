@@ -15,6 +15,7 @@ All in one run, side by side:
     SIGSTOP while flood clients send 50,000 records/s; time until `/live/<engine>` answers 503.
 
     python bench/sidecar_ingest.py [--clients 4] [--records 100000] [--sdk-records 20000]
+    python bench/sidecar_ingest.py --ring   # (a) only: the wave ring beside gRPC, one run
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def peak_rss_mib(pid: int) -> float:
 
 
 def _flood(address: str, tp: int, args, records: int, rate: float, engine: str) -> subprocess.Popen:
+    waves_only = ("--waves-only",) if getattr(args, "waves_only", False) else ()
     return subprocess.Popen(
         [
             sys.executable,
@@ -74,6 +76,7 @@ def _flood(address: str, tp: int, args, records: int, rate: float, engine: str) 
             engine,
             "--run-id",
             f"run-{engine}",
+            *waves_only,
         ],
         cwd=REPO,
         stdin=subprocess.PIPE,
@@ -173,6 +176,117 @@ def run_ingest(transport: str, args, work: Path) -> dict:
         "bytes_per_record": used / max(stored, 1),
         "errors": errors,
         "drops": drops(text),
+    }
+
+
+def _line(proc: subprocess.Popen, starts: tuple[str, ...]) -> str:
+    """The client's next line that starts with one of `starts` (its log lines skipped)."""
+    while True:
+        line = proc.stdout.readline()
+        if not line or line.strip().startswith(starts):
+            return line.strip()
+
+
+def run_ring(args, work: Path) -> dict:
+    """(a) on the ring path: N clients write their records into their ranks' wave rings (each
+    names its rank over a gRPC stream that carries heartbeats only); the sidecar drains them.
+    Sidecar CPU from the first record written until every record is stored or counted."""
+    sock_dir = Path(tempfile.mkdtemp(prefix="ingest-", dir="/tmp"))
+    address = f"unix://{sock_dir / 'guard.sock'}"
+    live = Path(
+        tempfile.mkdtemp(prefix="ring-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None)
+    )
+    (work / "ring").mkdir(parents=True, exist_ok=True)
+    sidecar = SidecarProcess.start(
+        work / "ring",
+        address=address,
+        extra_args=("--health-port", "0", "--liveness-dir", str(live)),
+    )
+    procs = []
+    try:
+        for tp in range(args.clients):
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "tests.support.ring_flood",
+                        address,
+                        str(live),
+                        "--tp",
+                        str(tp),
+                        "--tp-size",
+                        str(args.clients),
+                        "--records",
+                        str(args.records),
+                    ],
+                    cwd=REPO,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )  # fmt: skip
+            )
+        for proc in procs:
+            line = _line(proc, ("ready", "not connected"))
+            if line != "ready":
+                raise RuntimeError(f"ring flood client did not start: {line!r}")
+        cpu0 = cpu_seconds(sidecar.proc.pid)
+        wall0 = time.monotonic()
+        _go(procs)
+        results = [json.loads(_line(proc, ("{",))) for proc in procs]
+        sent = sum(r["records"] for r in results)
+        deadline = time.monotonic() + 120
+        while True:
+            text = sidecar.metrics_text()
+            handled = value(text, "ascend_guard_waves_total") + sum(drops(text).values())
+            handled += value(text, "ascend_guard_records_dropped_total")
+            if handled >= sent or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        conn = store_mod.connect(sidecar.store_path, readonly=True)
+        stored = -1
+        while time.monotonic() < deadline:
+            now = store_mod.count_waves(conn)
+            if now == stored:
+                break
+            stored = now
+            time.sleep(0.3)
+        cpu = cpu_seconds(sidecar.proc.pid) - cpu0
+        wall = time.monotonic() - wall0
+        used = (
+            conn.execute("PRAGMA page_count").fetchone()[0]
+            - conn.execute("PRAGMA freelist_count").fetchone()[0]
+        ) * conn.execute("PRAGMA page_size").fetchone()[0]
+        conn.close()
+        text = sidecar.metrics_text()
+        # the ring's own losses are the ranks' dropped counts, as a worker's buffer's are
+        counted = sum(drops(text).values()) + value(text, "ascend_guard_records_dropped_total")
+        rss = peak_rss_mib(sidecar.proc.pid)
+        _go(procs)
+        for proc in procs:
+            proc.wait(60)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+        sidecar.stop()
+        for leftover in live.iterdir():
+            leftover.unlink()
+        live.rmdir()
+    return {
+        "transport": "ring",
+        "sent": sent,
+        "stored": stored,
+        "dropped": counted,
+        "lost": sent - stored - counted,
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "rss_mib": rss,
+        "per_cpu_s": stored / cpu if cpu else 0.0,
+        "bytes_per_record": used / max(stored, 1),
+        "errors": [],
+        "drops": drops(text),
+        "writer_us": 1e6 * max(r["writer_s"] for r in results) / args.records,
     }
 
 
@@ -389,6 +503,17 @@ def run_verdict(args, work: Path) -> dict:
     }
 
 
+def _print_ring(r: dict, args) -> None:
+    print(
+        f"ring path, {args.clients} clients x {args.records} records (wave fields only; their "
+        f"collectives travel over gRPC in ring mode): sent {r['sent']}, stored {r['stored']}, "
+        f"dropped {int(r['dropped'])}, lost without a count: {r['lost']}; sidecar CPU "
+        f"{r['cpu_s']:.2f} s, wall {r['wall_s']:.2f} s: {r['per_cpu_s']:,.0f} records per "
+        f"sidecar CPU-second; writer {r['writer_us']:.2f} us/record; peak RSS "
+        f"{r['rss_mib']:.0f} MiB"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clients", type=int, default=4, help="client processes (4)")
@@ -396,7 +521,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sdk-records", type=int, default=20_000, help="records on the SDK path")
     parser.add_argument("--verdict-rate", type=float, default=50_000, help="records/s during (d)")
     parser.add_argument("--verdict-warmup-s", type=float, default=3.0)
+    parser.add_argument(
+        "--ring",
+        action="store_true",
+        help="only (a), on the wave ring and over gRPC (unix socket) side by side, in one run",
+    )
     args = parser.parse_args(argv)
+    if args.ring:
+        work = Path(tempfile.mkdtemp(prefix="sidecar-ingest-"))
+        ring = run_ring(args, work)
+        args.waves_only = True  # as the ring's records: wave fields alone
+        grpc_run = run_ingest("unix", args, work)
+        _print_ring(ring, args)
+        print(
+            f"grpc path (unix socket), same run, wave fields only as well: sent "
+            f"{grpc_run['sent']}, stored {grpc_run['stored']}, dropped {int(grpc_run['dropped'])}, "
+            f"lost without a count: {grpc_run['lost']}; sidecar CPU {grpc_run['cpu_s']:.2f} s: "
+            f"{grpc_run['per_cpu_s']:,.0f} records per sidecar CPU-second"
+        )
+        return 0 if ring["lost"] == 0 and grpc_run["lost"] == 0 else 1
     work = Path(tempfile.mkdtemp(prefix="sidecar-ingest-"))
     print(
         f"sidecar ingest bench, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, "

@@ -32,7 +32,7 @@ they compile on a thread of their own for seconds) and a full collection has swe
 start-up left.
 
     python bench/toggle.py [--rounds 12] [--requests 16] [--max-tokens 128]
-                           [--detectors all|none|NAME] [--engine-core]
+                           [--detectors all|none|NAME] [--engine-core] [--wave-ring]
 """
 
 from __future__ import annotations
@@ -246,6 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         help="give the engine thread core 0 to itself, with one torch thread; every other thread "
         "and the sidecar share core 1 (a host where the model does not share the guard's cores)",
     )
+    parser.add_argument(
+        "--wave-ring",
+        action="store_true",
+        help="the guard writes its waves into the shared-memory wave ring the sidecar drains "
+        "(runtime_guard.wave_ring) instead of streaming them from its gRPC thread",
+    )
     args = parser.parse_args(argv)
     if args.engine_core:
         os.environ["OMP_NUM_THREADS"] = "1"  # read when torch loads, below
@@ -256,7 +262,10 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     model = build_tiny_model(REPO / ".cache" / "tiny-llama")
     work = Path(tempfile.mkdtemp(prefix="guard-toggle-"))
-    sidecar = SidecarProcess.start(work, address=f"unix://{work / 'guard.sock'}")
+    args.live_dir = str(work / "live")  # liveness records and wave rings, shared
+    sidecar = SidecarProcess.start(
+        work, address=f"unix://{work / 'guard.sock'}", extra_args=("--liveness-dir", args.live_dir)
+    )
     _pin_process(sidecar.proc.pid, {1})
     try:
         return _run(args, model, sidecar)
@@ -274,7 +283,9 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
 
     from guard.decorators import is_guarded, unwrap
 
-    guard = {"sidecar": sidecar.address, "engine": "toggle"}
+    guard = {"sidecar": sidecar.address, "engine": "toggle", "liveness_dir": args.live_dir}
+    if args.wave_ring:
+        guard["wave_ring"] = True
     if args.detectors != "all":
         guard["detectors"] = {name: {"enabled": name == args.detectors} for name in DETECTOR_NAMES}
     llm = LLM(
@@ -487,7 +498,7 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
         f"(the sidecar on core 1; {torch.get_num_threads()} torch thread(s), "
         f"{'the engine thread alone on core 0' if args.engine_core else 'on both cores'})"
     )
-    _print_thread_cpu(thread_cpu, steps_per_round)
+    threads_us = _print_thread_cpu(thread_cpu, steps_per_round)
     print(
         f"garbage collection per wave on/off: {gc_time['on_ns'] / 1e3 / waves_measured:.1f}"
         f" / {gc_time['off_ns'] / 1e3 / waves_measured:.1f} us; full collections "
@@ -512,6 +523,13 @@ def _run(args: argparse.Namespace, model: Path, sidecar: SidecarProcess) -> int:
     print(
         f"verdict: paired throughput loss {paired_loss:+.2f}% (95% interval {low:+.2f}% .. {high:+.2f}%), "
         f"goal < {goal}% (detectors: {args.detectors}): {verdict}"
+    )
+    sidecar_us = (side_on - side_off) / steps_per_round * 1e6
+    print(
+        f"worker ({'wave ring' if args.wave_ring else 'gRPC streamer'}, {args.requests} requests): "
+        f"in place {own_us:.1f} us/wave ({own_us / wave_us * 100:.2f}%); process added "
+        f"{cpu_added * 1e6:.1f} us/wave (Z/X = {cpu_added * 1e6 / own_us:.2f}); other guard "
+        f"threads {threads_us:.1f} us/wave; sidecar {sidecar_us:.1f} us/wave"
     )
     return 0 if guard_tokens == tokens_on and identical else 1
 
@@ -645,21 +663,32 @@ def _thread_label(thread: Any) -> str:
     return f"{thread.name} [{owner}]" if owner else thread.name
 
 
-def _print_thread_cpu(thread_cpu: dict[str, dict[int, list[float]]], waves: float) -> None:
+def _guard_thread(label: str) -> bool:
+    """A thread the guard runs in the worker: its own (ascend-guard-*) or gRPC's, which pulls
+    the streamer's batches."""
+    return "ascend-guard" in label or "grpc" in label
+
+
+def _print_thread_cpu(thread_cpu: dict[str, dict[int, list[float]]], waves: float) -> float:
     """The engine process's CPU per wave by thread, on against off (medians of the rounds, as
     for the wall time): where the CPU the guard adds outside its own code goes (its gRPC and
-    streamer threads, torch's threads, the engine thread's own work running slower)."""
+    streamer threads, torch's threads, the engine thread's own work running slower). Returns
+    the guard's threads' added CPU per wave (us), the engine thread's excluded."""
     names = {t.native_id: _thread_label(t) for t in threading.enumerate()}
     rows = []
+    guard_us = 0.0
     for tid in sorted(set(thread_cpu["on"]) | set(thread_cpu["off"])):
         on = statistics.median(thread_cpu["on"].get(tid) or [0.0])
         off = statistics.median(thread_cpu["off"].get(tid) or [0.0])
         if max(sum(thread_cpu[mode].get(tid, ())) for mode in ("on", "off")) < 0.001:
             continue  # under a millisecond in all: an idle thread
+        label = names.get(tid) or _thread_comm(tid)
+        if _guard_thread(label):
+            guard_us += (on - off) / waves * 1e6
         rows.append(
             (
                 str(tid),
-                names.get(tid) or _thread_comm(tid),
+                label,
                 f"{on / waves * 1e6:.1f}",
                 f"{off / waves * 1e6:.1f}",
                 f"{(on - off) / waves * 1e6:+.1f}",
@@ -667,6 +696,7 @@ def _print_thread_cpu(thread_cpu: dict[str, dict[int, list[float]]], waves: floa
         )
     print("engine process CPU per wave by thread (us; median round)")
     print(render_table(("tid", "thread", "on", "off", "added"), rows, right=(2, 3, 4)))
+    return guard_us
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ from guard.wave.schedule import (
 )
 from telemetry.wire.liveness_record import LivenessRecord
 from telemetry.wire.proto import guard_pb2
+from telemetry.wire.wave_ring import RingWriter, ring_path
 
 if TYPE_CHECKING:
     from guard.detectors.suite import DetectorSuite
@@ -112,6 +113,8 @@ class GuardProcessor:
         self.observers.add(self.detector_host)  # it calls observers.refresh on a rebuild
         # phase and collective in shared memory, for the sidecar (None = off)
         self.live_record: LivenessRecord | None = None
+        # the wave ring the sidecar drains (None: waves go to the streamer)
+        self.ring: RingWriter | None = None
         self.evidence: RankEvidence | None = None
         # request membership per wave, on the rank that owns scheduling (None = off); an
         # observer from the start of streaming (its on_record hook)
@@ -131,6 +134,8 @@ class GuardProcessor:
             max_backoff_s=config.reconnect_max_backoff_s,
             fillers=[self, self.incidents],
             **({"security": security} if security is not None else {}),
+            # waves in the ring: batches still follow them, for what the fillers add per wave
+            **({"progress": self._wave_count} if config.wave_ring else {}),
         )
         self.streaming = False
         self.streamer.offer_probe("config_generation", float(self.config_generation), {})
@@ -360,7 +365,11 @@ class GuardProcessor:
             sampled,
             recompute,
         )
-        streamer.offer(_new_tuple(WaveTuple, record))
+        ring = self.ring
+        if ring is not None:
+            ring.write(record)
+        else:
+            streamer.offer(_new_tuple(WaveTuple, record))
         for hook in self.observers.on_record_hooks:  # request membership, on tp0
             try:
                 hook(wave, fields, output, tokens, kept)
@@ -390,6 +399,9 @@ class GuardProcessor:
         self.incidents.reconfigure(config.incidents)
         if self._rank is not None:
             self.detector_host.build(config.detectors, self._rank)
+
+    def _wave_count(self) -> int:
+        return self.wave
 
     def _run_id(self) -> str:
         return self._rank.run_id if self._rank is not None else "run"
@@ -424,6 +436,7 @@ class GuardProcessor:
         self._rank = rank
         self._start_membership(rank)
         self._start_live_record(rank)
+        self._start_ring(rank)  # before the stream: the sidecar opens it when the stream opens
         self.detector_host.build(config.detectors, rank)
         # the device this thread opened and the served model, for the sidecar's workload
         # labels and verdicts (read here: the current device is per thread)
@@ -471,6 +484,21 @@ class GuardProcessor:
         if record is not None:  # the stack signal and facts for hang bundles, next to it
             self.evidence = RankEvidence.install(record.path)
 
+    def _start_ring(self, rank: guard_pb2.RankInfo) -> None:
+        config = self.config
+        if not config.wave_ring:
+            return
+        path = ring_path(config.liveness_dir, rank.run_id, rank.dp_rank, rank.pp_rank, rank.tp_rank)
+        try:
+            self.ring = RingWriter.create(
+                path,
+                slots=config.wave_ring_slots,
+                slot_bytes=config.wave_ring_slot_bytes,
+                rank=(rank.dp_rank, rank.tp_rank, rank.pp_rank),
+            )
+        except (OSError, ValueError) as exc:  # waves then go over gRPC, as without the ring
+            log.warning("wave_ring_unavailable", path=path, error=str(exc))
+
     def close(self) -> None:
         if self.live_record is not None:
             self.live_record.close()
@@ -482,3 +510,5 @@ class GuardProcessor:
             self._emit(opened, 0, 0, None, False)
         if self.streaming:
             self.streamer.stop()
+        if self.ring is not None:  # after the stream: the sidecar holds the mapping to drain it
+            self.ring.close()

@@ -107,6 +107,15 @@ class GuardConfig:
     liveness_record: bool = True
     # where those files live (the sidecar's --liveness-dir); default /dev/shm/ascend-guard
     liveness_dir: str = ""
+    # the engine thread writes each wave's record into a shared-memory ring in liveness_dir,
+    # which the sidecar on this node drains (telemetry/wire/wave_ring.py), instead of handing
+    # it to the streamer thread; gRPC carries the rest. The sidecar must share liveness_dir.
+    wave_ring: bool = False
+    # waves the ring holds (a power of two); a sidecar that falls further behind loses the
+    # oldest, counted
+    wave_ring_slots: int = dataclasses.field(default=1024, metadata=value_range(16, 1 << 20))
+    # bytes of one slot: the wave's fields and its arrays (token ids, membership, collectives)
+    wave_ring_slot_bytes: int = dataclasses.field(default=4096, metadata=value_range(512, 1 << 20))
     # tp0 of each replica and PP stage sends which requests ran in each wave (request traces)
     request_traces: bool = True
     # cap of the reconnect backoff while the sidecar is away
@@ -144,6 +153,15 @@ def parse_config(raw: Mapping[str, Any]) -> GuardConfig:
         config.transport.client_security()
     except ValueError as exc:  # TransportConfigError: a file missing, empty or mismatched
         raise GuardConfigError(f"runtime_guard.transport: {exc}") from exc
+    if config.wave_ring_slots & (config.wave_ring_slots - 1):
+        raise GuardConfigError(
+            f"runtime_guard.wave_ring_slots: {config.wave_ring_slots!r} is not a power of two"
+        )
+    if config.wave_ring_slot_bytes % 8:
+        raise GuardConfigError(
+            f"runtime_guard.wave_ring_slot_bytes: {config.wave_ring_slot_bytes!r} is not a "
+            "multiple of 8"
+        )
     if config.batch_max > config.buffer_size:
         raise GuardConfigError(
             f"runtime_guard.batch_max: {config.batch_max!r} exceeds buffer_size {config.buffer_size!r}"

@@ -29,7 +29,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple, Protocol
 
 import grpc
@@ -107,8 +107,12 @@ class Streamer:
         fillers: Sequence[BatchFiller] = (),
         spool: IncidentSpool | None = None,
         security: ClientSecurity | None = None,
+        progress: Callable[[], int] | None = None,
     ) -> None:
         self._address = address
+        # the rank's wave count, when its waves go another way (the wave ring): a batch is
+        # still made each flush interval in which it moved, for what the fillers add per wave
+        self._progress = progress
         self._rank = rank if rank is not None else guard_pb2.RankInfo()
         self._buffer: collections.deque[WaveTuple] = collections.deque()
         self._buffer_size = buffer_size
@@ -284,6 +288,8 @@ class Streamer:
     def _batches(self, in_flight: _InFlight) -> Iterator[guard_pb2.Batch]:
         last_heartbeat = 0.0
         first = True
+        progress = self._progress
+        moved_to = progress() if progress is not None else 0
         self._stream_first_seq = self._seq + 1
         while True:
             stopping = self._stop.is_set()
@@ -295,7 +301,10 @@ class Streamer:
                 in_flight.records = len(records)
             incidents = self._drain_incidents()
             heartbeat_due = first or now - last_heartbeat >= self._heartbeat_interval_s
-            if records or incidents or self._probes or heartbeat_due or stopping:
+            moved = False
+            if progress is not None and progress() != moved_to:
+                moved, moved_to = True, progress()
+            if records or incidents or self._probes or heartbeat_due or stopping or moved:
                 batch = self._make_batch(records, heartbeat_due)
                 batch.incidents.extend(incidents)
                 self._add_probes(batch)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import grpc
 import structlog
@@ -94,6 +95,14 @@ def _rank_key(view: RankView) -> RankKey:
     return (view.engine, rank.dp_rank, rank.tp_rank, rank.pp_rank)
 
 
+class RingHooks(Protocol):
+    def attach(self, view: RankView) -> None: ...
+
+    def detach(self, view: RankView) -> None: ...
+
+    def drain(self, view: RankView) -> None: ...
+
+
 class IngestService:
     """Receives batches, validates them, updates liveness, and queues them for the writer."""
 
@@ -123,6 +132,9 @@ class IngestService:
         self.on_engine_idle: Callable[[str, bool], None] | None = None
         # refuses a stream whose engine label another live run holds (why, or None)
         self.check_engine: Callable[[str, guard_pb2.RankInfo], str | None] | None = None
+        # the wave rings of this node's ranks (telemetry/ingest/ring_drain.py): told when a
+        # rank's stream registers and when it ends, before anything else hears of the end
+        self.rings: RingHooks | None = None
         self._lock = threading.Lock()
         self._refusal_log = RateLimitedLog(log.warning)
         # a client that opens streams in a loop must not flood the log either
@@ -211,7 +223,11 @@ class IngestService:
                     view = self._register(stream_id, batch.rank, _stream_workload(context))
                 elif not batch.HasField("rank"):
                     batch.rank.CopyFrom(view.rank)  # wire v2: named once per stream
-                self._ingest(view, batch, records, nbytes)
+                if self.rings is not None and batch.HasField("heartbeat"):
+                    # the waves the rank wrote before this heartbeat arrive before it, as on
+                    # the gRPC path, where they travel in the same or an earlier batch
+                    self.rings.drain(view)
+                self.ingest(view, batch, records, nbytes)
                 batches += 1
                 waves += records
             clean = _closed_by_worker(context)
@@ -246,6 +262,8 @@ class IngestService:
         view = RankView(own, engine, where)
         with self._lock:
             self.streams[stream_id] = view
+        if self.rings is not None:
+            self.rings.attach(view)
         self.workloads.opened(_rank_key(view), where)
         self.metrics.ranks_connected.labels(engine, str(rank.dp_rank)).inc()
         if self.on_engine_joined is not None:
@@ -269,6 +287,8 @@ class IngestService:
         return view
 
     def _unregister(self, stream_id: int, view: RankView, clean: bool = True) -> None:
+        if self.rings is not None:  # its last waves first: they are not a rank that is gone
+            self.rings.detach(view)
         with self._lock:
             self.streams.pop(stream_id, None)
             last = not any(v.engine == view.engine for v in self.streams.values())
@@ -291,7 +311,9 @@ class IngestService:
         if last and self.on_engine_idle is not None:
             self.on_engine_idle(view.engine, clean)
 
-    def _ingest(self, view: RankView, batch: guard_pb2.Batch, records: int, nbytes: int) -> None:
+    def ingest(self, view: RankView, batch: guard_pb2.Batch, records: int, nbytes: int) -> None:
+        """A validated batch of `view`'s rank (from its stream, or drained from its ring):
+        liveness first, then the queue to the writer."""
         source = view.source
         engine = source.engine
         if self.cross_rank is not None:  # first: liveness must not wait for anything else

@@ -28,6 +28,7 @@ from telemetry.crossrank.rank_gauges import RankGauges
 from telemetry.crossrank.roster import EngineRoster
 from telemetry.crossrank.view import CrossRankView
 from telemetry.export.otlp import ExportSettings, OtlpExporter
+from telemetry.ingest.ring_drain import RingDrainer
 from telemetry.ingest.service import IngestService
 from telemetry.metrics.auth import auth_refused_counter
 from telemetry.metrics.bundles import BundleMetrics
@@ -126,6 +127,8 @@ class Sidecar:
             incidents=self.incidents,
             cross_rank=self.cross_rank,
         )
+        self.rings = RingDrainer(self.ingest, settings.liveness_dir, settings.ring_poll_s)
+        self.ingest.rings = self.rings
         self.roster = EngineRoster(
             self.metrics.registry,
             self.ingest.connected,
@@ -287,6 +290,7 @@ class Sidecar:
                 self.liveness.stop()
             raise
         self.writer.start()
+        self.rings.start()
         if self.exporter is not None:
             self.exporter.start()
         old_umask = os.umask(0o177) if unix_path else None
@@ -327,6 +331,8 @@ class Sidecar:
         if self._server is not None:
             with steps("grpc"):
                 self._server.stop(grace_s).wait(grace_s + 1)
+        with steps("rings"):
+            self.rings.stop()  # after the streams: their last waves are drained
         with steps("cross_rank"):
             self.cross_rank.stop()
             if self.bundles is not None:

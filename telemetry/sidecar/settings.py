@@ -24,6 +24,7 @@ from telemetry.crossrank.rank_state import HangSettings
 from telemetry.crossrank.ranksync import DEFAULT_STRAGGLER_S
 from telemetry.crossrank.roster import DEFAULT_LINGER_S
 from telemetry.export.otlp import ExportSettings
+from telemetry.ingest.ring_drain import DEFAULT_POLL_S as RING_POLL_S
 from telemetry.ingest.service import DEFAULT_MAX_MESSAGE_BYTES
 from telemetry.pipeline.writer import DEFAULT_QUEUE_BYTES
 from telemetry.store import DEFAULT_MAX_BYTES, DEFAULT_RETENTION_S
@@ -222,6 +223,15 @@ class SidecarSettings:
         flag="--liveness-dir",
         help="where the workers on this node keep their liveness records (default "
         f"{paths.DEFAULT_LIVENESS_DIR}; the guard's liveness_dir)",
+    )
+    # wave rings of ranks on this node, beside their liveness records
+    # (telemetry/ingest/ring_drain.py)
+    ring_poll_s: float = setting(
+        RING_POLL_S,
+        flag="--ring-poll",
+        kind="duration",
+        positive=True,
+        help="drain the wave rings of ranks on this node (workers with wave_ring on) this often",
     )
     # hang evidence bundles (telemetry/crossrank/bundle.py; bounds in BundleSettings)
     bundle_dir: str = setting(

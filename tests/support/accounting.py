@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -27,6 +28,9 @@ from tests.support.sidecar import SidecarProcess
 from tests.support.vllm_server import VllmServer
 
 ENGINE = "acct"
+# the waves' transport under test: the shared-memory ring (ASCEND_GUARD_TEST_WAVE_RING=1) or
+# the gRPC stream (the default while the ring is opt-in)
+WAVE_RING = os.environ.get("ASCEND_GUARD_TEST_WAVE_RING", "") == "1"
 
 
 @dataclass(frozen=True)
@@ -118,8 +122,11 @@ class GuardedServer:
         self.tp = tp
         sock = root / "guard.sock"
         self.health_port = free_port()
+        live = root / "live"  # liveness records and wave rings, shared by workers and sidecar
         self.sidecar = SidecarProcess.start(
-            root, address=f"unix://{sock}", extra_args=("--health-port", str(self.health_port))
+            root,
+            address=f"unix://{sock}",
+            extra_args=("--health-port", str(self.health_port), "--liveness-dir", str(live)),
         )
         guard = {
             "sidecar": f"unix://{sock}",
@@ -127,6 +134,8 @@ class GuardedServer:
             "flush_interval_ms": 20,
             "heartbeat_interval_s": 0.2,
             "reconnect_max_backoff_s": 0.5,
+            "liveness_dir": str(live),
+            "wave_ring": WAVE_RING,
         }
         try:
             self.server = VllmServer.launch(model, root, tp=tp, guard=guard, extra_args=extra_args)

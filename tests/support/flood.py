@@ -80,7 +80,12 @@ def make_streamer(address: str, args: argparse.Namespace) -> Streamer:
         flush_interval_s=0.01,
         heartbeat_interval_s=1.0,
         max_backoff_s=0.2,
-        fillers=[FixedHeartbeat(HeartbeatState(0, "execute_model", 0), _filler(args.tp))],
+        fillers=[
+            FixedHeartbeat(
+                HeartbeatState(0, "execute_model", 0),
+                None if getattr(args, "waves_only", False) else _filler(args.tp),
+            )
+        ],
     )
 
 
@@ -138,6 +143,9 @@ def main() -> None:
     parser.add_argument("--tp-size", type=int, default=4)
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--rate", type=float, default=0.0, help="records/s (0: full speed)")
+    parser.add_argument(
+        "--waves-only", action="store_true", help="no collective stats in the batches"
+    )
     args = parser.parse_args()
     streamer = make_streamer(args.address, args)
     channel = grpc.insecure_channel(args.address)

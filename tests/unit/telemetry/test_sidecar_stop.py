@@ -36,6 +36,14 @@ def test_stop_times_each_step_and_names_a_slow_one(tmp_path, monkeypatch):
     assert events["sidecar_stop_step_slow"]["step"] == "writer"
     assert events["sidecar_stop_step_slow"]["ms"] >= 1200
     stopped = events["sidecar_stopped"]["stop_ms"]
-    assert set(stopped) == {"grpc", "cross_rank", "roster", "writer", "incidents", "metrics_http"}
+    assert set(stopped) == {
+        "grpc",
+        "rings",
+        "cross_rank",
+        "roster",
+        "writer",
+        "incidents",
+        "metrics_http",
+    }
     assert stopped["writer"] >= 1200 and stopped["grpc"] < 1000
     assert not (tmp_path / "s.sock").exists()
