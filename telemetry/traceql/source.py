@@ -32,7 +32,7 @@ from telemetry.traceql import ast, fields
 from telemetry.traceql.columns import ABSENT, Coded
 from telemetry.traceql.parser import TraceQLError
 from telemetry.wire import schema
-from telemetry.wire.collective_columns import to_waves
+from telemetry.wire.collective_columns import to_waves, wave_rows
 from telemetry.wire.trace_ids import (
     format_trace_id,
     split_trace_id,
@@ -225,8 +225,11 @@ class BlockCache:
         self.conn = conn
         self._size = size
         self._waves: dict[int, tuple] = {}
-        self._collectives: dict[int, list] = {}
+        self._collectives: dict[int, tuple] = {}
         self._directories: dict[tuple[str, int], store.BlockDirectory] = {}
+        self._held: dict[tuple[str, int, int], list[int]] = {}  # (table, rank, wave) -> rowids
+        self._blobs: dict[tuple[str, int], bytes] = {}  # read ahead, not decoded yet
+        self._trace_ranks: dict[int, list[store.RankRow]] = {}
 
     def _keep(self, cache: dict, key: int, value):
         if len(cache) >= self._size:
@@ -234,18 +237,34 @@ class BlockCache:
         cache[key] = value
         return value
 
+    def ranks_of_trace_key(self, key: int) -> list[store.RankRow]:
+        """The ranks of one replica's traces (looked up once per search)."""
+        ranks = self._trace_ranks.get(key)
+        if ranks is None:
+            ranks = self._trace_ranks[key] = store.ranks_of_trace_key(self.conn, key)
+        return ranks
+
     def _holding(self, table: str, rank_id: int, wave: int) -> list[int]:
-        """Row ids of the rank's blocks holding `wave` (telemetry/store/blocks.py's block walk)."""
-        directory = self._directories.get((table, rank_id))
-        if directory is None:
-            directory = store.BlockDirectory(self.conn, table, rank_id)
-            self._directories[(table, rank_id)] = directory
-        return [b.rowid for b in directory.blocks_by_wave(wave, wave)]
+        """Row ids of the rank's blocks holding `wave` (telemetry/store/blocks.py's block walk),
+        kept: a trace asks once when its blobs are read ahead and once when it is built."""
+        held = self._held.get((table, rank_id, wave))
+        if held is None:
+            directory = self._directories.get((table, rank_id))
+            if directory is None:
+                directory = store.BlockDirectory(self.conn, table, rank_id)
+                self._directories[(table, rank_id)] = directory
+            held = [b.rowid for b in directory.blocks_by_wave(wave, wave)]
+            if len(self._held) >= 4 * self._size:
+                self._held.clear()
+            self._held[(table, rank_id, wave)] = held
+        return held
 
     def _blob(self, table: str, rowid: int) -> bytes:
-        (blob,) = self.conn.execute(
-            f"SELECT columns FROM {table} WHERE rowid = ?", (rowid,)
-        ).fetchone()
+        blob = self._blobs.pop((table, rowid), None)
+        if blob is None:
+            (blob,) = self.conn.execute(
+                f"SELECT columns FROM {table} WHERE rowid = ?", (rowid,)
+            ).fetchone()
         return blob
 
     @staticmethod
@@ -260,40 +279,50 @@ class BlockCache:
             block = self._keep(self._waves, rowid, self._decode_wave_block(blob))
         return block
 
-    def read_ahead(self, rank_ids: Iterable[int], wave: int) -> None:
-        """Decode the ranks' blocks holding `wave` that are not here yet, their blobs read in
-        one query per table (a trace's blocks: two a rank) rather than one a block."""
-        rank_ids = list(rank_ids)
-        for table, cache, decode in (
-            (store.WAVE_BLOCKS, self._waves, self._decode_wave_block),
-            (store.COLLECTIVE_BLOCKS, self._collectives, store.decode_collectives),
+    def read_ahead(self, rank_ids: Iterable[int], waves: Iterable[int]) -> None:
+        """Read the blobs of the ranks' blocks holding `waves` that are not here yet, in one
+        query per table (a trace's blocks: two a rank; several traces' at once) rather than
+        one a block. They are decoded when first used, so a trace read ahead and then not
+        built costs its blob reads only."""
+        rank_ids, waves = list(rank_ids), list(waves)
+        for table, cache in (
+            (store.WAVE_BLOCKS, self._waves),
+            (store.COLLECTIVE_BLOCKS, self._collectives),
         ):
-            missing = [
-                rowid
-                for rank_id in rank_ids
-                for rowid in self._holding(table, rank_id, wave)
-                if rowid not in cache
-            ]
+            missing = list(
+                dict.fromkeys(
+                    rowid
+                    for wave in waves
+                    for rank_id in rank_ids
+                    for rowid in self._holding(table, rank_id, wave)
+                    if rowid not in cache and (table, rowid) not in self._blobs
+                )
+            )
+            if len(self._blobs) + len(missing) > 2 * self._size:
+                self._blobs.clear()
             if missing:
                 marks = ",".join("?" * len(missing))
                 found = self.conn.execute(
                     f"SELECT rowid, columns FROM {table} WHERE rowid IN ({marks})", missing
                 ).fetchall()
                 for rowid, blob in found:
-                    self._keep(cache, rowid, decode(blob))
+                    self._blobs[(table, rowid)] = blob
 
     def wave_columns(self, rowid: int):
         """A wave block's decoded columns (the candidate pass reads its blocks through here,
         so the traces it finds are built from blocks already decoded)."""
         return self._wave_block(rowid)[0]
 
+    def _collective_block(self, rowid: int) -> tuple:
+        block = self._collectives.get(rowid)
+        if block is None:
+            cols = store.decode_collectives(self._blob(store.COLLECTIVE_BLOCKS, rowid))
+            block = self._keep(self._collectives, rowid, (cols, None))
+        return block
+
     def collective_columns(self, rowid: int):
         """A collective block's decoded columns."""
-        cols = self._collectives.get(rowid)
-        if cols is None:
-            blob = self._blob(store.COLLECTIVE_BLOCKS, rowid)
-            cols = self._keep(self._collectives, rowid, store.decode_collectives(blob))
-        return cols
+        return self._collective_block(rowid)[0]
 
     def wave_rows(self, rank_id: int, wave: int) -> list[tuple]:
         """(columns, row) of each row of `wave` in the rank's blocks that hold it."""
@@ -308,7 +337,11 @@ class BlockCache:
         made for the waves asked for only)."""
         out: list = []
         for rowid in self._holding(store.COLLECTIVE_BLOCKS, rank_id, wave):
-            out += to_waves(self.collective_columns(rowid), (wave,))
+            cols, rows_of = self._collective_block(rowid)
+            if rows_of is None:  # the block's row look-ups, made once for all its waves
+                rows_of = wave_rows(cols)
+                self._collectives[rowid] = (cols, rows_of)
+            out += to_waves(cols, (wave,), rows_of)
         return out
 
 
@@ -328,8 +361,8 @@ def load_trace_cached(conn: sqlite3.Connection, trace_id: str, cache: BlockCache
     key, wave = split_trace_id(int(text, 16))
     spans: list[Span] = []
     runs = set()
-    ranks = store.ranks_of_trace_key(conn, key)
-    cache.read_ahead((rank.id for rank in ranks), wave)
+    ranks = cache.ranks_of_trace_key(key)
+    cache.read_ahead((rank.id for rank in ranks), (wave,))
     for rank in ranks:
         runs.add(rank.run_id)
         for cols, row in cache.wave_rows(rank.id, wave):

@@ -79,19 +79,29 @@ def columns_of(batch: guard_pb2.Batch) -> guard_pb2.CollectiveColumns:
     return batch.collective_columns
 
 
+def wave_rows(cols: guard_pb2.CollectiveColumns) -> tuple[np.ndarray, np.ndarray]:
+    """(wave of each wave row, wave row of each stat row): what `to_waves` looks rows up in,
+    made once for a block read for many waves."""
+    return array(cols, "wave"), np.array(cols.stats.wave_index, dtype=np.int64)
+
+
 def to_waves(
-    cols: guard_pb2.CollectiveColumns, waves: Collection[int] | None = None
+    cols: guard_pb2.CollectiveColumns,
+    waves: Collection[int] | None = None,
+    rows_of: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[guard_pb2.CollectiveWave]:
-    """The columns as `CollectiveWave` messages (only those whose wave is in `waves`)."""
+    """The columns as `CollectiveWave` messages (only those whose wave is in `waves`);
+    `rows_of`: the columns' `wave_rows`, when the caller keeps them."""
     if waves is not None and len(waves) == 1:  # one wave of a trace: no Python loop per row
         (wanted,) = waves
-        rows = np.flatnonzero(array(cols, "wave") == wanted).tolist()
+        numbers = rows_of[0] if rows_of is not None else array(cols, "wave")
+        rows = np.flatnonzero(numbers == wanted).tolist()
     else:
         rows = [i for i, w in enumerate(cols.wave) if waves is None or w in waves]
     if not rows:
         return []
     stats = cols.stats
-    wave_index = np.array(stats.wave_index, dtype=np.int64)
+    wave_index = rows_of[1] if rows_of is not None else np.array(stats.wave_index, dtype=np.int64)
     slow_index = np.array(cols.slow_call_wave_index, dtype=np.int64) if cols.slow_calls else None
     keys: dict[int, dict] = {}  # key index -> the stat fields it stands for, made when used
     out = []
