@@ -170,7 +170,7 @@ class CollectiveTable:
                 return self._stat("host_ns"), True
             if name == "trace:id":
                 return trace_id_column(self.rank, self.waves), True
-            return _span_constant(name)
+            return _span_constant(name, self.rank)
         key = fields.attribute_key(field.name)
         if field.scope in (None, "span"):
             stat = key.removeprefix(schema.attr("collective."))
@@ -183,7 +183,9 @@ class CollectiveTable:
             if key in self._constants:
                 return self._constants[key], True
         if field.scope in (None, "resource"):
-            value = fields.resource_attributes(self.rank.node).get(field.name, ABSENT)
+            value = fields.resource_attributes(self.rank.engine, self.rank.node).get(
+                field.name, ABSENT
+            )
             if value is not ABSENT:
                 return value, True
         return None, False
@@ -199,9 +201,10 @@ def trace_id_column(rank: store.RankRow, waves: np.ndarray) -> Coded:
     return out
 
 
-def _span_constant(name: str):
-    """Intrinsics with one value on every span a block holds. The planner replaces the ones
-    only a built trace knows (ast.EXACT_INTRINSICS) before a block is read."""
+def _span_constant(name: str, rank: store.RankRow):
+    """Intrinsics with one value on every span a block of this rank holds. The planner replaces
+    the ones only a built trace knows (ast.EXACT_INTRINSICS) before a block is read; the root's
+    service is the replica's engine, which its ranks share."""
     if name == "status":
         return fields.SPAN_STATUS, True
     if name == "kind":
@@ -209,7 +212,7 @@ def _span_constant(name: str):
     if name == "statusMessage":
         return "", True
     if name == "rootServiceName":
-        return fields.SERVICE_NAME, True
+        return schema.service_name(rank.engine), True
     if name == "instrumentation:name":
         return fields.INSTRUMENTATION_NAME, True
     return None, False  # events and links: spans read from blocks have none
@@ -457,7 +460,10 @@ class SpanTable:
             if name == "statusMessage":
                 return "", True
             if name == "rootServiceName":
-                return fields.SERVICE_NAME, True
+                if "rootServiceName" in self._trace:  # a built trace: its root's (nil: none)
+                    value = self._trace["rootServiceName"]
+                    return value, value is not None
+                return _pack([fields.service_name(s) for s in spans])
             if name in TREE_INTRINSICS:
                 tree = self._per_span() if self._per_span is not None else {}
                 return _pack(tree[name]) if name in tree else (None, False)
@@ -484,7 +490,7 @@ class SpanTable:
         if node is None:  # the wave root is tp0 pp0's
             tp, pp = (span.tp, span.pp) if span.tp is not None else (0, 0)
             node = self._nodes.get(_rank_key(span, tp, pp))
-        return fields.resource_attributes(node)
+        return fields.resource_attributes(span.engine, node)
 
 
 def _first(items: list) -> dict | None:
@@ -627,7 +633,7 @@ class BlockTable:
                 if bad:
                     errors = np.isin(waves, list(bad))
                     return Coded([STATUS_ERROR if e else STATUS_UNSET for e in errors]), True
-            return _span_constant(name)
+            return _span_constant(name, self.rank)
         key = fields.attribute_key(field.name)
         if field.scope in (None, "span") and key in self._template.attributes:
             wave_field = _WAVE_KEYS.get(key)
@@ -635,7 +641,9 @@ class BlockTable:
                 return self.array(wave_field), True
             return self._template.attributes[key], True
         if field.scope in (None, "resource"):
-            value = fields.resource_attributes(self.rank.node).get(field.name, ABSENT)
+            value = fields.resource_attributes(self.rank.engine, self.rank.node).get(
+                field.name, ABSENT
+            )
             if value is not ABSENT:
                 return value, True
         return None, False
