@@ -32,7 +32,7 @@ from telemetry.traceql import ast, fields
 from telemetry.traceql.columns import ABSENT, Coded
 from telemetry.traceql.parser import TraceQLError
 from telemetry.wire import schema
-from telemetry.wire.collective_columns import to_waves, wave_rows
+from telemetry.wire.collective_columns import to_waves, wave_records, wave_rows
 from telemetry.wire.trace_ids import (
     format_trace_id,
     split_trace_id,
@@ -337,14 +337,15 @@ class BlockCache:
 
     def collective_blocks(self, rank_id: int, wave: int) -> list:
         """The rank's collective records of `wave` (each block decoded once, its records
-        made for the waves asked for only)."""
+        made for the waves asked for only, as `collective_columns.WaveRecord`s: the fields
+        of `CollectiveWave` messages without making one)."""
         out: list = []
         for rowid in self._holding(store.COLLECTIVE_BLOCKS, rank_id, wave):
             cols, rows_of = self._collective_block(rowid)
             if rows_of is None:  # the block's row look-ups, made once for all its waves
                 rows_of = wave_rows(cols)
                 self._collectives[rowid] = (cols, rows_of)
-            out += to_waves(cols, (wave,), rows_of)
+            out += wave_records(cols, wave, rows_of)
         return out
 
 
