@@ -48,7 +48,7 @@ INTRINSIC_TAGS = (
 _RANK_FIELDS = {
     schema.ATTR_RUN: "run_id", schema.ATTR_ENGINE: "engine", schema.ATTR_DP: "dp",
     schema.ATTR_TP: "tp", schema.ATTR_PP: "pp", schema.ATTR_NODE: "node", schema.ATTR_PID: "pid",
-    "service.name": "engine", "host.name": "node",
+    "service.name": "engine", "host.name": "node",  # service.name: see schema.service_name
 }  # fmt: skip
 
 
@@ -142,7 +142,9 @@ def legacy_search(
     rank_rows = store.ranks(conn)
     for key, value in wanted:
         field = _RANK_FIELDS.get(key)
-        if field:
+        if key == "service.name":  # the engine, or the project's name for a rank with none
+            rank_rows = [r for r in rank_rows if _text_match(schema.service_name(r.engine), value)]
+        elif field:
             rank_rows = [r for r in rank_rows if _text_match(getattr(r, field), value)]
     ranks = {r.id: r for r in rank_rows}
     result = Result([])
