@@ -3,7 +3,8 @@
 The one place that knows how collectives are stored is the "collectives" section below
 (`rank_collective_spans`, `collective_waves_in_range`, `CollectiveTable`, and
 `BlockCache.collective_blocks`): it reads the wire-v3 collective columns through
-`store.decode_collectives` and `collective_columns.to_waves`.
+`store.decode_collectives` and `collective_columns.to_waves` (`wave_records` for a search's
+traces: the same fields without a message).
 """
 
 from __future__ import annotations
