@@ -70,6 +70,7 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
 # -- the store file --------------------------------------------------------------------------
 class StoreSource:
     kind = "store"
+    capped = False  # the last search stopped at the traces it may check (there may be more)
 
     def __init__(self, path: str) -> None:
         from telemetry.store import connect
@@ -88,9 +89,12 @@ class StoreSource:
 
         start_ns, end_ns = params.search_window(str(start_s), str(end_s))
         try:
-            hits, _ = traceql_adapter.search(self.conn, q, start_ns or 0, end_ns or 0, limit, spss)
+            hits, stats = traceql_adapter.search(
+                self.conn, q, start_ns or 0, end_ns or 0, limit, spss
+            )
         except params.BadParameter as exc:
             raise QueryError(str(exc)) from None
+        self.capped = stats.capped
         return [server.hit_json(h) for h in hits]
 
     def spans(self, q: str, start_s: int, end_s: int, sort: str, limit: int) -> list[Span]:
@@ -111,6 +115,7 @@ class StoreSource:
 # -- the sidecar's query API -----------------------------------------------------------------
 class ApiSource:
     kind = "api"
+    capped = False  # the last search stopped at the traces it may check (there may be more)
 
     def __init__(self, url: str, token: str | None, ca_file: str | None, timeout: float = 30.0):
         self.url = url.rstrip("/")
@@ -164,7 +169,14 @@ class ApiSource:
         body = self.get(
             "/api/search", {"q": q, "start": start_s, "end": end_s, "limit": limit, "spss": spss}
         )
-        return list(json.loads(body).get("traces", []))
+        from telemetry.traceql.search import MAX_TRACES_INSPECTED
+
+        answer = json.loads(body)
+        # the API says how many traces it checked (Tempo's inspectedTraces); at the cap, it
+        # answered what it had found so far
+        inspected = answer.get("metrics", {}).get("inspectedTraces", 0)
+        self.capped = int(inspected) >= MAX_TRACES_INSPECTED
+        return list(answer.get("traces", []))
 
     def spans(self, q: str, start_s: int, end_s: int, sort: str, limit: int) -> list[Span]:
         from telemetry.tempo_api.span_list_api import ROUTE, span_from_json

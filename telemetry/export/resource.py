@@ -31,7 +31,7 @@ from telemetry.wire import schema
 from telemetry.wire.build_info import version
 from telemetry.wire.workload import NO_WORKLOAD, Workload
 
-SERVICE_NAMESPACE = "ascend-guard"
+SERVICE_NAMESPACE = schema.SERVICE_NAMESPACE
 
 # (run id, engine, dp, tp, pp); tp and pp None: the replica (a wave root)
 ResourceKey = tuple[str, str, int, int | None, int | None]
@@ -63,7 +63,7 @@ def resource_attributes(
     run_id, engine, dp, tp, pp = key
     instance = f"{run_id}/dp{dp}" + (f"/tp{tp}/pp{pp}" if tp is not None else "")
     attrs: dict[str, Any] = {
-        "service.name": engine or "ascend-guard",
+        "service.name": schema.service_name(engine),
         "service.namespace": SERVICE_NAMESPACE,
         "service.instance.id": instance,
         "service.version": version(),

@@ -195,17 +195,31 @@ class BlockDirectory:
             self._page, self._complete = self.FIRST_PAGE, False
         if self._last[0] != (first_wave, last_wave):  # a trace asks twice: read ahead, read
             start = bisect.bisect_left(self._keys, -last_wave)
-            self._last = ((first_wave, last_wave), list(_holding(first_wave, self._from(start))))
+            self._last = ((first_wave, last_wave), self._holding_from(start, first_wave))
         return list(self._last[1])
 
-    def _from(self, i: int) -> Iterator[BlockRow]:
+    def _holding_from(self, i: int, first_wave: int) -> list[BlockRow]:
+        """`_holding(first_wave, ...)` over the kept rows from row i down, reading pages as
+        the walk needs them, as one loop (a search makes this look-up for every rank of every
+        trace it builds)."""
+        out: list[BlockRow] = []
+        before = 0
+        rows = self._rows
         while True:
-            while i < len(self._rows):
-                yield self._rows[i]
-                i += 1
-            if self._complete:
-                return
-            self._read_page()
+            if i >= len(rows):
+                if self._complete:
+                    return out
+                self._read_page()
+                rows = self._rows
+                continue
+            block = rows[i]
+            i += 1
+            if block.last_wave < first_wave:
+                before += 1
+                if before >= OVERLAP_LOOKBACK:
+                    return out
+                continue
+            out.append(block)
 
     def _read_page(self) -> None:
         below = self._rows[-1].first_wave - 1 if self._rows else self._top

@@ -3,10 +3,9 @@
 Grafana's trace view takes a span's service from its resource (`service.name`, and
 `service.namespace`), and shows the resource attributes as "process" tags. Every span here
 belongs to one rank (or, for the wave root and sidecar-raised incidents, to one replica), so
-each rank gets its own resource: `service.name` ascend-guard, the engine as
-`service.namespace` (the OTLP export, telemetry/export/resource.py, follows OTel's conventions
-instead: the engine is its `service.name`), the rank as `service.instance.id`, the node as
-`host.name`. The spans are the ones `ascend-guard trace` shows (telemetry/spans/query.py
+each rank gets its own resource, named as the OTLP export names it (telemetry/export/resource.py,
+OTel's conventions): the engine as `service.name`, `ascend-guard` as `service.namespace`, the
+rank as `service.instance.id`, the node as `host.name`. The spans are the ones `ascend-guard trace` shows (telemetry/spans/query.py
 `load_trace`), converted with the exporter's `to_otlp`.
 """
 
@@ -25,7 +24,6 @@ from telemetry.spans.builders import Span
 from telemetry.wire import schema
 from telemetry.wire.protobuf_fields import length_delimited
 
-SERVICE_NAME = "ascend-guard"  # this API's service.name (OTLP export names the engine instead)
 SCOPE_NAME = schema.SCOPE_NAME
 RESOURCE_KEYS = ("service.name", "service.namespace", "service.instance.id", "host.name")
 _ID_KEYS = ("traceId", "spanId", "parentSpanId")
@@ -55,8 +53,8 @@ def resources(spans: list[Span]) -> dict[tuple, dict[str, Any]]:
         engine, dp, tp, pp = key
         node = nodes.get(key) or nodes.get((engine, dp, 0, 0)) or ""
         attrs = {
-            "service.name": SERVICE_NAME,
-            "service.namespace": engine,
+            "service.name": schema.service_name(engine),
+            "service.namespace": schema.SERVICE_NAMESPACE,
             "service.instance.id": instance_id(key),
         }
         if node:

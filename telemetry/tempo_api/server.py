@@ -109,7 +109,7 @@ def hit_json(hit: Hit) -> dict[str, Any]:
     """A `TraceSearchMetadata` (zero values left out)."""
     out: dict[str, Any] = {
         "traceID": hit.trace_id,
-        "rootServiceName": otlp.SERVICE_NAME if hit.root_name else NO_ROOT,
+        "rootServiceName": (hit.root_service or NO_ROOT) if hit.root_name else NO_ROOT,
         "rootTraceName": hit.root_name or NO_ROOT,
         "startTimeUnixNano": str(hit.start_ns),
     }

@@ -48,7 +48,7 @@ INTRINSIC_TAGS = (
 _RANK_FIELDS = {
     schema.ATTR_RUN: "run_id", schema.ATTR_ENGINE: "engine", schema.ATTR_DP: "dp",
     schema.ATTR_TP: "tp", schema.ATTR_PP: "pp", schema.ATTR_NODE: "node", schema.ATTR_PID: "pid",
-    "service.namespace": "engine", "host.name": "node",
+    "service.name": "engine", "host.name": "node",  # service.name: see schema.service_name
 }  # fmt: skip
 
 
@@ -96,6 +96,7 @@ class Hit:
     duration_ns: int
     spansets: list[tuple[list[tuple[Span, dict[str, Any]]], int, dict[str, Any]]]
     # each spanset: ([(span, its attributes to show)], matched before the cap, set attributes)
+    root_service: str | None = None  # the root span's service.name (None: no root here)
 
 
 @dataclasses.dataclass
@@ -141,7 +142,9 @@ def legacy_search(
     rank_rows = store.ranks(conn)
     for key, value in wanted:
         field = _RANK_FIELDS.get(key)
-        if field:
+        if key == "service.name":  # the engine, or the project's name for a rank with none
+            rank_rows = [r for r in rank_rows if _text_match(schema.service_name(r.engine), value)]
+        elif field:
             rank_rows = [r for r in rank_rows if _text_match(getattr(r, field), value)]
     ranks = {r.id: r for r in rank_rows}
     result = Result([])
@@ -237,6 +240,7 @@ def _match(spans, trace_id, wanted, min_ns, max_ns, spss) -> Hit | None:
         start,
         end - start,
         [(matched[:spss], len(matched), {})],
+        schema.service_name(root.engine) if root else None,
     )
 
 
@@ -335,7 +339,7 @@ def tag_values(
         names |= _request_span_names(conn, start_ns, end_ns)
         return [("string", n) for n in sorted(names)]
     if tag in ("rootServiceName", "trace:rootService"):
-        return [("string", otlp.SERVICE_NAME)] if ranks else []
+        return [("string", v) for v in sorted({schema.service_name(r.engine) for r in ranks})]
     scope, _, name = tag.partition(".")
     if scope not in ("", "span", "resource"):
         return []
@@ -351,9 +355,9 @@ def _resource_values(ranks: list[store.RankRow], name: str) -> set:
     if not ranks:
         return set()
     if name == "service.name":
-        return {otlp.SERVICE_NAME}
+        return {schema.service_name(r.engine) for r in ranks}
     if name == "service.namespace":
-        return {r.engine for r in ranks}
+        return {schema.SERVICE_NAMESPACE}
     if name == "host.name":
         return {r.node for r in ranks if r.node}
     if name == "service.instance.id":

@@ -43,7 +43,7 @@ def search(
             ([(span, m.span_attributes(span)) for span in ss.spans], ss.matched, ss.attributes)
             for ss in m.spansets
         ]
-        hits.append(Hit(m.trace_id, m.root_name, m.start_ns, m.duration_ns, sets))
+        hits.append(Hit(m.trace_id, m.root_name, m.start_ns, m.duration_ns, sets, m.root_service))
     return hits, stats
 
 

@@ -36,6 +36,7 @@ class TraceMatch:
     duration_ns: int
     spansets: list[SpanSet]
     fetched: tuple[ast.Field, ...]  # attribute fields the query named or selected
+    root_service: str | None = None  # the root span's service.name (None: no root here)
 
     @property
     def spans(self) -> list[Span]:
@@ -67,11 +68,13 @@ class TraceView:
                 self.children.setdefault(p, []).append(i)
         roots = [s for s in spans if s.parent_id is None]
         self.root_name = roots[0].name if roots else None
+        self.root_service = fields.service_name(roots[0]) if roots else None
         self.start_ns = min(s.start_ns for s in spans)
         self.duration_ns = max(s.end_ns for s in spans) - self.start_ns
         self.context = {
             "rootName": self.root_name,
             "traceDuration": self.duration_ns,
+            "rootServiceName": self.root_service,
         }
         self._tree: dict[str, list] | None = None
         self.table = SpanTable(spans, self.context, nodes, lambda: self.per_span)
@@ -312,7 +315,15 @@ def match_trace(
     for rows, attrs in sets:
         chosen = rows if spans_per_spanset is None else rows[:spans_per_spanset]
         spansets.append(SpanSet([spans[i] for i in chosen], len(rows), attrs))
-    return TraceMatch(trace_id, view.root_name, view.start_ns, view.duration_ns, spansets, fetched)
+    return TraceMatch(
+        trace_id,
+        view.root_name,
+        view.start_ns,
+        view.duration_ns,
+        spansets,
+        fetched,
+        view.root_service,
+    )
 
 
 def fields_of_stages(query: ast.Query) -> list:

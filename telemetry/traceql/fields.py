@@ -22,9 +22,11 @@ from telemetry.store import RankRow
 from telemetry.wire import schema
 from telemetry.wire.proto import guard_pb2
 
-# the OTLP exporter's resource (telemetry/export/otlp.py): what `resource.` fields see
-SERVICE_NAME = "ascend-guard"
+# the OTLP exporter's resource (telemetry/export/resource.py): what `resource.` fields see.
+# `service.name` is the span's engine (schema.service_name), as the export and the query API's
+# traces name it, so a query means the same here and in a cluster's Tempo.
 RESOURCE_SERVICE = "service.name"
+RESOURCE_NAMESPACE = "service.namespace"
 RESOURCE_HOST = "host.name"
 # the instrumentation scope the query API's OTLP answers name (telemetry/tempo_api/otlp.py)
 INSTRUMENTATION_NAME = schema.SCOPE_NAME
@@ -128,16 +130,25 @@ def span_attributes(span: Span) -> dict:
     return span.attributes
 
 
-def resource_attributes(node: str | None) -> dict:
-    out = {RESOURCE_SERVICE: SERVICE_NAME}
+def resource_attributes(engine: str | None, node: str | None) -> dict:
+    """The resource of a span of this engine on this node (node None: unknown here)."""
+    out = {
+        RESOURCE_SERVICE: schema.service_name(engine),
+        RESOURCE_NAMESPACE: schema.SERVICE_NAMESPACE,
+    }
     if node:
         out[RESOURCE_HOST] = node
     return out
+
+
+def service_name(span: Span) -> str:
+    """The span's `service.name` (and, on a trace's root, its `rootServiceName`)."""
+    return schema.service_name(span.engine)
 
 
 def all_tag_names() -> dict[str, list[str]]:
     """Scope -> queryable attribute names (for the tags API): short names and resource keys."""
     return {
         "span": sorted(short_names()),
-        "resource": [RESOURCE_HOST, RESOURCE_SERVICE],
+        "resource": [RESOURCE_HOST, RESOURCE_SERVICE, RESOURCE_NAMESPACE],
     }

@@ -68,7 +68,7 @@ def _rank_values(rank: store.RankRow) -> dict:
 def _known(kind: str, rank: store.RankRow | None):
     keys = fields.kind_keys()[kind]
     values = _rank_values(rank) if rank is not None else {}
-    resource = fields.resource_attributes(rank.node if rank is not None else None)
+    resource = fields.resource_attributes(rank.engine, rank.node) if rank is not None else {}
 
     def known(field):
         if isinstance(field, ast.Intrinsic):
@@ -83,8 +83,8 @@ def _known(kind: str, rank: store.RankRow | None):
                 return UNKNOWN if kind in ("wave", "rank") else fields.SPAN_STATUS
             if field.name == "kind":
                 return fields.SPAN_KIND
-            if field.name == "rootServiceName":
-                return fields.SERVICE_NAME
+            if field.name == "rootServiceName":  # the replica's engine, which its ranks share
+                return schema.service_name(rank.engine) if rank is not None else UNKNOWN
             if field.name == "instrumentation:name":
                 return fields.INSTRUMENTATION_NAME
             if field.name.startswith("event:"):  # incidents carry the one event a span has
@@ -100,8 +100,10 @@ def _known(kind: str, rank: store.RankRow | None):
         if field.scope in (None, "span") and key in keys:
             return values.get(key, UNKNOWN)
         if field.scope in (None, "resource"):
+            if rank is None and field.name in fields.resource_attributes("", "node"):
+                return UNKNOWN  # a span of no one rank (an incident): its own engine and node
             if field.name == fields.RESOURCE_HOST:
-                return resource.get(field.name, UNKNOWN) if rank is not None else UNKNOWN
+                return resource.get(field.name, UNKNOWN)
             if field.name in resource:
                 return resource[field.name]
         return ABSENT

@@ -51,6 +51,9 @@ FIRST_WINDOW_NS = 2 * 10**9
 # traces built and checked exactly per search, as the legacy tag search caps them; a search
 # that reaches it answers what it found so far (`SearchStats.capped`)
 MAX_TRACES_INSPECTED = 5000
+# candidate traces whose blocks' blobs are read in one query before they are built (no more
+# than the matches still wanted, so a narrow search reads no blob it does not use)
+READ_AHEAD_TRACES = 8
 
 
 @dataclasses.dataclass
@@ -306,12 +309,14 @@ def search(
     )
     for lo, hi in windows(start_ns, end_ns):
         finder.scan(lo, hi)
-        for _, key, wave in finder.candidates(parsed):
-            if (key, wave) in done:
-                continue
+        pending = [(key, wave) for _, key, wave in finder.candidates(parsed)]
+        pending = [trace for trace in dict.fromkeys(pending) if trace not in done]
+        for i, (key, wave) in enumerate(pending):
             if len(done) >= MAX_TRACES_INSPECTED:
                 stats.capped = True
                 return _newest_first(out)[:limit]
+            if i % READ_AHEAD_TRACES == 0:  # the blobs of the next traces, a query per table
+                _read_ahead(cache, pending[i : i + min(READ_AHEAD_TRACES, limit - len(out))])
             done.add((key, wave))
             stats.inspected_traces = len(done)
             trace_id = _trace_id(key, wave)
@@ -322,6 +327,14 @@ def search(
                 if len(out) >= limit:
                     return _newest_first(out)[:limit]
     return _newest_first(out)[:limit]
+
+
+def _read_ahead(cache: BlockCache, traces: list[tuple[int, int]]) -> None:
+    by_key: dict[int, list[int]] = {}
+    for key, wave in traces:
+        by_key.setdefault(key, []).append(wave)
+    for key, waves in by_key.items():
+        cache.read_ahead((rank.id for rank in cache.ranks_of_trace_key(key)), waves)
 
 
 def _newest_first(matches: list[TraceMatch]) -> list[TraceMatch]:

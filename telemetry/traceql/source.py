@@ -3,7 +3,8 @@
 The one place that knows how collectives are stored is the "collectives" section below
 (`rank_collective_spans`, `collective_waves_in_range`, `CollectiveTable`, and
 `BlockCache.collective_blocks`): it reads the wire-v3 collective columns through
-`store.decode_collectives` and `collective_columns.to_waves`.
+`store.decode_collectives` and `collective_columns.to_waves` (`wave_records` for a search's
+traces: the same fields without a message).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from telemetry.traceql import ast, fields
 from telemetry.traceql.columns import ABSENT, Coded
 from telemetry.traceql.parser import TraceQLError
 from telemetry.wire import schema
-from telemetry.wire.collective_columns import to_waves
+from telemetry.wire.collective_columns import to_waves, wave_records, wave_rows
 from telemetry.wire.trace_ids import (
     format_trace_id,
     split_trace_id,
@@ -170,7 +171,7 @@ class CollectiveTable:
                 return self._stat("host_ns"), True
             if name == "trace:id":
                 return trace_id_column(self.rank, self.waves), True
-            return _span_constant(name)
+            return _span_constant(name, self.rank)
         key = fields.attribute_key(field.name)
         if field.scope in (None, "span"):
             stat = key.removeprefix(schema.attr("collective."))
@@ -183,7 +184,9 @@ class CollectiveTable:
             if key in self._constants:
                 return self._constants[key], True
         if field.scope in (None, "resource"):
-            value = fields.resource_attributes(self.rank.node).get(field.name, ABSENT)
+            value = fields.resource_attributes(self.rank.engine, self.rank.node).get(
+                field.name, ABSENT
+            )
             if value is not ABSENT:
                 return value, True
         return None, False
@@ -199,9 +202,10 @@ def trace_id_column(rank: store.RankRow, waves: np.ndarray) -> Coded:
     return out
 
 
-def _span_constant(name: str):
-    """Intrinsics with one value on every span a block holds. The planner replaces the ones
-    only a built trace knows (ast.EXACT_INTRINSICS) before a block is read."""
+def _span_constant(name: str, rank: store.RankRow):
+    """Intrinsics with one value on every span a block of this rank holds. The planner replaces
+    the ones only a built trace knows (ast.EXACT_INTRINSICS) before a block is read; the root's
+    service is the replica's engine, which its ranks share."""
     if name == "status":
         return fields.SPAN_STATUS, True
     if name == "kind":
@@ -209,7 +213,7 @@ def _span_constant(name: str):
     if name == "statusMessage":
         return "", True
     if name == "rootServiceName":
-        return fields.SERVICE_NAME, True
+        return schema.service_name(rank.engine), True
     if name == "instrumentation:name":
         return fields.INSTRUMENTATION_NAME, True
     return None, False  # events and links: spans read from blocks have none
@@ -225,8 +229,11 @@ class BlockCache:
         self.conn = conn
         self._size = size
         self._waves: dict[int, tuple] = {}
-        self._collectives: dict[int, list] = {}
+        self._collectives: dict[int, tuple] = {}
         self._directories: dict[tuple[str, int], store.BlockDirectory] = {}
+        self._held: dict[tuple[str, int, int], list[int]] = {}  # (table, rank, wave) -> rowids
+        self._blobs: dict[tuple[str, int], bytes] = {}  # read ahead, not decoded yet
+        self._trace_ranks: dict[int, list[store.RankRow]] = {}
 
     def _keep(self, cache: dict, key: int, value):
         if len(cache) >= self._size:
@@ -234,18 +241,34 @@ class BlockCache:
         cache[key] = value
         return value
 
+    def ranks_of_trace_key(self, key: int) -> list[store.RankRow]:
+        """The ranks of one replica's traces (looked up once per search)."""
+        ranks = self._trace_ranks.get(key)
+        if ranks is None:
+            ranks = self._trace_ranks[key] = store.ranks_of_trace_key(self.conn, key)
+        return ranks
+
     def _holding(self, table: str, rank_id: int, wave: int) -> list[int]:
-        """Row ids of the rank's blocks holding `wave` (telemetry/store/blocks.py's block walk)."""
-        directory = self._directories.get((table, rank_id))
-        if directory is None:
-            directory = store.BlockDirectory(self.conn, table, rank_id)
-            self._directories[(table, rank_id)] = directory
-        return [b.rowid for b in directory.blocks_by_wave(wave, wave)]
+        """Row ids of the rank's blocks holding `wave` (telemetry/store/blocks.py's block walk),
+        kept: a trace asks once when its blobs are read ahead and once when it is built."""
+        held = self._held.get((table, rank_id, wave))
+        if held is None:
+            directory = self._directories.get((table, rank_id))
+            if directory is None:
+                directory = store.BlockDirectory(self.conn, table, rank_id)
+                self._directories[(table, rank_id)] = directory
+            held = [b.rowid for b in directory.blocks_by_wave(wave, wave)]
+            if len(self._held) >= 4 * self._size:
+                self._held.clear()
+            self._held[(table, rank_id, wave)] = held
+        return held
 
     def _blob(self, table: str, rowid: int) -> bytes:
-        (blob,) = self.conn.execute(
-            f"SELECT columns FROM {table} WHERE rowid = ?", (rowid,)
-        ).fetchone()
+        blob = self._blobs.pop((table, rowid), None)
+        if blob is None:
+            (blob,) = self.conn.execute(
+                f"SELECT columns FROM {table} WHERE rowid = ?", (rowid,)
+            ).fetchone()
         return blob
 
     @staticmethod
@@ -260,40 +283,50 @@ class BlockCache:
             block = self._keep(self._waves, rowid, self._decode_wave_block(blob))
         return block
 
-    def read_ahead(self, rank_ids: Iterable[int], wave: int) -> None:
-        """Decode the ranks' blocks holding `wave` that are not here yet, their blobs read in
-        one query per table (a trace's blocks: two a rank) rather than one a block."""
-        rank_ids = list(rank_ids)
-        for table, cache, decode in (
-            (store.WAVE_BLOCKS, self._waves, self._decode_wave_block),
-            (store.COLLECTIVE_BLOCKS, self._collectives, store.decode_collectives),
+    def read_ahead(self, rank_ids: Iterable[int], waves: Iterable[int]) -> None:
+        """Read the blobs of the ranks' blocks holding `waves` that are not here yet, in one
+        query per table (a trace's blocks: two a rank; several traces' at once) rather than
+        one a block. They are decoded when first used, so a trace read ahead and then not
+        built costs its blob reads only."""
+        rank_ids, waves = list(rank_ids), list(waves)
+        for table, cache in (
+            (store.WAVE_BLOCKS, self._waves),
+            (store.COLLECTIVE_BLOCKS, self._collectives),
         ):
-            missing = [
-                rowid
-                for rank_id in rank_ids
-                for rowid in self._holding(table, rank_id, wave)
-                if rowid not in cache
-            ]
+            missing = list(
+                dict.fromkeys(
+                    rowid
+                    for wave in waves
+                    for rank_id in rank_ids
+                    for rowid in self._holding(table, rank_id, wave)
+                    if rowid not in cache and (table, rowid) not in self._blobs
+                )
+            )
+            if len(self._blobs) + len(missing) > 2 * self._size:
+                self._blobs.clear()
             if missing:
                 marks = ",".join("?" * len(missing))
                 found = self.conn.execute(
                     f"SELECT rowid, columns FROM {table} WHERE rowid IN ({marks})", missing
                 ).fetchall()
                 for rowid, blob in found:
-                    self._keep(cache, rowid, decode(blob))
+                    self._blobs[(table, rowid)] = blob
 
     def wave_columns(self, rowid: int):
         """A wave block's decoded columns (the candidate pass reads its blocks through here,
         so the traces it finds are built from blocks already decoded)."""
         return self._wave_block(rowid)[0]
 
+    def _collective_block(self, rowid: int) -> tuple:
+        block = self._collectives.get(rowid)
+        if block is None:
+            cols = store.decode_collectives(self._blob(store.COLLECTIVE_BLOCKS, rowid))
+            block = self._keep(self._collectives, rowid, (cols, None))
+        return block
+
     def collective_columns(self, rowid: int):
         """A collective block's decoded columns."""
-        cols = self._collectives.get(rowid)
-        if cols is None:
-            blob = self._blob(store.COLLECTIVE_BLOCKS, rowid)
-            cols = self._keep(self._collectives, rowid, store.decode_collectives(blob))
-        return cols
+        return self._collective_block(rowid)[0]
 
     def wave_rows(self, rank_id: int, wave: int) -> list[tuple]:
         """(columns, row) of each row of `wave` in the rank's blocks that hold it."""
@@ -305,10 +338,15 @@ class BlockCache:
 
     def collective_blocks(self, rank_id: int, wave: int) -> list:
         """The rank's collective records of `wave` (each block decoded once, its records
-        made for the waves asked for only)."""
+        made for the waves asked for only, as `collective_columns.WaveRecord`s: the fields
+        of `CollectiveWave` messages without making one)."""
         out: list = []
         for rowid in self._holding(store.COLLECTIVE_BLOCKS, rank_id, wave):
-            out += to_waves(self.collective_columns(rowid), (wave,))
+            cols, rows_of = self._collective_block(rowid)
+            if rows_of is None:  # the block's row look-ups, made once for all its waves
+                rows_of = wave_rows(cols)
+                self._collectives[rowid] = (cols, rows_of)
+            out += wave_records(cols, wave, rows_of)
         return out
 
 
@@ -328,8 +366,8 @@ def load_trace_cached(conn: sqlite3.Connection, trace_id: str, cache: BlockCache
     key, wave = split_trace_id(int(text, 16))
     spans: list[Span] = []
     runs = set()
-    ranks = store.ranks_of_trace_key(conn, key)
-    cache.read_ahead((rank.id for rank in ranks), wave)
+    ranks = cache.ranks_of_trace_key(key)
+    cache.read_ahead((rank.id for rank in ranks), (wave,))
     for rank in ranks:
         runs.add(rank.run_id)
         for cols, row in cache.wave_rows(rank.id, wave):
@@ -424,7 +462,10 @@ class SpanTable:
             if name == "statusMessage":
                 return "", True
             if name == "rootServiceName":
-                return fields.SERVICE_NAME, True
+                if "rootServiceName" in self._trace:  # a built trace: its root's (nil: none)
+                    value = self._trace["rootServiceName"]
+                    return value, value is not None
+                return _pack([fields.service_name(s) for s in spans])
             if name in TREE_INTRINSICS:
                 tree = self._per_span() if self._per_span is not None else {}
                 return _pack(tree[name]) if name in tree else (None, False)
@@ -451,7 +492,7 @@ class SpanTable:
         if node is None:  # the wave root is tp0 pp0's
             tp, pp = (span.tp, span.pp) if span.tp is not None else (0, 0)
             node = self._nodes.get(_rank_key(span, tp, pp))
-        return fields.resource_attributes(node)
+        return fields.resource_attributes(span.engine, node)
 
 
 def _first(items: list) -> dict | None:
@@ -594,7 +635,7 @@ class BlockTable:
                 if bad:
                     errors = np.isin(waves, list(bad))
                     return Coded([STATUS_ERROR if e else STATUS_UNSET for e in errors]), True
-            return _span_constant(name)
+            return _span_constant(name, self.rank)
         key = fields.attribute_key(field.name)
         if field.scope in (None, "span") and key in self._template.attributes:
             wave_field = _WAVE_KEYS.get(key)
@@ -602,7 +643,9 @@ class BlockTable:
                 return self.array(wave_field), True
             return self._template.attributes[key], True
         if field.scope in (None, "resource"):
-            value = fields.resource_attributes(self.rank.node).get(field.name, ABSENT)
+            value = fields.resource_attributes(self.rank.engine, self.rank.node).get(
+                field.name, ABSENT
+            )
             if value is not ABSENT:
                 return value, True
         return None, False

@@ -9,6 +9,7 @@ want one wave as a `CollectiveWave` (spans, `ascend-guard trace`, tests) get it 
 
 from __future__ import annotations
 
+from collections import namedtuple
 from collections.abc import Collection, Iterable
 
 import numpy as np
@@ -17,6 +18,7 @@ from telemetry.wire.proto import guard_pb2
 from telemetry.wire.schema import (
     COLLECTIVE_KEY_FIELDS,
     COLLECTIVE_STAT_COLUMNS,
+    COLLECTIVE_STAT_FIELDS,
     COLLECTIVE_WAVE_COLUMNS,
 )
 
@@ -79,19 +81,29 @@ def columns_of(batch: guard_pb2.Batch) -> guard_pb2.CollectiveColumns:
     return batch.collective_columns
 
 
+def wave_rows(cols: guard_pb2.CollectiveColumns) -> tuple[np.ndarray, np.ndarray]:
+    """(wave of each wave row, wave row of each stat row): what `to_waves` looks rows up in,
+    made once for a block read for many waves."""
+    return array(cols, "wave"), np.array(cols.stats.wave_index, dtype=np.int64)
+
+
 def to_waves(
-    cols: guard_pb2.CollectiveColumns, waves: Collection[int] | None = None
+    cols: guard_pb2.CollectiveColumns,
+    waves: Collection[int] | None = None,
+    rows_of: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[guard_pb2.CollectiveWave]:
-    """The columns as `CollectiveWave` messages (only those whose wave is in `waves`)."""
+    """The columns as `CollectiveWave` messages (only those whose wave is in `waves`);
+    `rows_of`: the columns' `wave_rows`, when the caller keeps them."""
     if waves is not None and len(waves) == 1:  # one wave of a trace: no Python loop per row
         (wanted,) = waves
-        rows = np.flatnonzero(array(cols, "wave") == wanted).tolist()
+        numbers = rows_of[0] if rows_of is not None else array(cols, "wave")
+        rows = np.flatnonzero(numbers == wanted).tolist()
     else:
         rows = [i for i, w in enumerate(cols.wave) if waves is None or w in waves]
     if not rows:
         return []
     stats = cols.stats
-    wave_index = np.array(stats.wave_index, dtype=np.int64)
+    wave_index = rows_of[1] if rows_of is not None else np.array(stats.wave_index, dtype=np.int64)
     slow_index = np.array(cols.slow_call_wave_index, dtype=np.int64) if cols.slow_calls else None
     keys: dict[int, dict] = {}  # key index -> the stat fields it stands for, made when used
     out = []
@@ -111,6 +123,44 @@ def to_waves(
             for j in np.flatnonzero(slow_index == i).tolist():
                 cw.slow_calls.add().CopyFrom(cols.slow_calls[j])
         out.append(cw)
+    return out
+
+
+# one wave's collectives as plain records with `CollectiveWave`'s and `CollectiveStat`'s fields
+# (slow calls stay `CollectiveCall` messages): what `to_waves` gives, for readers that only read
+# the fields (the span builders), without making a message per wave and per stat
+assert (*COLLECTIVE_KEY_FIELDS, *COLLECTIVE_STAT_COLUMNS) == COLLECTIVE_STAT_FIELDS  # key first
+StatRecord = namedtuple("StatRecord", COLLECTIVE_STAT_FIELDS)
+WaveRecord = namedtuple("WaveRecord", (*COLLECTIVE_WAVE_COLUMNS, "stats", "slow_calls"))
+
+
+def wave_records(
+    cols: guard_pb2.CollectiveColumns, wave: int, rows_of: tuple[np.ndarray, np.ndarray]
+) -> list[WaveRecord]:
+    """The rows of one wave as `WaveRecord`s, field for field what `to_waves(cols, (wave,))`
+    makes (`rows_of`: the columns' `wave_rows`)."""
+    numbers, wave_index = rows_of
+    rows = np.flatnonzero(numbers == wave).tolist()
+    if not rows:
+        return []
+    stats, keys = cols.stats, cols.keys
+    stat_columns = [getattr(stats, name) for name in COLLECTIVE_STAT_COLUMNS]
+    wave_columns = [getattr(cols, name) for name in COLLECTIVE_WAVE_COLUMNS]
+    slow_index = np.array(cols.slow_call_wave_index, dtype=np.int64) if cols.slow_calls else None
+    key_values: dict[int, list] = {}
+    out = []
+    for i in rows:
+        records = []
+        for j in np.flatnonzero(wave_index == i).tolist():
+            k = stats.key[j]
+            key = key_values.get(k)
+            if key is None:
+                key = key_values[k] = [getattr(keys[k], f) for f in COLLECTIVE_KEY_FIELDS]
+            records.append(StatRecord(*key, *(column[j] for column in stat_columns)))
+        slow = []
+        if slow_index is not None:
+            slow = [cols.slow_calls[j] for j in np.flatnonzero(slow_index == i).tolist()]
+        out.append(WaveRecord(*(column[i] for column in wave_columns), records, slow))
     return out
 
 

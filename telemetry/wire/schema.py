@@ -72,6 +72,18 @@ WAVE_RANGES: dict[str, tuple[int, int]] = {
 # traces, TraceQL's instrumentation:name)
 SCOPE_NAME = "ascend_guard.sidecar"
 
+# the OTel service of a rank's spans, one convention for the OTLP export, the query API's traces
+# and TraceQL (`resource.service.name`, `rootServiceName`): the engine label (the model server)
+# is `service.name`, this project the `service.namespace`
+SERVICE_NAMESPACE = "ascend-guard"
+
+
+def service_name(engine: str | None) -> str:
+    """`service.name` of the spans of a rank (or replica) with this engine label: the label,
+    else the project's name (a span of no engine: the sidecar's own)."""
+    return engine or SERVICE_NAMESPACE
+
+
 # -- span attribute names (semantic conventions of this project) -----------------------------
 PREFIX = "ascend_guard."
 

@@ -188,7 +188,9 @@ def _otlp_spans(data: trace_pb2.TracesData) -> dict[str, tuple]:
     out = {}
     for rs in data.resource_spans:
         resource = {kv.key: kv.value.string_value for kv in rs.resource.attributes}
-        assert resource["service.name"] == "ascend-guard"
+        # named as the OTLP export names them: the engine is the service
+        assert resource["service.name"] == "eng", resource
+        assert resource["service.namespace"] == "ascend-guard", resource
         for ss in rs.scope_spans:
             for span in ss.spans:
                 attrs = {kv.key: json_format.MessageToDict(kv.value) for kv in span.attributes}
@@ -312,12 +314,12 @@ def test_malformed_trace_requests_are_400_naming_the_parameter(api, path, query,
 # -- search ----------------------------------------------------------------------------------
 def test_legacy_tag_search_finds_the_slow_rank_only(api):
     now = int(time.time())
-    body = api.json("/api/search", tags="ascend_guard.tp=1 service.name=ascend-guard",
+    body = api.json("/api/search", tags="ascend_guard.tp=1 service.name=eng",
                     minDuration="50ms", limit="20", start=str(now - 600), end=str(now + 60))  # fmt: skip
     jsonschema.validate(body, SEARCH_SCHEMA)
     (hit,) = body["traces"]
     assert hit["traceID"] == _slow_trace_id(api)
-    assert hit["rootServiceName"] == "ascend-guard" and hit["rootTraceName"] == "wave"
+    assert hit["rootServiceName"] == "eng" and hit["rootTraceName"] == "wave"
     assert hit["durationMs"] >= 80
     spans = hit["spanSets"][0]["spans"]
     assert spans and hit["spanSet"] == hit["spanSets"][0]
@@ -443,7 +445,9 @@ def _values(api: Api, tag: str, **query) -> list[tuple[str, str]]:
 
 def test_tag_values_come_from_the_store(api):
     assert _values(api, "span.ascend_guard.tp", limit="1000") == [("int", "0"), ("int", "1")]
-    assert _values(api, "resource.service.name") == [("string", "ascend-guard")]
+    assert _values(api, "resource.service.name") == [("string", "eng")]
+    assert _values(api, "resource.service.namespace") == [("string", "ascend-guard")]
+    assert _values(api, "rootServiceName") == [("string", "eng")]
     assert ("string", "run-tempo") in _values(api, ".run_id")
     assert _values(api, "status") == [("keyword", "unset")]
     names = [v for _, v in _values(api, "name")]

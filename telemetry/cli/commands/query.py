@@ -231,8 +231,11 @@ def run(args: argparse.Namespace) -> int:
         for item in found:
             print(json.dumps(json_of(item, p.spans), sort_keys=True))
         return 0
+    capped = not p.spans and getattr(source, "capped", False)
     if not found:
         print(_nothing(p, source))
+        if capped:
+            print(_capped())
         return 0
     if args.tree:
         print_trees(source, p.spans, found)
@@ -240,12 +243,25 @@ def run(args: argparse.Namespace) -> int:
         print(render_table(SPAN_HEADER, [span_row(s) for s in found], right=SPAN_RIGHT))
     else:
         print(render_table(SEARCH_HEADER, [search_row(h) for h in found], right=SEARCH_RIGHT))
+    if capped:
+        print(f"\n{_capped()}")
     first = found[0].trace_hex if p.spans else found[0]["traceID"]
     what = "span(s)" if p.spans else "trace(s)"
     print(f"\n{len(found)} {what}; show one with: ascend-guard trace {first}{source.trace_hint()}")
     if args.traceql is None:
         print(f"as TraceQL: ascend-guard query --spans '{p.shown}'")
     return 0
+
+
+def _capped() -> str:
+    """What to do about a trace search that stopped at the traces it may check."""
+    from telemetry.traceql.search import MAX_TRACES_INSPECTED
+
+    return (
+        f"the search stopped after checking {MAX_TRACES_INSPECTED:,} traces: there may be more "
+        "matches, older than those listed. Narrow it: an engine, rank, span name or duration "
+        '(.engine = "...", .tp = N, name = "...", duration > X), or a shorter --since/--until'
+    )
 
 
 def _nothing(p: Plan, source) -> str:

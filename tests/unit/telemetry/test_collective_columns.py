@@ -16,7 +16,13 @@ from telemetry.metrics.collectives import CollectiveMetrics
 from telemetry.pipeline.writer import Item, RankSource
 from telemetry.store import Store, collective_waves, connect, ranks
 from telemetry.wire import schema
-from telemetry.wire.collective_columns import columns_of, from_waves, to_waves
+from telemetry.wire.collective_columns import (
+    columns_of,
+    from_waves,
+    to_waves,
+    wave_records,
+    wave_rows,
+)
 from telemetry.wire.proto import guard_pb2
 from telemetry.wire.schema import InvalidBatch
 
@@ -76,6 +82,21 @@ def test_v2_messages_survive_the_trip_through_columns():
     batch.collective_waves.extend(waves)
     assert columns_of(batch) == cols and not batch.collective_waves  # moved, in place
     assert columns_of(batch) == cols  # a second call finds them there
+
+
+def test_wave_records_hold_what_the_messages_hold():
+    waves = _random_waves(random.Random(11), 120)
+    cols = from_waves(waves, guard_pb2.CollectiveColumns())
+    rows_of = wave_rows(cols)
+    for cw in waves:
+        (record,) = wave_records(cols, cw.wave, rows_of)
+        for name in schema.COLLECTIVE_WAVE_COLUMNS:
+            assert getattr(record, name) == getattr(cw, name), name
+        assert len(record.stats) == len(cw.stats) and list(record.slow_calls) == list(cw.slow_calls)
+        for stat, message in zip(record.stats, cw.stats, strict=True):
+            assert stat._asdict() == {f: getattr(message, f) for f in schema.COLLECTIVE_STAT_FIELDS}
+    assert wave_records(cols, 10**6, rows_of) == []
+    assert any(cw.slow_calls for cw in waves) and any(len(cw.stats) > 1 for cw in waves)
 
 
 def test_the_workers_builder_writes_what_the_v2_messages_said():

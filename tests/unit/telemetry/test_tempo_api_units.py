@@ -94,6 +94,19 @@ def test_otlp_json_ids_are_hex():
     assert otlp.trace_by_id_v2(data)[:1] == b"\x0a"
 
 
+@pytest.mark.parametrize("engine", ["qwen-7b", ""])
+def test_the_query_apis_resources_name_the_service_as_the_otlp_export_does(engine):
+    from telemetry.export.resource import resource_attributes
+    from telemetry.spans.builders import Span
+
+    span = Span(1, 2, None, "rank", 0, 1, "run", engine, 1, 0, 1, 0, attributes={})
+    (attrs,) = otlp.resources([span]).values()
+    exported = resource_attributes(("run", engine, 0, 1, 0), "node0")
+    for key in ("service.name", "service.namespace"):
+        assert attrs[key] == exported[key], key
+    assert attrs["service.name"] == (engine or "ascend-guard")
+
+
 def test_the_query_port_defaults_to_the_metrics_port_plus_two():
     assert paths.query_port(paths.DEFAULT_METRICS_PORT) == 9466
     assert paths.query_port(9500) == 9502 and paths.query_port(9500, 0) == 0

@@ -6,6 +6,8 @@ and 7), not from the search code.
 
 from __future__ import annotations
 
+import json
+import sys
 import time
 
 import pytest
@@ -60,6 +62,33 @@ def test_a_traceql_search_lists_exactly_the_slowed_waves(store_path, capsys):
 def test_no_match_says_what_to_do(store_path, capsys):
     code, out = run(capsys, "{ duration > 1h }", "--store", store_path, "--since", "1h")
     assert code == 0 and "no trace matches" in out
+
+
+def test_a_search_stopped_at_the_cap_says_so_and_how_to_narrow_it(store_path, capsys, monkeypatch):
+    code, out = run(capsys, "{ }", "--store", store_path, "--since", "1h")
+    assert code == 0 and "8 trace(s)" in out and "stopped after checking" not in out, out
+    # three traces may be checked: the search answers the newest three and says it stopped
+    monkeypatch.setattr(sys.modules["telemetry.traceql.search"], "MAX_TRACES_INSPECTED", 3)
+    code, out = run(capsys, "{ }", "--store", store_path, "--since", "1h")
+    assert code == 0 and "3 trace(s)" in out, out
+    assert "the search stopped after checking 3 traces: there may be more matches" in out, out
+    assert ".engine" in out and "--since/--until" in out, out
+    code, out = run(capsys, "{ }", "--store", store_path, "--since", "1h", "--json")
+    assert code == 0 and "stopped after checking" not in out  # --json: the lines only
+    # nothing found before the cap (every trace is a candidate, none matches): both lines
+    code, out = run(capsys, "{ traceDuration > 1h }", "--store", store_path, "--since", "1h")
+    assert "no trace matches" in out and "stopped after checking 3 traces" in out, out
+
+
+def test_the_api_source_reads_the_cap_off_inspected_traces():
+    from telemetry.cli.source import ApiSource
+    from telemetry.traceql.search import MAX_TRACES_INSPECTED
+
+    source = ApiSource("http://unused", None, None)
+    for inspected, capped in ((12, False), (MAX_TRACES_INSPECTED, True)):
+        body = {"traces": [{"traceID": "ab" * 16}], "metrics": {"inspectedTraces": inspected}}
+        source.get = lambda *_a, b=body, **_k: json.dumps(b).encode()
+        assert len(source.search("{ }", 0, 1, 20, 3)) == 1 and source.capped is capped
 
 
 def test_a_parse_error_names_where_and_flags_do_not_mix(store_path, capsys):

@@ -200,10 +200,14 @@ def test_trace_level_intrinsics(conn):
 
 
 def test_resource_and_status_fields(conn):
-    assert (
-        len(search(conn, '{ resource.service.name = "ascend-guard" }', START, END, limit=50))
-        == WAVES
-    )
+    # the service is the engine, as the OTLP export names it (telemetry/export/resource.py)
+    assert len(search(conn, '{ resource.service.name = "eng" }', START, END, limit=50)) == WAVES
+    assert search(conn, '{ resource.service.name = "ascend-guard" }', START, END) == []
+    namespace = '{ resource.service.namespace = "ascend-guard" && name = "wave" }'
+    assert len(search(conn, namespace, START, END, limit=50)) == WAVES
+    roots = search(conn, '{ rootServiceName = "eng" }', START, END, limit=50)
+    assert len(roots) == WAVES and {m.root_service for m in roots} == {"eng"}
+    assert search(conn, '{ rootServiceName = "ascend-guard" }', START, END) == []
     assert (
         len(search(conn, '{ resource.host.name = "node0" && .tp = 1 }', START, END, limit=50))
         == WAVES
