@@ -46,6 +46,8 @@ ACTIONS = {
     "batch_logits": "logits before sampling, with the batch that names their rows (MRV2): the "
     "logits detectors",
     "verify_logits": "spec-decode verification logits: the logits detectors",
+    "batch_verify_logits": "spec-decode verification logits, with the batch that names each "
+    "request's rows (MRV2): the logits detectors",
     "schedule": "engine core: stamp hot-reloaded config onto the scheduler output",
     "collective": "op, group, backend, bytes, per-group sequence number; per-wave aggregates",
     "compiled_graph": "torch.compile'd graphs: collectives found in the FX graph, counted per "
@@ -314,6 +316,15 @@ ATTACH_POINTS: tuple[AttachPoint, ...] = tuple(
         "vllm.v1.worker.gpu.sample.sampler",
         "Sampler",
         {"__call__": "batch_logits"},
+        UPSTREAM_MRV2,
+    )
+    # MRV2's rejection sampler: called instead of the sampler on a wave with drafts, with the
+    # target logits (each request's drafts + 1 rows) and the step's input batch
+    + _points(
+        "sampler",
+        "vllm.v1.worker.gpu.spec_decode.rejection_sampler",
+        "RejectionSampler",
+        {"__call__": "batch_verify_logits"},
         UPSTREAM_MRV2,
     )
     # -- KV cache: layout checks after initialisation ----------------------------------------
