@@ -19,6 +19,7 @@ neither bound nor missing: there is nothing to update when upstream removed a ru
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 
 PLATFORMS = ("ascend", "cuda", "cpu")
@@ -117,19 +118,8 @@ RUNNER_SPANS = {("vllm", "v1"): VLLM_V1_RUNNER, ("vllm", "mrv2"): VLLM_MRV2}
 
 def release_of(version: str) -> tuple[int, ...]:
     """The numeric release of a version string: "0.34.0rc1.dev3+gabc" -> (0, 34, 0)."""
-    numbers = []
-    for part in version.lstrip("v").split("."):
-        digits = ""
-        for char in part:
-            if not char.isdigit():
-                break
-            digits += char
-        if not digits:
-            break
-        numbers.append(int(digits))
-        if len(digits) < len(part):
-            break
-    return tuple(numbers)
+    match = re.match(r"v?(\d+(?:\.\d+)*)", version)
+    return tuple(int(n) for n in match.group(1).split(".")) if match else ()
 
 
 def runner_generations(package: str, version: str | None) -> tuple[str, ...]:
