@@ -63,10 +63,11 @@ class Deployment:
         env: dict[str, str] | None = None,
         drill: bool = True,
         extra_args: tuple[str, ...] = (),
+        eager: bool = True,
     ) -> None:
         """`env` and `extra_args`: the server's extra environment and arguments
         (tests/e2e/test_mrv2_collectives.py runs MRV2); `drill`: the fire drill's fault
-        injection at DRILL_WAVE."""
+        injection at DRILL_WAVE; `eager=False`: torch.compile on."""
         self.root = root
         self.model = model
         self.health_port = free_port()
@@ -87,7 +88,14 @@ class Deployment:
         }  # fmt: skip
         try:
             self.server = VllmServer.start(
-                model, root, tp=2, guard=guard, env=env, extra_args=extra_args
+                model,
+                root,
+                tp=2,
+                guard=guard,
+                env=env,
+                extra_args=extra_args,
+                eager=eager,
+                timeout=600,
             )
         except BaseException:
             self.sidecar.stop()
@@ -140,7 +148,7 @@ def test_collective_counts_and_bytes_follow_the_model_shape(dep: Deployment) -> 
     check_collective_counts(dep, max_tokens=12)
 
 
-def check_collective_counts(dep: Deployment, max_tokens: int) -> None:
+def check_collective_counts(dep: Deployment, max_tokens: int, compiled: bool = False) -> None:
     """Per rank: (1 + 2 x layers) all-reduces per model step — the vocab-parallel embedding
     reduces once, and each layer's row-parallel o_proj and down_proj once — carrying
     tokens x hidden x 4 bytes each, and one all-gather of the logits, (vocab / tp) x 4 bytes per
@@ -194,7 +202,11 @@ def check_collective_counts(dep: Deployment, max_tokens: int) -> None:
     total = [
         value(text, "ascend_guard_collective_calls_total", group="tp", **rank(tp)) for tp in (0, 1)
     ]
-    assert seq[0] == seq[1] == total[0] == total[1], (seq, total)
+    if compiled:  # the compile warm-up's forward runs outside any wave: numbered, not counted
+        assert seq[0] == seq[1] and total[0] == total[1], (seq, total)
+        assert 0 <= seq[0] - total[0] <= 2 * (per_step + 1), (seq, total)
+    else:
+        assert seq[0] == seq[1] == total[0] == total[1], (seq, total)
     assert value(text, "ascend_guard_guard_errors_total") == 0
 
 
@@ -453,7 +465,12 @@ def check_sigstop_named_and_recovered(dep: Deployment, long: int) -> None:
         assert time.monotonic() < deadline, "liveness did not recover"
         time.sleep(0.1)
     # one settled snapshot of all three sources: /hangs, the store and /metrics
-    history, rows, text = _settled(dep, watchdog=bool(waiting))
+    # Inside a torch.compile'd call (MRV2's compiled module) the watchdog gives the call its
+    # deadline plus twice the longest compiled call seen in a wave (compute and peer waits run
+    # inside it: guard/collectives/watchdog.py), so its report may come after the hold
+    in_graph = "inside replay of graph" in verdict.get("summary", "")
+    watchdog = bool(waiting) and not in_graph
+    history, rows, text = _settled(dep, watchdog=watchdog)
     events = [e["event"] for e in history]
     # On this shared 2-core machine (other engineers' vLLM servers spin on the same cores) a
     # worker can really stall again for seconds after the SIGCONT, and that is a verdict of
@@ -498,7 +515,7 @@ def check_sigstop_named_and_recovered(dep: Deployment, long: int) -> None:
     table = dep.cli("hangs")
     assert "VERDICT no_heartbeat" in table and f"tp1/pid{victim}" in table
     assert "recovered" in table
-    if waiting:  # rank 0 sat in that collective past the watchdog's 3 s deadline
+    if watchdog:  # rank 0 sat in that collective past the watchdog's 3 s deadline
         assert suspected, "the waiting rank's watchdog reports"
         first = min(suspected, key=lambda r: r["time_ns"])["evidence"]
         assert (first["op"], first["seq"]) == (verdict["op"], verdict["seq"])

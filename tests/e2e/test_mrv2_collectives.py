@@ -13,6 +13,8 @@ needs about 200 waves).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.e2e.test_collectives import (
@@ -20,6 +22,7 @@ from tests.e2e.test_collectives import (
     check_collective_counts,
     check_sigstop_named_and_recovered,
 )
+from tests.e2e.test_collectives_compiled import COMPILE_ENV, compile_log
 from tests.support.http import get_json
 from tests.support.metrics import value
 from tests.support.vllm_server import mrv2_env
@@ -29,18 +32,24 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 # tokens per request in flight during the SIGSTOP: enough interpreted steps that all four are
 # still decoding when rank 1 stops, few enough that they finish soon after the SIGCONT
 LONG = 48
-# keeps MRV2's start-up warm-up (interpreted kernels over the largest batch) short
-SMALL_SERVER = ("--max-num-seqs", "8", "--max-model-len", "512")
+# keeps MRV2's start-up warm-up (interpreted kernels over the largest batch) short. Compiled
+# (vLLM's default), vLLM also runs MRV2's Triton JIT warm-up, whose grammar-bitmask kernel
+# Triton's interpreter cannot run (docs/compatibility.md): it only pre-compiles kernels, and
+# --enforce-eager turns it off too
+SMALL_SERVER = (
+    "--max-num-seqs", "8", "--max-model-len", "512",
+    "--kernel-config", '{"enable_jit_warmup": false}',
+)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def dep(tiny_model, tmp_path_factory):
     from tools.mrv2_overlay import build
 
-    env = mrv2_env(build())
+    env = {**mrv2_env(build()), **COMPILE_ENV}
     d = Deployment(
         tmp_path_factory.mktemp("mrv2-collectives"), tiny_model, env=env, drill=False,
-        extra_args=SMALL_SERVER,
+        extra_args=SMALL_SERVER, eager=False,
     )  # fmt: skip
     yield d
     d.stop()
@@ -65,7 +74,22 @@ def test_mrv2_runs_at_tp2(dep: Deployment) -> None:
 def test_mrv2_collective_counts_and_bytes_follow_the_model_shape(dep: Deployment) -> None:
     """As on V1: 1 + 2 x layers all-reduces and one logits all-gather per model step per rank,
     bytes from the API's token counts and the model's shapes, sequence numbers agreeing."""
-    check_collective_counts(dep, max_tokens=6)
+    check_collective_counts(dep, max_tokens=6, compiled=True)
+
+
+def test_mrv2_compiled_graph_holds_the_backends_collectives_and_no_guard_op(
+    dep: Deployment,
+) -> None:
+    """Dynamo's log (as on V1's compiled module): one traced graph per rank, no graph break or
+    recompile, every all-reduce in it the backend's own kernel; that the guard counted each of
+    them is the counts test."""
+    layers = json.loads((dep.model / "config.json").read_text())["num_hidden_layers"]
+    found = compile_log(dep.server.log_path)
+    assert set(found) == {"0", "1"}, found
+    for tp, r in found.items():
+        assert r["graphs"] == 1 and r["compile_ids"] == 1, (tp, r)
+        assert r["breaks"] == 0 and r["recompiles"] == 0, (tp, r)
+        assert r["guard_ops"] == 0 and r["backend_ops"] == 1 + 2 * layers, (tp, r)
 
 
 def test_mrv2_sigstop_of_a_worker_is_named_and_recovery_is_recorded(dep: Deployment) -> None:
