@@ -147,6 +147,47 @@ def runtime_guard_batch_logits(fn: F) -> F:
     return guarded_sampler_call  # type: ignore[return-value]
 
 
+def batch_rows_per_request(batch: Any, logits: Any) -> list[int] | None:
+    """The logits rows of each request of an MRV2 batch (its drafts + 1), from the batch's
+    `cu_num_logits_np`; None when they do not add up to the logits' rows (adaptive
+    verification compacts the logits and leaves that layout as it was)."""
+    bounds = getattr(batch, "cu_num_logits_np", None)
+    if bounds is None:
+        return None
+    bounds = bounds.tolist()
+    rows = [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    return rows if sum(rows) == int(logits.shape[0]) else None
+
+
+def runtime_guard_batch_verify_logits(fn: F) -> F:
+    """Decorate MRV2's rejection sampler `__call__(self, logits, input_batch, draft_logits, ...)`:
+    logits detectors over the target logits, `num_draft_tokens[i] + 1` rows for request i,
+    with each request's id from the batch. MRV2 calls it instead of its sampler on a wave with
+    drafts. A sampler called from inside is not checked a second time."""
+    if getattr(fn, WRAPPED_ATTR, None) is not None:
+        return fn
+
+    @functools.wraps(fn)
+    def guarded_verify_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        processor = _processor
+        if processor is None or not processor.wants_logits:
+            return fn(self, *args, **kwargs)
+        logits = args[0] if args else kwargs.get("logits")
+        batch = args[1] if len(args) > 1 else kwargs.get("input_batch")
+        rows = batch_rows_per_request(batch, logits) if logits is not None else None
+        # without the rows per request, a batch's ids would name the wrong rows
+        req_ids = getattr(batch, "req_ids", None) if rows is not None else None
+        processor.on_logits(logits, rows, req_ids)
+        processor.logits_checked = True
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            processor.logits_checked = False
+
+    setattr(guarded_verify_call, WRAPPED_ATTR, fn)
+    return guarded_verify_call  # type: ignore[return-value]
+
+
 def runtime_guard_verify_logits(fn: F) -> F:
     """Decorate a rejection sampler's `forward(self, metadata, draft_probs, logits, ...)`.
 

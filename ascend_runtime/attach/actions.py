@@ -23,6 +23,7 @@ from guard.config.reload import guard_schedule
 from guard.decorators import (
     WRAPPED_ATTR,
     runtime_guard_batch_logits,
+    runtime_guard_batch_verify_logits,
     runtime_guard_dummy_step,
     runtime_guard_logits,
     runtime_guard_sample_tokens,
@@ -299,6 +300,7 @@ WRAPPERS: dict[str, Wrapper] = {
     "logits": _guard_decorator(runtime_guard_logits),
     "batch_logits": _guard_decorator(runtime_guard_batch_logits),
     "verify_logits": _guard_decorator(runtime_guard_verify_logits),
+    "batch_verify_logits": _guard_decorator(runtime_guard_batch_verify_logits),
     "schedule": _guard_decorator(guard_schedule),
     "collective": _collective,
     "compiled_graph": _compiled_graph,

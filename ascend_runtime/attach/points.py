@@ -19,6 +19,7 @@ neither bound nor missing: there is nothing to update when upstream removed a ru
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping
 
 PLATFORMS = ("ascend", "cuda", "cpu")
@@ -46,6 +47,8 @@ ACTIONS = {
     "batch_logits": "logits before sampling, with the batch that names their rows (MRV2): the "
     "logits detectors",
     "verify_logits": "spec-decode verification logits: the logits detectors",
+    "batch_verify_logits": "spec-decode verification logits, with the batch that names each "
+    "request's rows (MRV2): the logits detectors",
     "schedule": "engine core: stamp hot-reloaded config onto the scheduler output",
     "collective": "op, group, backend, bytes, per-group sequence number; per-wave aggregates",
     "compiled_graph": "torch.compile'd graphs: collectives found in the FX graph, counted per "
@@ -115,19 +118,8 @@ RUNNER_SPANS = {("vllm", "v1"): VLLM_V1_RUNNER, ("vllm", "mrv2"): VLLM_MRV2}
 
 def release_of(version: str) -> tuple[int, ...]:
     """The numeric release of a version string: "0.34.0rc1.dev3+gabc" -> (0, 34, 0)."""
-    numbers = []
-    for part in version.lstrip("v").split("."):
-        digits = ""
-        for char in part:
-            if not char.isdigit():
-                break
-            digits += char
-        if not digits:
-            break
-        numbers.append(int(digits))
-        if len(digits) < len(part):
-            break
-    return tuple(numbers)
+    match = re.match(r"v?(\d+(?:\.\d+)*)", version)
+    return tuple(int(n) for n in match.group(1).split(".")) if match else ()
 
 
 def runner_generations(package: str, version: str | None) -> tuple[str, ...]:
@@ -314,6 +306,15 @@ ATTACH_POINTS: tuple[AttachPoint, ...] = tuple(
         "vllm.v1.worker.gpu.sample.sampler",
         "Sampler",
         {"__call__": "batch_logits"},
+        UPSTREAM_MRV2,
+    )
+    # MRV2's rejection sampler: called instead of the sampler on a wave with drafts, with the
+    # target logits (each request's drafts + 1 rows) and the step's input batch
+    + _points(
+        "sampler",
+        "vllm.v1.worker.gpu.spec_decode.rejection_sampler",
+        "RejectionSampler",
+        {"__call__": "batch_verify_logits"},
         UPSTREAM_MRV2,
     )
     # -- KV cache: layout checks after initialisation ----------------------------------------

@@ -55,7 +55,19 @@ PROMPTS = [
 
 
 class Deployment:
-    def __init__(self, root: Path, model: Path) -> None:
+    def __init__(
+        self,
+        root: Path,
+        model: Path,
+        *,
+        env: dict[str, str] | None = None,
+        drill: bool = True,
+        extra_args: tuple[str, ...] = (),
+        eager: bool = True,
+    ) -> None:
+        """`env` and `extra_args`: the server's extra environment and arguments
+        (tests/e2e/test_mrv2_collectives.py runs MRV2); `drill`: the fire drill's fault
+        injection at DRILL_WAVE; `eager=False`: torch.compile on."""
         self.root = root
         self.model = model
         self.health_port = free_port()
@@ -71,11 +83,20 @@ class Deployment:
         guard = {
             "sidecar": f"unix://{sock}", "engine": ENGINE, "flush_interval_ms": 20,
             "reconnect_max_backoff_s": 0.5, "liveness_dir": str(live),
-            "fault_injection": {"enabled": True, "tp_rank": 1, "at_wave": DRILL_WAVE,
+            "fault_injection": {"enabled": drill, "tp_rank": 1, "at_wave": DRILL_WAVE,
                                 "delay_ms": DRILL_DELAY_S * 1000, "where": "execute_model"},
         }  # fmt: skip
         try:
-            self.server = VllmServer.start(model, root, tp=2, guard=guard)
+            self.server = VllmServer.start(
+                model,
+                root,
+                tp=2,
+                guard=guard,
+                env=env,
+                extra_args=extra_args,
+                eager=eager,
+                timeout=600,
+            )
         except BaseException:
             self.sidecar.stop()
             raise
@@ -124,6 +145,10 @@ def coll(text: str, name: str, tp: int, op: str) -> float:
 
 
 def test_collective_counts_and_bytes_follow_the_model_shape(dep: Deployment) -> None:
+    check_collective_counts(dep, max_tokens=12)
+
+
+def check_collective_counts(dep: Deployment, max_tokens: int, compiled: bool = False) -> None:
     """Per rank: (1 + 2 x layers) all-reduces per model step — the vocab-parallel embedding
     reduces once, and each layer's row-parallel o_proj and down_proj once — carrying
     tokens x hidden x 4 bytes each, and one all-gather of the logits, (vocab / tp) x 4 bytes per
@@ -135,7 +160,7 @@ def test_collective_counts_and_bytes_follow_the_model_shape(dep: Deployment) -> 
     )  # fmt: skip
     per_step = 1 + 2 * layers
     before = dep.metrics()
-    responses = dep.server.complete_many(PROMPTS, max_tokens=12)
+    responses = dep.server.complete_many(PROMPTS, max_tokens=max_tokens)
     fed_tokens = sum(r["usage"]["prompt_tokens"] + r["usage"]["completion_tokens"] - 1
                      for r in responses)  # fmt: skip
     sampled = sum(r["usage"]["completion_tokens"] for r in responses)
@@ -177,7 +202,11 @@ def test_collective_counts_and_bytes_follow_the_model_shape(dep: Deployment) -> 
     total = [
         value(text, "ascend_guard_collective_calls_total", group="tp", **rank(tp)) for tp in (0, 1)
     ]
-    assert seq[0] == seq[1] == total[0] == total[1], (seq, total)
+    if compiled:  # the compile warm-up's forward runs outside any wave: numbered, not counted
+        assert seq[0] == seq[1] and total[0] == total[1], (seq, total)
+        assert 0 <= seq[0] - total[0] <= 2 * (per_step + 1), (seq, total)
+    else:
+        assert seq[0] == seq[1] == total[0] == total[1], (seq, total)
     assert value(text, "ascend_guard_guard_errors_total") == 0
 
 
@@ -336,6 +365,13 @@ def test_traceql_finds_the_rank_the_drill_slowed_and_only_it(dep: Deployment) ->
 
 
 def test_sigstop_of_a_worker_is_named_within_3s_and_recovery_is_recorded(dep: Deployment) -> None:
+    check_sigstop_named_and_recovered(dep, LONG)
+
+
+def check_sigstop_named_and_recovered(dep: Deployment, long: int) -> None:
+    """SIGSTOP of rank 1's worker while four requests of `long` tokens each decode: the verdict
+    names it within 3 s, serving completes after the SIGCONT, and /hangs, the store and
+    /metrics record one recovery per verdict."""
     status, body = dep.get(f"/live/{ENGINE}")
     assert status == 200 and body["live"] is True
     pids = {r["tp"]: r["pid"] for r in body["ranks"]}
@@ -345,7 +381,7 @@ def test_sigstop_of_a_worker_is_named_within_3s_and_recovery_is_recorded(dep: De
     # stop while tokens are flowing: as soon as each of the four requests has its first token
     # (the sidecar's view of the waves can run behind on this machine). Timed from the
     # requests' start (0.8 s), or 0.2 s after the first of them, they once finished first:
-    # 4 x LONG tokens can take under 0.8 s on a quiet moment, and several seconds on a busy one
+    # 4 x long tokens can take under 0.8 s on a quiet moment, and several seconds on a busy one
     result: dict = {}
     decoding: list[bool] = []  # one entry a request, at its first token
     arrivals: list[float] = []  # wall-clock times the client got tokens, all four requests
@@ -355,7 +391,7 @@ def test_sigstop_of_a_worker_is_named_within_3s_and_recovery_is_recorded(dep: De
             result["r"] = list(
                 pool.map(
                     lambda p: dep.server.complete_streamed(
-                        p, LONG, lambda: decoding.append(True), arrivals
+                        p, long, lambda: decoding.append(True), arrivals
                     ),
                     PROMPTS[:4],
                 )
@@ -419,7 +455,7 @@ def test_sigstop_of_a_worker_is_named_within_3s_and_recovery_is_recorded(dep: De
 
     request.join(120)
     late_request.join(120)
-    assert [len(r["choices"][0]["token_ids"]) for r in result["r"]] == [LONG] * 4, (
+    assert [len(r["choices"][0]["token_ids"]) for r in result["r"]] == [long] * 4, (
         "serving completes after SIGCONT"
     )
     assert len(late["r"]["choices"][0]["token_ids"]) == 16, "the request sent while stopped"
@@ -429,7 +465,12 @@ def test_sigstop_of_a_worker_is_named_within_3s_and_recovery_is_recorded(dep: De
         assert time.monotonic() < deadline, "liveness did not recover"
         time.sleep(0.1)
     # one settled snapshot of all three sources: /hangs, the store and /metrics
-    history, rows, text = _settled(dep, watchdog=bool(waiting))
+    # Inside a torch.compile'd call (MRV2's compiled module) the watchdog gives the call its
+    # deadline plus twice the longest compiled call seen in a wave (compute and peer waits run
+    # inside it: guard/collectives/watchdog.py), so its report may come after the hold
+    in_graph = "inside replay of graph" in verdict.get("summary", "")
+    watchdog = bool(waiting) and not in_graph
+    history, rows, text = _settled(dep, watchdog=watchdog)
     events = [e["event"] for e in history]
     # On this shared 2-core machine (other engineers' vLLM servers spin on the same cores) a
     # worker can really stall again for seconds after the SIGCONT, and that is a verdict of
@@ -474,7 +515,7 @@ def test_sigstop_of_a_worker_is_named_within_3s_and_recovery_is_recorded(dep: De
     table = dep.cli("hangs")
     assert "VERDICT no_heartbeat" in table and f"tp1/pid{victim}" in table
     assert "recovered" in table
-    if waiting:  # rank 0 sat in that collective past the watchdog's 3 s deadline
+    if watchdog:  # rank 0 sat in that collective past the watchdog's 3 s deadline
         assert suspected, "the waiting rank's watchdog reports"
         first = min(suspected, key=lambda r: r["time_ns"])["evidence"]
         assert (first["op"], first["seq"]) == (verdict["op"], verdict["seq"])

@@ -353,6 +353,73 @@ def test_mrv2_sampler_hands_the_detectors_the_request_ids_of_its_batch():
     assert unwrap(wrapped) is Sampler.__call__
 
 
+def test_mrv2_rejection_sampler_hands_the_detectors_each_requests_rows_and_id():
+    """MRV2's real `RejectionSampler.__call__(self, logits, input_batch, draft_logits, ...)`,
+    wrapped as its attach point says. MRV2 calls it instead of the sampler on a wave with drafts;
+    the target logits hold drafts + 1 rows per request, laid out by the batch's
+    `cu_num_logits_np`, which is built here as MRV2's `prepare_inputs` builds it (cumsum of
+    drafts + 1 bonus). The detectors get those rows per request and the batch's ids: the rows
+    past one per request are the draft tokens vLLM's spec-decode counters count
+    (`num_draft_tokens`), and a bad row maps to the request whose draft it verifies. Logits
+    compacted by adaptive verification (rows not adding up) name no request rather than a
+    wrong one; an inner sampler is not checked twice."""
+    pytest.importorskip("vllm")
+    import numpy as np
+    import torch
+    import vllm.v1.worker.cpu.shm  # noqa: F401
+    from vllm.v1.worker.gpu.spec_decode.rejection_sampler import RejectionSampler
+
+    from ascend_runtime.attach.actions import WRAPPERS
+    from ascend_runtime.attach.points import ATTACH_POINTS
+    from guard.detectors.logits import rows_to_requests
+
+    assert list(inspect.signature(RejectionSampler.__call__).parameters)[:4] == [
+        "self", "logits", "input_batch", "draft_logits"
+    ]  # fmt: skip
+    (point,) = [p for p in ATTACH_POINTS if p.qualname == "RejectionSampler" and "gpu" in p.module]
+    assert (point.module, point.method, point.action) == (
+        "vllm.v1.worker.gpu.spec_decode.rejection_sampler", "__call__", "batch_verify_logits"
+    )  # fmt: skip
+    wrapped = WRAPPERS[point.action](RejectionSampler.__call__, point)
+    seen = []
+
+    class Processor:
+        wants_logits = True
+        logits_checked = False
+
+        def on_logits(self, logits, rows_per_req, req_ids=None):
+            seen.append((logits, rows_per_req, req_ids, self.logits_checked))
+
+    drafts = np.array([2, 0, 3], dtype=np.int32)  # scheduled_spec_decode_tokens per request
+    cu_num_logits_np = np.empty(len(drafts) + 1, dtype=np.int32)
+    cu_num_logits_np[0] = 0
+    np.cumsum(drafts + 1, out=cu_num_logits_np[1:])
+    # the real call fails on what this batch lacks, after the hook
+    batch = SimpleNamespace(
+        req_ids=["a", "b", "c"], cu_num_logits_np=cu_num_logits_np,
+        num_draft_tokens=int(drafts.sum()), num_draft_tokens_per_req=drafts,
+    )  # fmt: skip
+    logits = torch.zeros(int(cu_num_logits_np[-1]), 7)
+    compacted = torch.zeros(5, 7)
+    processor = Processor()
+    install(processor)
+    try:
+        assert _first_error(lambda: wrapped(Stub(), logits, batch, None)) is not None
+        assert processor.logits_checked is False, "reset after the call, even a failed one"
+        assert _first_error(lambda: wrapped(Stub(), logits=logits, input_batch=batch)) is not None
+        assert _first_error(lambda: wrapped(Stub(), compacted, batch)) is not None
+    finally:
+        install(None)
+    assert seen[0] == seen[1] == (logits, [3, 1, 4], ["a", "b", "c"], False)
+    rows, ids = seen[0][1], seen[0][2]
+    assert sum(rows) - len(ids) == batch.num_draft_tokens == 5
+    assert [r - 1 for r in rows] == drafts.tolist()
+    # row 6 verifies request c's second draft; row 3 is b's only (bonus) row
+    assert rows_to_requests([3, 6], ids, rows) == {"b": [3], "c": [6]}
+    assert seen[2] == (compacted, None, None, False)
+    assert unwrap(wrapped) is RejectionSampler.__call__
+
+
 def test_the_guard_runs_beneath_the_runners_inference_mode(upstream):
     """Bound as the binder binds a runner's step and sample points, the guard runs inside
     the method's own `@torch.inference_mode()`, as a runner carrying the decorators in source
