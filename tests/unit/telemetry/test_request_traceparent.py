@@ -206,3 +206,21 @@ def test_a_traceparent_for_a_request_not_named_in_the_batch_is_refused() -> None
     cols.traceparent.append(GOOD)
     with pytest.raises(InvalidBatch, match="traceparent: 2 values for 1 traceparent_index"):
         validate_request_columns(cols)
+
+
+def test_a_store_written_before_traceparents_reads_without_links(traced) -> None:
+    """A store file no writer of this version has opened (read-only: the CLI on an older
+    node's file) lacks the traceparent columns: its requests read, without links."""
+    import sqlite3
+
+    _, _, store, path = traced
+    store.close()
+    raw = sqlite3.connect(path)
+    for column in ("traceparent_hi", "traceparent_lo", "traceparent_span", "traceparent_flags"):
+        raw.execute(f"ALTER TABLE requests DROP COLUMN {column}")
+    raw.commit()
+    raw.close()
+    conn = connect(path, readonly=True)
+    (trace,) = request_spans.request_traces(conn, "cmpl-a-0")
+    assert trace.requests[0].traceparent is None and trace.spans[0].links == []
+    conn.close()
