@@ -224,3 +224,15 @@ def test_a_store_written_before_traceparents_reads_without_links(traced) -> None
     (trace,) = request_spans.request_traces(conn, "cmpl-a-0")
     assert trace.requests[0].traceparent is None and trace.spans[0].links == []
     conn.close()
+
+
+def test_traceql_finds_the_request_trace_from_the_gateways_trace_id(traced) -> None:
+    """On the node, from a gateway's trace id to the guard's request trace: the root's link."""
+    from telemetry.traceql.search import search as traceql_search
+    from telemetry.wire.trace_ids import format_trace_id, request_trace_id
+
+    _, _, _, path = traced
+    conn = connect(path, readonly=True)
+    (match,) = traceql_search(conn, f'{{ name = "request" && link:traceID = "{TRACE}" }}', 0, 2**62)
+    assert match.trace_id == format_trace_id(request_trace_id("run-sim", "sim", 0, "cmpl-a-0"))
+    conn.close()
