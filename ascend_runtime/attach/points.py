@@ -49,7 +49,8 @@ ACTIONS = {
     "verify_logits": "spec-decode verification logits: the logits detectors",
     "batch_verify_logits": "spec-decode verification logits, with the batch that names each "
     "request's rows (MRV2): the logits detectors",
-    "schedule": "engine core: stamp hot-reloaded config onto the scheduler output",
+    "schedule": "engine core: stamp hot-reloaded config onto the scheduler output, and new "
+    "requests' W3C traceparent (when vLLM's tracing is on)",
     "collective": "op, group, backend, bytes, per-group sequence number; per-wave aggregates",
     "compiled_graph": "torch.compile'd graphs: collectives found in the FX graph, counted per "
     "compiled-graph call (graph_counted), no Python per collective",
@@ -531,7 +532,7 @@ ATTACH_POINTS: tuple[AttachPoint, ...] = tuple(
         CPU,
         note="gloo / shared memory",
     )
-    # -- scheduler (engine core process): hot-reloaded config stamped on each step -------------
+    # -- scheduler (engine core process): hot-reloaded config and traceparents stamped on steps -
     + _points(
         "scheduler",
         "vllm.v1.core.sched.scheduler",

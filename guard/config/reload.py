@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from guard import trace_context
 from guard.config.runtime_guard import (
     CONFIG_FILE_ENV,
     CONFIG_KEY,
@@ -181,7 +182,9 @@ def engine_watcher(environ: Mapping[str, str] | None = None) -> ConfigWatcher | 
 
 
 def guard_schedule(fn: F) -> F:
-    """Decorate the scheduler's `schedule()`: stamp pending config changes onto its output."""
+    """Decorate the scheduler's `schedule()`: stamp pending config changes onto its output, and
+    new requests' W3C `traceparent` onto their NewRequestData (guard/trace_context.py) when
+    vLLM's tracing is on."""
 
     tried_aside = False  # once: a wrapper that is not where it was bound stays
 
@@ -190,14 +193,21 @@ def guard_schedule(fn: F) -> F:
         nonlocal tried_aside
         output = fn(self, *args, **kwargs)
         try:
+            tracing = trace_context.tracing_enabled(self)
+            if tracing:
+                trace_context.stamp_new(self, output)
             watcher = engine_watcher()
             if watcher is not None:
                 watcher.stamp_output(output)
-            elif not tried_aside:
-                # no config file to watch in this engine, ever: no frame on later steps
+            elif not tracing and not tried_aside:
+                # no config file to watch and no trace headers kept in this engine, ever: no
+                # frame on later steps
                 tried_aside = True
                 if step_aside(type(self), fn.__name__, guarded_schedule):
-                    log.info("config_stamp_stepped_aside", reason="no config file is watched")
+                    log.info(
+                        "config_stamp_stepped_aside",
+                        reason="no config file is watched and vLLM's tracing is off",
+                    )
         except Exception:  # noqa: BLE001 - never break scheduling
             log.exception("config_stamp_failed")
         return output

@@ -21,6 +21,10 @@ engine thread works the oldest out itself, so nothing is lost and the objects he
 bounded. Neither call raises: an error is counted as a guard error (`on_error`) and costs only
 that wave's membership.
 
+A request that came with a W3C `traceparent` (guard/trace_context.py: vLLM keeps trace headers
+when its tracing is on) has it read off its NewRequestData when it joins, and sent once with its
+name (`traceparent_index` / `traceparent`); the sidecar parses it.
+
 Cost (bench/request_membership.py). A request id becomes a small integer once, when the
 request is new. The runner output's `req_ids` are the runner's own string objects, the same
 ones wave after wave, so comparing this wave's list with the last one's is a pointer compare
@@ -51,6 +55,7 @@ from array import array
 from collections.abc import Callable
 from typing import Any
 
+from guard import trace_context
 from guard.wave.schedule import ONE_EACH, ScheduleFields, read_schedule
 from telemetry.wire.proto import guard_pb2
 
@@ -89,6 +94,9 @@ class RequestMembership:
         # deletions left, which cost 4 us a finish once RETIRED_KEPT requests had finished
         self._retired: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._names: dict[int, str] = {}  # index -> id, until its finish is packed
+        # index -> the W3C traceparent the request came with (guard/trace_context.py), as
+        # long as its name is kept: sent with the name
+        self._traceparents: dict[int, str] = {}
         self._new_names: collections.deque[int] = collections.deque()  # not yet sent
         self._next = 0
         self._pending: dict[int, tuple] = {}
@@ -125,14 +133,16 @@ class RequestMembership:
         tracks, in a decode wave) would live until the streamer's next batch, and each one
         counts towards the next young collection."""
         new = fields.new
+        traceparents = None
         if new:  # their ids only: a new request's data holds its prompt, params and features
             try:
+                traceparents = trace_context.of_new(new)
                 fields = fields._replace(new=[r.req_id for r in new])
             except Exception:  # noqa: BLE001 - costs this wave's membership only
                 self._failed("request_membership_schedule")
                 return
         steps = self._steps
-        steps.append((_SCHEDULED, wave, fields))
+        steps.append((_SCHEDULED, wave, fields, traceparents))
         if len(steps) > self._steps_kept:
             self._catch_up()
 
@@ -165,7 +175,7 @@ class RequestMembership:
             if fields.new:  # new requests: their ids only
                 self.queue_schedule(wave, fields)
             else:
-                steps.append((_SCHEDULED, wave, fields))
+                steps.append((_SCHEDULED, wave, fields, None))
         if output is None:
             steps.append((_SAMPLED, wave, None, None, tokens, None))
         else:
@@ -212,7 +222,7 @@ class RequestMembership:
                 return
             if step[0] == _SCHEDULED:
                 try:
-                    self._on_schedule(step[1], step[2])
+                    self._on_schedule(step[1], step[2], step[3])
                 except Exception:  # noqa: BLE001 - membership must not cost the wave record
                     self._failed("request_membership_schedule")
             else:
@@ -227,10 +237,12 @@ class RequestMembership:
         if self._on_error is not None:
             self._on_error(where)
 
-    def _on_schedule(self, wave: int, fields: ScheduleFields) -> None:
+    def _on_schedule(
+        self, wave: int, fields: ScheduleFields, traceparents: dict[str, str] | None = None
+    ) -> None:
         """The scheduler output's scheduled tokens per request, new requests' ids, finished
         ids, preempted ids (None: a scheduler that does not say), resumed ids and total
-        tokens."""
+        tokens; `traceparents`: the new requests' W3C traceparent headers, by id."""
         scheduled, new, done = fields.scheduled, fields.new, fields.finished
         gone, back, total = fields.preempted, fields.resumed, fields.total
         if scheduled is None:
@@ -242,7 +254,9 @@ class RequestMembership:
             prefilling = self._prefilling
             for req_id in joined:
                 if req_id not in index:
-                    prefilling[req_id] = self._name(req_id)
+                    number = prefilling[req_id] = self._name(req_id)
+                    if traceparents is not None and req_id in traceparents:
+                        self._traceparents[number] = traceparents[req_id]
         finished: tuple = ()
         if done:
             retired, prefilling, numbers = self._retired, self._prefilling, []
@@ -480,7 +494,9 @@ class RequestMembership:
             del self._index[oldest]
             self.dropped_names += 1
         if len(names) > self._max_live + RETIRED_KEPT:
-            names.pop(next(iter(names)), None)
+            oldest = next(iter(names))
+            del names[oldest]
+            self._traceparents.pop(oldest, None)
         return number
 
     def __len__(self) -> int:
@@ -518,7 +534,7 @@ class RequestMembership:
         # names after rows: the engine thread names a request before its first row
         self._add_names(cols, fresh_stream)
         previous = None
-        names = self._names
+        names, traceparents = self._names, self._traceparents
         for wave, members, sched, sampled, finished, gone in taken:
             same = members is previous
             cols.wave.append(wave)
@@ -544,6 +560,8 @@ class RequestMembership:
             cols.preempted_index.extend(gone)
             for number in finished:
                 names.pop(number, None)
+                if traceparents:
+                    traceparents.pop(number, None)
 
     def _add_names(self, cols: guard_pb2.RequestColumns, fresh_stream: bool) -> None:
         queue, names = self._new_names, self._names
@@ -553,17 +571,25 @@ class RequestMembership:
                 pending.append(queue.popleft())
             except IndexError:
                 break
+        traceparents = self._traceparents
         if fresh_stream:
             known = list(names.items())
             cols.name_index.extend(k for k, _ in known)
             cols.name_request_id.extend(v for _, v in known)
             sent = {k for k, _ in known}
             pending = [i for i in pending if i not in sent]
+            for number in sent & traceparents.keys():
+                cols.traceparent_index.append(number)
+                cols.traceparent.append(traceparents[number])
         for number in pending:
             req_id = names.get(number)
             if req_id is not None:
                 cols.name_index.append(number)
                 cols.name_request_id.append(req_id)
+                traceparent = traceparents.get(number)
+                if traceparent is not None:
+                    cols.traceparent_index.append(number)
+                    cols.traceparent.append(traceparent)
 
 
 def _position(req_ids: list, req_id: str) -> int | None:

@@ -258,6 +258,7 @@ def spans_of_otlp(data) -> list[Span]:
                                 "trace_id": int.from_bytes(link.trace_id, "big"),
                                 "span_id": int.from_bytes(link.span_id, "big"),
                                 "attributes": _attrs(link.attributes),
+                                **({"flags": link.flags} if link.flags else {}),
                             }
                             for link in s.links
                         ],

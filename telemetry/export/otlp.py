@@ -22,7 +22,8 @@ remembers the last `max_marked_waves` incidents' spans).
 
 Request traces (`requests`, on by default): when the store commits a request's finish, its trace
 (telemetry/spans/requests.py: the request, a span per wave it ran in linked to that wave's trace,
-its incidents) is built from the store after the same delay and exported whole.
+its incidents) is built from the store after the same delay and exported whole. A request that
+came with a W3C `traceparent` has its root link to that trace and span.
 
 Every span goes out under the resource of the rank (or, for a wave root and a request, the
 replica) that made it (telemetry/export/resource.py), in requests of at most

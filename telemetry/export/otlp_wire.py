@@ -49,8 +49,10 @@ _KIND_INTERNAL = b"\x30\x01"  # kind (6) = SPAN_KIND_INTERNAL
 _STATUS_ERROR = length_delimited(_SPAN_STATUS, b"\x18\x02")  # Status.code (3) = ERROR
 _START, _END = b"\x39", b"\x41"  # start (7), end (8): fixed64
 _EVENT_TIME = b"\x09"  # Event.time_unix_nano (1): fixed64
+_LINK_FLAGS = b"\x35"  # Link.flags (6): fixed32
 _INT64_MIN, _INT64_END = -(2**63), 2**63
 _fixed64 = struct.Struct("<Q").pack
+_fixed32 = struct.Struct("<I").pack
 _double = struct.Struct("<d").pack
 
 
@@ -187,8 +189,9 @@ def _name(name: str) -> bytes:
 _LINKS: dict[tuple, bytes] = {}  # a request's link repeats in every wave it ran in
 
 
-def link(trace_id: int, span_id: int, attrs: dict[str, Any]) -> bytes:
-    cache_key = (trace_id, span_id, *attrs.items())
+def link(trace_id: int, span_id: int, attrs: dict[str, Any], flags: int = 0) -> bytes:
+    """A Span.Link; `flags` (its W3C trace flags and remote bits) written when not 0."""
+    cache_key = (trace_id, span_id, flags, *attrs.items())
     found = _LINKS.get(cache_key)
     if found is None:
         body = (
@@ -198,6 +201,8 @@ def link(trace_id: int, span_id: int, attrs: dict[str, Any]) -> bytes:
             + span_id.to_bytes(8, "big")
             + attributes(LINK_ATTRIBUTES, attrs)
         )
+        if flags:
+            body += _LINK_FLAGS + _fixed32(flags)
         found = length_delimited(_SPAN_LINKS, body)
         if len(_LINKS) >= 65536:
             _LINKS.clear()
@@ -206,7 +211,12 @@ def link(trace_id: int, span_id: int, attrs: dict[str, Any]) -> bytes:
 
 
 def links(found: Iterable[dict]) -> bytes:
-    return b"".join([link(x["trace_id"], x["span_id"], x.get("attributes", {})) for x in found])
+    return b"".join(
+        [
+            link(x["trace_id"], x["span_id"], x.get("attributes", {}), x.get("flags", 0))
+            for x in found
+        ]
+    )
 
 
 def encode_span(span: Span) -> bytes:

@@ -52,7 +52,8 @@ class Span:
     pp: int | None = None
     attributes: dict[str, Any] = dataclasses.field(default_factory=dict)
     events: list[dict[str, Any]] = dataclasses.field(default_factory=list)
-    # span links: {"trace_id": int, "span_id": int, "attributes": {...}} (request traces)
+    # span links: {"trace_id": int, "span_id": int, "attributes": {...}, "flags": int (OTLP
+    # Span.Link.flags; optional)} (request traces)
     links: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     status: str = STATUS_UNSET  # STATUS_ERROR: an incident, or a rank / wave that raised one
 

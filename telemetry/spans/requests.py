@@ -1,6 +1,12 @@
 """Request traces built on demand from stored request membership: one trace per vLLM request, a
 `request` root span with a child per wave the request ran in, linked both ways with the wave
 traces (deterministic ids: telemetry/wire/trace_ids.py).
+
+A request that came with a W3C `traceparent` (a gateway's trace, which vLLM's own
+`llm_request` span joins as a child) has its root span link to that trace and span
+(`traceparent_link`): from the gateway's trace, vLLM's request span and ours share the trace
+id, and ours leads on to the waves. The link's flags carry the header's trace flags and mark
+the context remote, as OTLP defines them.
 """
 
 from __future__ import annotations
@@ -33,8 +39,13 @@ from telemetry.wire.trace_ids import (
     wave_span_id,
     wave_trace_id,
 )
+from telemetry.wire.traceparent import TraceParent
 
 REQUEST_SPAN = "request"
+ATTR_LINK = schema.attr("link")  # on the root's traceparent link: "traceparent"
+# OTLP Span.Link.flags: bits 0-7 the W3C trace flags; 0x100 says whether the context is
+# remote is known, 0x200 that it is (trace.proto SPAN_FLAGS_CONTEXT_*_MASK)
+LINK_REMOTE = 0x100 | 0x200
 
 
 ATTR_REQUEST = schema.attr("request_id")
@@ -190,6 +201,7 @@ def build_trace(conn: sqlite3.Connection, rows: Sequence[RequestRow]) -> Request
     if waves:
         root_attrs[schema.attr("request.first_wave")] = waves[0].wave
         root_attrs[schema.attr("request.last_wave")] = waves[-1].wave
+    parent = next((r.traceparent for r in rows if r.traceparent is not None), None)
     spans = [
         Span(
             trace_id,
@@ -203,6 +215,7 @@ def build_trace(conn: sqlite3.Connection, rows: Sequence[RequestRow]) -> Request
             waves[0].wave if waves else head.first_wave,
             head.dp,
             attributes=root_attrs,
+            links=[] if parent is None else [traceparent_link(parent)],
         )
     ]
     for item in waves:
@@ -254,6 +267,16 @@ def build_trace(conn: sqlite3.Connection, rows: Sequence[RequestRow]) -> Request
         spans.append(span)
     spans.sort(key=lambda s: (s.start_ns, s.name != REQUEST_SPAN, s.name))
     return RequestTrace(trace_id, list(rows), waves, spans)
+
+
+def traceparent_link(parent: TraceParent) -> dict[str, Any]:
+    """The root span's link to the trace and span a request's traceparent names."""
+    return {
+        "trace_id": parent.trace_id,
+        "span_id": parent.span_id,
+        "flags": (parent.flags & 0xFF) | LINK_REMOTE,
+        "attributes": {ATTR_LINK: "traceparent"},
+    }
 
 
 def _incidents(conn: sqlite3.Connection, request: RequestRow) -> list[sqlite3.Row]:

@@ -5,7 +5,7 @@ Tables (in the same SQLite file as the wave blocks, telemetry/store/schema.py; p
 writer's retention):
 
     requests        (rank, pid, idx) -> request_id, trace id, first wave and time,   one row
-                    finish wave and time                                           per request
+                    finish wave and time, the W3C traceparent it came with         per request
     request_blocks  (rank, first_wave) -> pid, last_wave, start_ns, rows, columns  one row per
                                                                                   batch
 
@@ -13,6 +13,10 @@ writer's retention):
 stage), `idx` the worker's integer for the request (unique in its process: `pid`). A block's
 `columns` is the batch's `RequestColumns` without its names (they are in `requests`), zlib'd.
 Request traces are built from these rows by telemetry/spans/requests.py.
+
+A request's `traceparent` (sent with its name: guard/trace_context.py) is parsed here
+(telemetry/wire/traceparent.py); a malformed one is counted (`traceparents()`, on /metrics)
+and the request stored without it.
 """
 
 from __future__ import annotations
@@ -33,11 +37,13 @@ from telemetry.wire.trace_ids import (
     format_trace_id,
     request_trace_id,
 )
+from telemetry.wire.traceparent import TraceParent, parse_traceparent
 
 MAX_MATCHES = 64  # requests one look-up by id may return (n > 1 children, prefixes)
 
 
-_NAMES = ("name_index", "name_request_id")
+_NAMES = ("name_index", "name_request_id", "traceparent_index", "traceparent")
+LINKED, MALFORMED = "linked", "malformed"  # what became of a request's traceparent
 
 
 def _signed(value: int) -> int:
@@ -71,6 +77,7 @@ class RequestWriter:
         self._blocks: list[tuple] = []
         self._lock = threading.Lock()
         self._worker_drops: dict[tuple, tuple[int, int]] = {}
+        self._traceparents: dict[tuple[str, str], int] = {}  # (engine, outcome) -> requests
         self.stored_rows = 0
         # called on the writer thread after each commit with the (rank, pid, idx) of the
         # requests that write finished (the OTLP exporter's request traces)
@@ -93,11 +100,27 @@ class RequestWriter:
         if len(cols.name_index):
             expanded = entries(cols)
             first_seen = _first_waves(expanded)
+            parents = self._parents(cols, engine, counted=rank.pp_rank == 0)
             for idx, req_id in zip(cols.name_index, cols.name_request_id, strict=True):
                 wave = first_seen.get(idx, first_wave)
                 trace = request_trace_id(rank.run_id, engine, rank.dp_rank, req_id)
+                parent = parents.get(idx) if parents else None
+                link = (
+                    (None,) * 4
+                    if parent is None
+                    else (*_halves(parent.trace_id), _signed(parent.span_id), parent.flags)
+                )
                 self._names.append(
-                    (rank_id, pid, idx, req_id, *_halves(trace), wave, start_of.get(wave, now))
+                    (
+                        rank_id,
+                        pid,
+                        idx,
+                        req_id,
+                        *_halves(trace),
+                        wave,
+                        start_of.get(wave, now),
+                        *link,
+                    )
                 )
         for wave, numbers in flat_per_row(cols, "finished_count", "finished_index"):
             at = start_of.get(wave, now)
@@ -106,6 +129,34 @@ class RequestWriter:
             (rank_id, first_wave, pid, last_wave, block_start, len(cols.wave), encode(cols))
         )
 
+    def _parents(self, cols, engine: str, counted: bool) -> dict[int, TraceParent] | None:
+        """Index -> the parsed traceparent of the batch's named requests that came with one;
+        each counted (first PP stage only: every stage sends the same), a malformed one left
+        out."""
+        if not len(cols.traceparent_index):
+            return None
+        out: dict[int, TraceParent] = {}
+        malformed = 0
+        for idx, text in zip(cols.traceparent_index, cols.traceparent, strict=True):
+            parsed = parse_traceparent(text)
+            if parsed is None:
+                malformed += 1
+            else:
+                out[idx] = parsed
+        if counted:
+            with self._lock:
+                for outcome, count in ((LINKED, len(out)), (MALFORMED, malformed)):
+                    if count:
+                        key = (engine, outcome)
+                        self._traceparents[key] = self._traceparents.get(key, 0) + count
+        return out
+
+    def traceparents(self) -> dict[tuple[str, str], int]:
+        """(engine, outcome) -> requests whose traceparent was parsed (`linked`) or refused
+        (`malformed`), cumulative."""
+        with self._lock:
+            return dict(self._traceparents)
+
     def pending(self) -> bool:
         return bool(self._names or self._finishes or self._blocks)
 
@@ -113,7 +164,12 @@ class RequestWriter:
         """Write what `collect` gathered (inside the caller's transaction)."""
         names, finishes, blocks = self._names, self._finishes, self._blocks
         self._names, self._finishes, self._blocks = [], [], []
-        conn.executemany("INSERT OR IGNORE INTO requests VALUES (?,?,?,?,?,?,?,?,NULL,NULL)", names)
+        conn.executemany(
+            "INSERT OR IGNORE INTO requests (rank, pid, idx, request_id, trace_hi, trace_lo, "
+            "first_wave, start_ns, traceparent_hi, traceparent_lo, traceparent_span, "
+            "traceparent_flags) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)",
+            names,
+        )
         for row in blocks:
             if conn.execute(
                 "INSERT OR IGNORE INTO request_blocks VALUES (?,?,?,?,?,?,?)", row
@@ -146,6 +202,8 @@ class RequestWriter:
             gone = [process for process in self._worker_drops if process[1] == engine]
             for process in gone:
                 del self._worker_drops[process]
+            for key in [key for key in self._traceparents if key[0] == engine]:
+                del self._traceparents[key]
         return len(gone)
 
     def drops(self) -> dict[tuple[str, str, str, str], tuple[int, int]]:
@@ -188,22 +246,39 @@ class RequestRow:
     dp: int
     pp: int
     node: str
+    traceparent: TraceParent | None = None  # the W3C traceparent it came with
 
     @property
     def trace_hex(self) -> str:
         return format_trace_id(self.trace_id)
 
 
-_SELECT = (
-    "SELECT q.rank, q.pid, q.idx, q.request_id, q.trace_hi, q.trace_lo, q.first_wave, "
-    "q.start_ns, q.finished_wave, q.end_ns, u.run_id, r.engine, r.dp, r.pp, r.node "
-    "FROM requests q JOIN ranks r ON r.id = q.rank JOIN runs u ON u.id = r.run"
+_COLUMNS = (
+    "q.rank, q.pid, q.idx, q.request_id, q.trace_hi, q.trace_lo, q.first_wave, "
+    "q.start_ns, q.finished_wave, q.end_ns, u.run_id, r.engine, r.dp, r.pp, r.node"
 )
+_PARENT = "q.traceparent_hi, q.traceparent_lo, q.traceparent_span, q.traceparent_flags"
+_FROM = "FROM requests q JOIN ranks r ON r.id = q.rank JOIN runs u ON u.id = r.run"
+_SELECT = f"SELECT {_COLUMNS}, {_PARENT} {_FROM}"
+# a store no writer of this version has opened yet (read-only) lacks the traceparent columns
+_SELECT_OLD = f"SELECT {_COLUMNS}, NULL, NULL, NULL, NULL {_FROM}"
+
+
+def _select(conn: sqlite3.Connection, tail: str, params) -> list:
+    try:
+        return conn.execute(f"{_SELECT} {tail}", params).fetchall()
+    except sqlite3.OperationalError as exc:
+        if "traceparent" not in str(exc):
+            raise
+        return conn.execute(f"{_SELECT_OLD} {tail}", params).fetchall()
 
 
 def _row(row) -> RequestRow:
     hi, lo = row[4] % 2**64, row[5] % 2**64
-    return RequestRow(row[0], row[1], row[2], row[3], hi << 64 | lo, *row[6:])
+    parent = None
+    if row[15] is not None:
+        parent = TraceParent((row[15] % 2**64) << 64 | (row[16] % 2**64), row[17] % 2**64, row[18])
+    return RequestRow(row[0], row[1], row[2], row[3], hi << 64 | lo, *row[6:15], parent)
 
 
 def has_request_tables(conn: sqlite3.Connection) -> bool:
@@ -237,10 +312,11 @@ def find_requests(
         ("q.request_id LIKE ? ESCAPE '\\'", escaped + "%"),
         ("q.request_id LIKE ? ESCAPE '\\'", "%" + escaped + "%"),
     ):
-        rows = conn.execute(
-            f"{_SELECT} WHERE {clause}{extra} ORDER BY q.start_ns DESC LIMIT ?",
+        rows = _select(
+            conn,
+            f"WHERE {clause}{extra} ORDER BY q.start_ns DESC LIMIT ?",
             (value, *params, MAX_MATCHES),
-        ).fetchall()
+        )
         if rows:
             return [_row(r) for r in rows]
     return []
@@ -250,7 +326,7 @@ def requests_of_trace(conn: sqlite3.Connection, trace_id: int) -> list[RequestRo
     if not has_request_tables(conn):
         return []
     hi, lo = _halves(trace_id)
-    rows = conn.execute(f"{_SELECT} WHERE q.trace_hi = ? AND q.trace_lo = ?", (hi, lo))
+    rows = _select(conn, "WHERE q.trace_hi = ? AND q.trace_lo = ?", (hi, lo))
     return [_row(r) for r in rows]
 
 

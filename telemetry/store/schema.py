@@ -12,8 +12,8 @@ Tables (integer keys throughout; strings live once, in the dimension tables):
     slow_calls         (rank, group, seq) -> wave, op, backend,    one row per slow call
                        dtype, bytes, start_ns, host_ns
     incidents          telemetry/store/incidents.py (hang verdicts are the view `hang_verdicts`)
-    requests,          telemetry/store/requests.py: request membership
-    request_blocks
+    requests,          telemetry/store/requests.py: request membership (and the W3C
+    request_blocks     traceparent a request came with)
 
 Blocks live in rowid tables on 4 KiB pages: a WITHOUT ROWID table (or larger pages) left most
 of each page empty with rows of a few KiB. The block's typed columns (time range, wave range,
@@ -110,6 +110,12 @@ ADDED_COLUMNS = (
     ("wave_blocks", "dropped_before", "INTEGER"),
     ("collective_blocks", "end_ns", "INTEGER"),
     ("collective_blocks", "max_host_ns", "INTEGER"),
+    # the W3C traceparent a request came with (telemetry/wire/traceparent.py): the trace id's
+    # halves, the parent span id, the trace flags; NULL when it came without one
+    ("requests", "traceparent_hi", "INTEGER"),
+    ("requests", "traceparent_lo", "INTEGER"),
+    ("requests", "traceparent_span", "INTEGER"),
+    ("requests", "traceparent_flags", "INTEGER"),
 )
 
 

@@ -87,6 +87,7 @@ def span_json(span: Span) -> dict[str, Any]:
                 "traceID": _hex(link["trace_id"], 32),
                 "spanID": _hex(link["span_id"], 16),
                 "attributes": link.get("attributes", {}),
+                **({"flags": link["flags"]} if "flags" in link else {}),
             }
             for link in span.links
         ],
@@ -115,6 +116,7 @@ def span_from_json(d: dict[str, Any]) -> Span:
                 "trace_id": int(link["traceID"], 16),
                 "span_id": int(link["spanID"], 16),
                 "attributes": link.get("attributes", {}),
+                **({"flags": int(link["flags"])} if "flags" in link else {}),
             }
             for link in d.get("links", [])
         ],

@@ -59,6 +59,16 @@ def validate_request_columns(cols: guard_pb2.RequestColumns) -> None:
     for i, req_id in enumerate(cols.name_request_id):
         if not 1 <= len(req_id) <= MAX_REQUEST_ID:
             raise _error(f"name_request_id[{i}]: {len(req_id)} characters, 1-{MAX_REQUEST_ID}")
+    if len(cols.traceparent_index) != len(cols.traceparent):
+        raise _error(
+            f"traceparent: {len(cols.traceparent)} values for "
+            f"{len(cols.traceparent_index)} traceparent_index values"
+        )
+    if len(cols.traceparent_index):
+        named = set(cols.name_index)
+        for i, idx in enumerate(cols.traceparent_index):
+            if idx not in named:
+                raise _error(f"traceparent_index[{i}]: {idx} is not named in this batch")
     n = len(cols.wave)
     if n > MAX_ROWS:
         raise _error(f"wave: {n} rows, at most {MAX_ROWS}")

@@ -137,7 +137,9 @@ def test_request_traces_reach_the_receiver_linked_both_ways_under_their_workload
     """Two ranks of a TP group run simulated vLLM steps (tests/support/request_sim.py: no vLLM
     here) through the real processor and streamer; the sidecar exports over OTLP. Every finished
     request's trace arrives whole, its wave spans link to the wave traces and the wave roots
-    link back; each span's resource names the engine, the workload's pod and the rank."""
+    link back; each span's resource names the engine, the workload's pod and the rank. The
+    request that came with a W3C traceparent (a gateway's trace) has its root link to exactly
+    that trace and span; the others have no root link."""
     from telemetry.wire.trace_ids import request_trace_id
     from tests.support.request_sim import RANK, Sim, SimRequest, drive, guarded
 
@@ -150,11 +152,17 @@ def test_request_traces_reach_the_receiver_linked_both_ways_under_their_workload
         extra_args=("--otlp-endpoint", f"http://127.0.0.1:{port}", "--otlp-keep-one-in", "1"),
     )
     truth = []
+    gateway = (0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331)
+    traceparent = f"00-{gateway[0]:032x}-{gateway[1]:016x}-01"
     try:
         for tp in (0, 1):
             reqs = [
                 SimRequest(
-                    f"cmpl-ot{i}-0", prompt=10 + 30 * i, max_tokens=5 + i, arrive_wave=1 + 2 * i
+                    f"cmpl-ot{i}-0",
+                    prompt=10 + 30 * i,
+                    max_tokens=5 + i,
+                    arrive_wave=1 + 2 * i,
+                    traceparent=traceparent if i == 1 else None,
                 )
                 for i in range(5)
             ]
@@ -191,10 +199,17 @@ def test_request_traces_reach_the_receiver_linked_both_ways_under_their_workload
         by_trace.setdefault(int.from_bytes(span.trace_id, "big"), []).append(
             (span, _attrs(res.attributes))
         )
+    assert any(r.traceparent for r in wanted.values())  # the traced request finished
     for trace_id, req in wanted.items():
         members = by_trace.get(trace_id, [])
         (root,) = [s for s, _ in members if s.name == "request"]
         assert _attrs(root.attributes)["ascend_guard.request_id"] == req.req_id
+        if req.traceparent:  # linked to the gateway's trace and span, sampled, remote
+            (link,) = root.links
+            linked = (int.from_bytes(link.trace_id, "big"), int.from_bytes(link.span_id, "big"))
+            assert linked == gateway and link.flags == 0x301
+        else:
+            assert not root.links
         steps = {
             _attrs(s.attributes)["ascend_guard.wave"]: s
             for s, _ in members

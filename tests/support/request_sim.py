@@ -13,6 +13,8 @@ tokens, and how many it sampled. What it copies from vLLM:
 - a finished request is named in `finished_req_ids` of the next wave;
 - a preempted request leaves the batch and comes back in `resumed_req_ids`, recomputing its
   prompt and output so far;
+- a request's `traceparent` (vLLM's tracing on) rides on its NewRequestData, put there by the
+  guard's engine-core hook;
 - with `layout="slots"`, the runner's order is its persistent batch's (`InputBatch`): a request
   that leaves frees its slot, joining ones (new first, then those back in the batch) take the
   lowest free slots or go last, and the last ones then slide down into the holes left
@@ -26,6 +28,7 @@ import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
+from guard import trace_context
 from guard.config.runtime_guard import GuardConfig
 from guard.processor import GuardProcessor
 from guard.stream.streamer import Streamer
@@ -53,6 +56,7 @@ class SimRequest:
         default_factory=dict
     )  # wave: (sched, sampled)
     preemptions: int = 0
+    traceparent: str | None = None  # the W3C header it came with (vLLM's tracing on)
 
     @property
     def done(self) -> bool:
@@ -149,6 +153,16 @@ class Sim:
             finished_req_ids={_fresh(r) for r in self.finished_last},
             preempted_req_ids={_fresh(r) for r in preempted},  # vLLM 0.32 sets it for V1
         )  # fmt: skip
+        # the engine core's schedule() hook puts each new request's traceparent on its
+        # NewRequestData (the real one: guard/trace_context.py), from vLLM's Request
+        if any(r.traceparent for r in self.requests.values()):
+            headers = {
+                r.req_id: SimpleNamespace(
+                    trace_headers={"traceparent": r.traceparent} if r.traceparent else None
+                )
+                for r in self.requests.values()
+            }
+            trace_context.stamp_new(SimpleNamespace(requests=headers), so)
         # the runner keeps the string of the request's first NewRequestData
         for new in so.scheduled_new_reqs:
             self.runner_ids[new.req_id] = new.req_id

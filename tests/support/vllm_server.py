@@ -135,19 +135,23 @@ class VllmServer:
         except OSError:
             return ""
 
-    def _completion(self, prompt: Any, max_tokens: int, params: dict[str, Any]) -> Any:
+    def _completion(
+        self, prompt: Any, max_tokens: int, params: dict[str, Any], headers: dict | None = None
+    ) -> Any:
         """POST /v1/completions (greedy, EOS ignored, token ids returned unless `params` say
-        otherwise); the open response."""
+        otherwise), with `headers` added (e.g. a W3C traceparent); the open response."""
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
                 "ignore_eos": True, "return_token_ids": True, **params}  # fmt: skip
         req = urllib.request.Request(
             f"{self.base}/v1/completions", data=json.dumps(body).encode(),
-            headers={"Content-Type": "application/json"},
+            headers={"Content-Type": "application/json", **(headers or {})},
         )  # fmt: skip
         return urllib.request.urlopen(req, timeout=120)
 
-    def complete(self, prompt: str, max_tokens: int = 16, **params: Any) -> dict[str, Any]:
-        with self._completion(prompt, max_tokens, params) as resp:
+    def complete(
+        self, prompt: str, max_tokens: int = 16, *, headers: dict | None = None, **params: Any
+    ) -> dict[str, Any]:
+        with self._completion(prompt, max_tokens, params, headers) as resp:
             return json.loads(resp.read())
 
     def complete_streamed(

@@ -14,7 +14,7 @@ import json
 from telemetry.cli.common import add_store_argument
 from telemetry.cli.render import span_tree
 from telemetry.cli.table import format_duration_ns, render_table
-from telemetry.spans.requests import RequestTrace, request_traces
+from telemetry.spans.requests import REQUEST_SPAN, RequestTrace, request_traces
 from telemetry.store import connect
 from telemetry.wire import schema
 from telemetry.wire.trace_ids import format_span_id, format_trace_id
@@ -85,6 +85,11 @@ def _tree(trace: RequestTrace) -> str:
                 detail.append("after-preemption")
             if span.links:
                 detail.append(f"wave-trace={format_trace_id(span.links[0]['trace_id'])}")
+        elif span.name == REQUEST_SPAN and span.links:  # the traceparent it came with
+            link = span.links[0]
+            detail.append(
+                f"traceparent={format_trace_id(link['trace_id'])}/{format_span_id(link['span_id'])}"
+            )
         elif span.name.startswith("incident:"):
             event = span.events[0]["attributes"] if span.events else {}
             detail.append(f"wave={span.wave} {event.get('incident.summary', '')}")

@@ -301,7 +301,7 @@ class ProbeValue(_message.Message):
     def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., value: _Optional[float] = ...) -> None: ...
 
 class RequestColumns(_message.Message):
-    __slots__ = ("name_index", "name_request_id", "wave", "members", "same_members", "req_index", "scheduled_each", "scheduled_count", "scheduled_index", "scheduled_tokens", "sampled", "sampled_each", "sampled_count", "sampled_index", "sampled_tokens", "finished_count", "finished_index", "preempted_count", "preempted_index", "dropped_rows_total", "dropped_names_total")
+    __slots__ = ("name_index", "name_request_id", "wave", "members", "same_members", "req_index", "scheduled_each", "scheduled_count", "scheduled_index", "scheduled_tokens", "sampled", "sampled_each", "sampled_count", "sampled_index", "sampled_tokens", "finished_count", "finished_index", "preempted_count", "preempted_index", "dropped_rows_total", "dropped_names_total", "traceparent_index", "traceparent")
     NAME_INDEX_FIELD_NUMBER: _ClassVar[int]
     NAME_REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     WAVE_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +323,8 @@ class RequestColumns(_message.Message):
     PREEMPTED_INDEX_FIELD_NUMBER: _ClassVar[int]
     DROPPED_ROWS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     DROPPED_NAMES_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_INDEX_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     name_index: _containers.RepeatedScalarFieldContainer[int]
     name_request_id: _containers.RepeatedScalarFieldContainer[str]
     wave: _containers.RepeatedScalarFieldContainer[int]
@@ -344,7 +346,9 @@ class RequestColumns(_message.Message):
     preempted_index: _containers.RepeatedScalarFieldContainer[int]
     dropped_rows_total: int
     dropped_names_total: int
-    def __init__(self, name_index: _Optional[_Iterable[int]] = ..., name_request_id: _Optional[_Iterable[str]] = ..., wave: _Optional[_Iterable[int]] = ..., members: _Optional[_Iterable[int]] = ..., same_members: _Optional[_Iterable[bool]] = ..., req_index: _Optional[_Iterable[int]] = ..., scheduled_each: _Optional[_Iterable[int]] = ..., scheduled_count: _Optional[_Iterable[int]] = ..., scheduled_index: _Optional[_Iterable[int]] = ..., scheduled_tokens: _Optional[_Iterable[int]] = ..., sampled: _Optional[_Iterable[bool]] = ..., sampled_each: _Optional[_Iterable[int]] = ..., sampled_count: _Optional[_Iterable[int]] = ..., sampled_index: _Optional[_Iterable[int]] = ..., sampled_tokens: _Optional[_Iterable[int]] = ..., finished_count: _Optional[_Iterable[int]] = ..., finished_index: _Optional[_Iterable[int]] = ..., preempted_count: _Optional[_Iterable[int]] = ..., preempted_index: _Optional[_Iterable[int]] = ..., dropped_rows_total: _Optional[int] = ..., dropped_names_total: _Optional[int] = ...) -> None: ...
+    traceparent_index: _containers.RepeatedScalarFieldContainer[int]
+    traceparent: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name_index: _Optional[_Iterable[int]] = ..., name_request_id: _Optional[_Iterable[str]] = ..., wave: _Optional[_Iterable[int]] = ..., members: _Optional[_Iterable[int]] = ..., same_members: _Optional[_Iterable[bool]] = ..., req_index: _Optional[_Iterable[int]] = ..., scheduled_each: _Optional[_Iterable[int]] = ..., scheduled_count: _Optional[_Iterable[int]] = ..., scheduled_index: _Optional[_Iterable[int]] = ..., scheduled_tokens: _Optional[_Iterable[int]] = ..., sampled: _Optional[_Iterable[bool]] = ..., sampled_each: _Optional[_Iterable[int]] = ..., sampled_count: _Optional[_Iterable[int]] = ..., sampled_index: _Optional[_Iterable[int]] = ..., sampled_tokens: _Optional[_Iterable[int]] = ..., finished_count: _Optional[_Iterable[int]] = ..., finished_index: _Optional[_Iterable[int]] = ..., preempted_count: _Optional[_Iterable[int]] = ..., preempted_index: _Optional[_Iterable[int]] = ..., dropped_rows_total: _Optional[int] = ..., dropped_names_total: _Optional[int] = ..., traceparent_index: _Optional[_Iterable[int]] = ..., traceparent: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Batch(_message.Message):
     __slots__ = ("rank", "waves", "heartbeat", "dropped_total", "guard_errors_total", "seq", "incidents", "detector_hits_total", "probes", "collective_waves", "wire_version", "wave_columns", "collective_columns", "request_columns")
