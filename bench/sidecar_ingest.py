@@ -116,6 +116,58 @@ def drops(text: str) -> dict[tuple[str, str], float]:
     }
 
 
+def _settle(
+    sidecar: SidecarProcess, sent: int, cpu0: float, wall0: float, worker_drops: bool = False
+) -> dict:
+    """Once every record sent is written or counted as dropped, and the store has settled:
+    the figures both transports report (read while the sidecar is still up). `worker_drops`:
+    the ranks' own dropped counts are losses counted too (the ring's, like a worker buffer's)."""
+
+    def counted_drops(text: str) -> float:
+        counted = sum(drops(text).values())
+        if worker_drops:
+            counted += value(text, "ascend_guard_records_dropped_total")
+        return counted
+
+    deadline = time.monotonic() + 120
+    while True:
+        text = sidecar.metrics_text()
+        handled = value(text, "ascend_guard_waves_total") + counted_drops(text)
+        if handled >= sent or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    # the store sink runs after the metrics sink: wait for the store to settle too
+    conn = store_mod.connect(sidecar.store_path, readonly=True)
+    stored = -1
+    while time.monotonic() < deadline:
+        now = store_mod.count_waves(conn)
+        if now == stored:
+            break
+        stored = now
+        time.sleep(0.3)
+    cpu = cpu_seconds(sidecar.proc.pid) - cpu0
+    wall = time.monotonic() - wall0
+    used = (
+        conn.execute("PRAGMA page_count").fetchone()[0]
+        - conn.execute("PRAGMA freelist_count").fetchone()[0]
+    ) * conn.execute("PRAGMA page_size").fetchone()[0]
+    conn.close()
+    text = sidecar.metrics_text()
+    counted = counted_drops(text)
+    return {
+        "sent": sent,
+        "stored": stored,
+        "dropped": counted,
+        "lost": sent - stored - counted,
+        "cpu_s": cpu,
+        "wall_s": wall,
+        "rss_mib": peak_rss_mib(sidecar.proc.pid),
+        "per_cpu_s": stored / cpu if cpu else 0.0,
+        "bytes_per_record": used / max(stored, 1),
+        "drops": drops(text),
+    }
+
+
 def run_ingest(transport: str, args, work: Path) -> dict:
     """(a): N clients at full speed into one sidecar; CPU per record stored."""
     sock_dir = Path(tempfile.mkdtemp(prefix="ingest-", dir="/tmp"))
@@ -134,49 +186,11 @@ def run_ingest(transport: str, args, work: Path) -> dict:
         results = _finish(procs)
         sent = sum(r["records"] for r in results)
         # wait until every record is written or counted as dropped
-        deadline = time.monotonic() + 120
-        while True:
-            text = sidecar.metrics_text()
-            handled = value(text, "ascend_guard_waves_total") + sum(drops(text).values())
-            if handled >= sent or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        # the store sink runs after the metrics sink: wait for the store to settle too
-        conn = store_mod.connect(sidecar.store_path, readonly=True)
-        stored = -1
-        while time.monotonic() < deadline:
-            now = store_mod.count_waves(conn)
-            if now == stored:
-                break
-            stored = now
-            time.sleep(0.3)
-        cpu = cpu_seconds(sidecar.proc.pid) - cpu0
-        wall = time.monotonic() - wall0
-        used = (
-            conn.execute("PRAGMA page_count").fetchone()[0]
-            - conn.execute("PRAGMA freelist_count").fetchone()[0]
-        ) * conn.execute("PRAGMA page_size").fetchone()[0]
-        conn.close()
-        text = sidecar.metrics_text()
-        counted = sum(drops(text).values())
-        rss = peak_rss_mib(sidecar.proc.pid)
+        figures = _settle(sidecar, sent, cpu0, wall0)
         errors = [r["error"] for r in results if r["error"]]
     finally:
         sidecar.stop()
-    return {
-        "transport": transport,
-        "sent": sent,
-        "stored": stored,
-        "dropped": counted,
-        "lost": sent - stored - counted,
-        "cpu_s": cpu,
-        "wall_s": wall,
-        "rss_mib": rss,
-        "per_cpu_s": stored / cpu if cpu else 0.0,
-        "bytes_per_record": used / max(stored, 1),
-        "errors": errors,
-        "drops": drops(text),
-    }
+    return {"transport": transport, **figures, "errors": errors}
 
 
 def _line(proc: subprocess.Popen, starts: tuple[str, ...]) -> str:
@@ -235,33 +249,8 @@ def run_ring(args, work: Path) -> dict:
         _go(procs)
         results = [json.loads(_line(proc, ("{",))) for proc in procs]
         sent = sum(r["records"] for r in results)
-        deadline = time.monotonic() + 120
-        while True:
-            text = sidecar.metrics_text()
-            handled = value(text, "ascend_guard_waves_total") + sum(drops(text).values())
-            handled += value(text, "ascend_guard_records_dropped_total")
-            if handled >= sent or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        conn = store_mod.connect(sidecar.store_path, readonly=True)
-        stored = -1
-        while time.monotonic() < deadline:
-            now = store_mod.count_waves(conn)
-            if now == stored:
-                break
-            stored = now
-            time.sleep(0.3)
-        cpu = cpu_seconds(sidecar.proc.pid) - cpu0
-        wall = time.monotonic() - wall0
-        used = (
-            conn.execute("PRAGMA page_count").fetchone()[0]
-            - conn.execute("PRAGMA freelist_count").fetchone()[0]
-        ) * conn.execute("PRAGMA page_size").fetchone()[0]
-        conn.close()
-        text = sidecar.metrics_text()
         # the ring's own losses are the ranks' dropped counts, as a worker's buffer's are
-        counted = sum(drops(text).values()) + value(text, "ascend_guard_records_dropped_total")
-        rss = peak_rss_mib(sidecar.proc.pid)
+        figures = _settle(sidecar, sent, cpu0, wall0, worker_drops=True)
         _go(procs)
         for proc in procs:
             proc.wait(60)
@@ -275,17 +264,8 @@ def run_ring(args, work: Path) -> dict:
         live.rmdir()
     return {
         "transport": "ring",
-        "sent": sent,
-        "stored": stored,
-        "dropped": counted,
-        "lost": sent - stored - counted,
-        "cpu_s": cpu,
-        "wall_s": wall,
-        "rss_mib": rss,
-        "per_cpu_s": stored / cpu if cpu else 0.0,
-        "bytes_per_record": used / max(stored, 1),
+        **figures,
         "errors": [],
-        "drops": drops(text),
         "writer_us": 1e6 * max(r["writer_s"] for r in results) / args.records,
     }
 
