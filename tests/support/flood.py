@@ -89,6 +89,29 @@ def make_streamer(address: str, args: argparse.Namespace) -> Streamer:
     )
 
 
+def synthetic_wave(rng: random.Random, wave: int, start_ns: int) -> WaveTuple:
+    """A decode wave of 1-63 requests, 5 ms after the one before, with random host times."""
+    execute = rng.randrange(2_000_000, 9_000_000)
+    sample = rng.randrange(200_000, 900_000)
+    reqs = rng.randrange(1, 64)
+    # the fields in WaveTuple's order: times, then requests and tokens (prefill 0), sampled
+    return WaveTuple(
+        wave,
+        start_ns + wave * 5_000_000,
+        execute,
+        sample,
+        execute + 20_000,
+        reqs,
+        0,
+        reqs,
+        0,
+        reqs,
+        reqs,
+        False,
+        True,
+    )
+
+
 def batches(streamer: Streamer, records: int, rate: float, seed: int):
     """Serialized batches of `records` waves in all, paced to `rate` records/s (0: no pacing)."""
     rng = random.Random(seed)
@@ -102,26 +125,7 @@ def batches(streamer: Streamer, records: int, rate: float, seed: int):
         tuples = []
         for _ in range(n):
             wave += 1
-            execute = rng.randrange(2_000_000, 9_000_000)
-            sample = rng.randrange(200_000, 900_000)
-            reqs = rng.randrange(1, 64)
-            tuples.append(
-                WaveTuple(
-                    wave,
-                    start_ns + wave * 5_000_000,
-                    execute,
-                    sample,
-                    execute + 20_000,
-                    reqs,
-                    0,
-                    reqs,
-                    0,
-                    reqs,
-                    reqs,
-                    False,
-                    True,
-                )
-            )
+            tuples.append(synthetic_wave(rng, wave, start_ns))
         now = time.monotonic()
         beat = now - last_beat >= 1.0
         if beat:

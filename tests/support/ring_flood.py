@@ -21,9 +21,8 @@ import random
 import sys
 import time
 
-from guard.stream.streamer import WaveTuple
 from telemetry.wire.wave_ring import RingWriter, ring_path
-from tests.support.flood import make_streamer
+from tests.support.flood import make_streamer, synthetic_wave
 
 
 def main() -> None:
@@ -54,27 +53,7 @@ def main() -> None:
     sys.stdin.readline()
     rng = random.Random(args.tp)
     start_ns = time.time_ns()
-    records = []
-    for wave in range(1, args.records + 1):
-        execute = rng.randrange(2_000_000, 9_000_000)
-        reqs = rng.randrange(1, 64)
-        records.append(
-            WaveTuple(
-                wave,
-                start_ns + wave * 5_000_000,
-                execute,
-                rng.randrange(200_000, 900_000),
-                execute + 20_000,
-                reqs,
-                0,
-                reqs,
-                0,
-                reqs,
-                reqs,
-                False,
-                True,
-            )  # fmt: skip
-        )
+    records = [synthetic_wave(rng, wave, start_ns) for wave in range(1, args.records + 1)]
     began = time.process_time()  # CPU: the machine may be shared
     for record in records:
         writer.write(record)
