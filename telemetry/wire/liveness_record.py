@@ -150,11 +150,25 @@ def process_exit(pid: int, start_ticks: int) -> dict[str, object] | None:
 
 def _make_shared_dir(directory: str) -> None:
     """Like /tmp (sticky, writable by all): workers and sidecar may run as different users."""
-    if os.path.isdir(directory):
+    if not directory or os.path.isdir(directory):
         return
     os.makedirs(directory, exist_ok=True)
     with contextlib.suppress(OSError):
         os.chmod(directory, 0o1777)
+
+
+def map_new_file(path: str, size: int) -> tuple[str, mmap.mmap]:
+    """A file of `size` zero bytes beside `path`, in its shared directory (made if missing),
+    mapped: (its name, the mapping). The caller fills it and moves it onto `path`, so that a
+    reader never opens a half-made file. Raises OSError."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    _make_shared_dir(os.path.dirname(path))
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, size)
+        return tmp, mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
 
 
 class LivenessRecord:
@@ -186,15 +200,8 @@ class LivenessRecord:
         pid = os.getpid()
         stat = proc_stat(pid)
         tmp = f"{path}.{pid}.tmp"
-        size = _file_size(ring_slots)
         try:
-            _make_shared_dir(os.path.dirname(path))
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.ftruncate(fd, size)
-                mm = mmap.mmap(fd, size)
-            finally:
-                os.close(fd)
+            tmp, mm = map_new_file(path, _file_size(ring_slots))
             words = memoryview(mm).cast("Q")
             words[1], words[2], words[3] = VERSION, pid, stat[1] if stat else 0
             words[4], words[5], words[6] = dp, tp, pp

@@ -193,18 +193,8 @@ class RingWriter:
         pid = os.getpid()
         stat = liveness_record.proc_stat(pid)
         size = file_size(slots, slot_bytes)
-        tmp = f"{path}.{pid}.tmp"
-        directory = os.path.dirname(path)
-        if directory and not os.path.isdir(directory):
-            os.makedirs(directory, exist_ok=True)
-            with contextlib.suppress(OSError):
-                os.chmod(directory, 0o1777)  # shared like /tmp, as the liveness records
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            os.ftruncate(fd, size)
-            mm = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        # in a shared directory, as the liveness records
+        tmp, mm = liveness_record.map_new_file(path, size)
         try:
             words = memoryview(mm).cast("Q")
             words[_VERSION], words[_HEADER] = version, HEADER_BYTES
