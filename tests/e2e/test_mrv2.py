@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sqlite3
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +41,7 @@ import torch
 
 from tests.support.metrics import value
 from tests.support.sidecar import SidecarProcess
+from tests.support.store import request_owner, stored_incidents
 from tests.support.vllm_server import VllmServer, completion_tokens, mrv2_env, token_ids
 from tools.make_tiny_model import build_tiny_model
 
@@ -300,26 +300,7 @@ NAN_TOKENS = 12
 
 
 def incidents(dep: Deployment, type_: str, since_ns: int) -> list[dict]:
-    conn = sqlite3.connect(f"file:{dep.sidecar.store_path}?mode=ro", uri=True, timeout=5)
-    conn.row_factory = sqlite3.Row
-    try:
-        rows = conn.execute(
-            "SELECT * FROM incidents WHERE type = ? AND time_ns >= ? ORDER BY time_ns",
-            (type_, since_ns),
-        ).fetchall()
-    except sqlite3.OperationalError:
-        return []
-    finally:
-        conn.close()
-    return [dict(r) for r in rows]
-
-
-def owner(incident: dict, api_ids: list[str]) -> str | None:
-    """The API's id of prompt i is "<response id>-<i>"; the engine may append a suffix."""
-    for api_id in api_ids:
-        if incident["request_id"] == api_id or incident["request_id"].startswith(api_id + "-"):
-            return api_id
-    return None
+    return stored_incidents(dep.sidecar.store_path, type_, since_ns)
 
 
 @pytest.mark.parametrize("name", [*MRV2, "v1"])
@@ -339,12 +320,14 @@ def test_nan_logits_incidents_name_the_request_ids_the_api_returned(deployments,
     assert all(c["token_ids"] == [0] * NAN_TOKENS for c in choices[: len(NAN_PROMPTS)])
     assert all(c["token_ids"] != [0] * NAN_TOKENS for c in choices[len(NAN_PROMPTS) :])
     deadline = time.monotonic() + 30
-    while {owner(r, nan_ids) for r in incidents(dep, "logits_finite", start)} < set(nan_ids):
+    while {request_owner(r, nan_ids) for r in incidents(dep, "logits_finite", start)} < set(
+        nan_ids
+    ):
         assert time.monotonic() < deadline, (incidents(dep, "logits_finite", start), name)
         time.sleep(0.2)
     time.sleep(0.5)
     rows = incidents(dep, "logits_finite", start)
-    assert {owner(r, ids) for r in rows} == set(nan_ids), [r["request_id"] for r in rows]
+    assert {request_owner(r, ids) for r in rows} == set(nan_ids), [r["request_id"] for r in rows]
     assert not any(r["request_id"].startswith("row") for r in rows)
     bundles = [
         a[len("dump:") :] for r in rows for a in json.loads(r["actions"]) if a[:5] == "dump:"
@@ -352,7 +335,7 @@ def test_nan_logits_incidents_name_the_request_ids_the_api_returned(deployments,
     assert bundles, [r["actions"] for r in rows]
     bundle = Path(bundles[0])
     meta = json.loads((bundle / "meta.json").read_text())
-    assert owner({"request_id": meta["request_id"]}, nan_ids) is not None
+    assert request_owner({"request_id": meta["request_id"]}, nan_ids) is not None
     assert bool(torch.isnan(torch.load(bundle / "logits.pt")).any())
     kv = torch.load(bundle / "kv.pt")
     assert kv and all(bool(torch.isnan(t).any()) for t in kv.values()), name
@@ -438,7 +421,9 @@ def test_mrv2_verify_logits_incidents_name_each_requests_rows(spec_dep) -> None:
     assert all(c["token_ids"] == [0] * NAN_TOKENS for c in choices[: len(NAN_PROMPTS)])
 
     def verified(rows: list[dict]) -> set[str | None]:
-        return {owner(r, nan_ids) for r in rows if f"in {DRAFTS + 1} row(s)" in r["summary"]}
+        return {
+            request_owner(r, nan_ids) for r in rows if f"in {DRAFTS + 1} row(s)" in r["summary"]
+        }
 
     deadline = time.monotonic() + 30
     while verified(incidents(spec_dep, "logits_finite", start)) < set(nan_ids):
@@ -446,7 +431,7 @@ def test_mrv2_verify_logits_incidents_name_each_requests_rows(spec_dep) -> None:
         time.sleep(0.2)
     time.sleep(0.5)
     rows = incidents(spec_dep, "logits_finite", start)
-    assert {owner(r, ids) for r in rows} == set(nan_ids), [r["request_id"] for r in rows]
+    assert {request_owner(r, ids) for r in rows} == set(nan_ids), [r["request_id"] for r in rows]
     for r in rows:
         if f"in {DRAFTS + 1} row(s)" in r["summary"]:
             found = json.loads(r["evidence"])["rows"]

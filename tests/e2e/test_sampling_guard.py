@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import torch
 
 from tests.support.metrics import samples, value
 from tests.support.sidecar import SidecarProcess
+from tests.support.store import request_owner, stored_incidents
 from tests.support.vllm_server import VllmServer, token_ids
 from tools.make_tiny_model import build_tiny_model
 
@@ -84,18 +84,7 @@ class Rig:
         tmp.replace(self.config_path)  # how config management tools write: atomically
 
     def incidents(self, type_: str, since_ns: int = 0) -> list[dict]:
-        conn = sqlite3.connect(f"file:{self.sidecar.store_path}?mode=ro", uri=True, timeout=5)
-        conn.row_factory = sqlite3.Row
-        try:
-            rows = conn.execute(
-                "SELECT * FROM incidents WHERE type = ? AND time_ns >= ? ORDER BY time_ns",
-                (type_, since_ns),
-            ).fetchall()
-        except sqlite3.OperationalError:
-            return []
-        finally:
-            conn.close()
-        return [dict(r) for r in rows]
+        return stored_incidents(self.sidecar.store_path, type_, since_ns)
 
     def wait_incidents(self, type_: str, since_ns: int, check, timeout: float = 20.0) -> list[dict]:
         deadline = time.monotonic() + timeout
@@ -160,14 +149,6 @@ def rig(servers) -> Rig:
     return servers[0]
 
 
-def owner(incident: dict, api_ids: list[str]) -> str | None:
-    """The API response id an engine request id belongs to (the engine appends suffixes)."""
-    for api_id in api_ids:
-        if incident["request_id"] == api_id or incident["request_id"].startswith(api_id + "-"):
-            return api_id
-    return None
-
-
 def loops(tokens: list[int]) -> bool:
     """Independent of the detector: the last 48 tokens use at most 8 distinct ids."""
     return len(tokens) >= 48 and len(set(tokens[-48:])) <= 8
@@ -202,11 +183,11 @@ def test_hot_reload_turns_on_repeat_detection_which_flags_only_looping_requests(
     sampled_ids = [r["id"] for r in sampled]
     looping = {r["id"] for r in greedy if loops(token_ids(r))}
     rows = rig.wait_incidents(
-        "token_repeat", start, lambda rows: looping <= {owner(r, greedy_ids) for r in rows}
+        "token_repeat", start, lambda rows: looping <= {request_owner(r, greedy_ids) for r in rows}
     )
     time.sleep(0.5)
     rows = rig.incidents("token_repeat", start)
-    flagged = {owner(r, greedy_ids + sampled_ids) for r in rows}
+    flagged = {request_owner(r, greedy_ids + sampled_ids) for r in rows}
     assert looping <= flagged
     assert not flagged & set(sampled_ids), "diverse sampled output was flagged"
     assert None not in flagged
@@ -266,13 +247,15 @@ def test_nan_embedding_raises_logits_finite_for_exactly_those_requests(rig: Rig)
         for r in clean_responses
     )
     rows = rig.wait_incidents(
-        "logits_finite", start, lambda rows: {owner(r, nan_ids) for r in rows} >= set(nan_ids)
+        "logits_finite",
+        start,
+        lambda rows: {request_owner(r, nan_ids) for r in rows} >= set(nan_ids),
     )
     time.sleep(0.5)
     rows = rig.incidents("logits_finite", start)
-    assert {owner(r, nan_ids + clean_ids) for r in rows} == set(nan_ids)
+    assert {request_owner(r, nan_ids + clean_ids) for r in rows} == set(nan_ids)
     for api_id in nan_ids:
-        mine = [r for r in rows if owner(r, nan_ids) == api_id]
+        mine = [r for r in rows if request_owner(r, nan_ids) == api_id]
         # reported at 1, 2, 3 (the cap), then backing off x4: 12, 48, 192; how many of those a
         # request reaches depends on how long its decode logits stay non-finite on this backend
         occurrences = sorted(r["occurrence"] for r in mine)
@@ -289,7 +272,7 @@ def test_nan_embedding_raises_logits_finite_for_exactly_those_requests(rig: Rig)
     assert len(bundles) == len(rows), [r["actions"] for r in rows]
     bundle = Path(bundles[0])
     meta = json.loads((bundle / "meta.json").read_text())
-    assert owner({"request_id": meta["request_id"]}, nan_ids) is not None
+    assert request_owner({"request_id": meta["request_id"]}, nan_ids) is not None
     row = torch.load(bundle / "logits.pt")
     assert row.shape == (512,) and bool(torch.isnan(row).any())
     kv = torch.load(bundle / "kv.pt")
@@ -313,7 +296,7 @@ def test_incidents_raised_while_the_sidecar_is_down_all_arrive_after_restart(rig
     def complete(rows):
         got = {}
         for row in rows:
-            got.setdefault(owner(row, api_ids), []).append(row["occurrence"])
+            got.setdefault(request_owner(row, api_ids), []).append(row["occurrence"])
         return {k: sorted(v) for k, v in got.items() if k} == expected
 
     rig.wait_incidents("logits_finite", start, complete, timeout=30)
