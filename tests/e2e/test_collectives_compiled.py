@@ -75,6 +75,19 @@ def compile_log(log_path: Path) -> dict[str, dict[str, int]]:
     return ranks
 
 
+def assert_one_graph_of_backend_collectives(log_path: Path, layers: int) -> dict:
+    """A guarded TP=2 server's Dynamo log: one traced graph per rank (compile id 0/0 only), no
+    graph break, no recompile, and every all-reduce in it the backend's own kernel (1 + 2 x
+    layers, no guard op); what `compile_log` found, per rank."""
+    found = compile_log(log_path)
+    assert set(found) == {"0", "1"}, found
+    for tp, r in found.items():
+        assert r["graphs"] == 1 and r["compile_ids"] == 1, (tp, r)
+        assert r["breaks"] == 0 and r["recompiles"] == 0, (tp, r)
+        assert r["guard_ops"] == 0 and r["backend_ops"] == 1 + 2 * layers, (tp, r)
+    return found
+
+
 class Deployment:
     def __init__(self, root: Path, model: Path) -> None:
         self.root = root
@@ -216,13 +229,7 @@ def test_the_guard_causes_no_graph_break_or_recompile(dep: Deployment) -> None:
     (no guard op: the graph is the unguarded one). That the guard found each of them in it is
     the counts test's per-step all-reduce count."""
     layers, _, _ = model_shape(dep.model)
-    found = compile_log(dep.server.log_path)
-    assert set(found) == {"0", "1"}, found
-    for tp, r in found.items():
-        assert r["graphs"] == 1 and r["compile_ids"] == 1, (tp, r)
-        assert r["breaks"] == 0 and r["recompiles"] == 0, (tp, r)
-        assert r["guard_ops"] == 0 and r["backend_ops"] == 1 + 2 * layers, (tp, r)
-    dep.compile_found = found
+    dep.compile_found = assert_one_graph_of_backend_collectives(dep.server.log_path, layers)
 
 
 def test_guard_off_outputs_are_token_identical_and_compile_the_same_graphs(

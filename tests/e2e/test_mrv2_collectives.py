@@ -22,7 +22,10 @@ from tests.e2e.test_collectives import (
     check_collective_counts,
     check_sigstop_named_and_recovered,
 )
-from tests.e2e.test_collectives_compiled import COMPILE_ENV, compile_log
+from tests.e2e.test_collectives_compiled import (
+    COMPILE_ENV,
+    assert_one_graph_of_backend_collectives,
+)
 from tests.support.http import get_json
 from tests.support.metrics import value
 from tests.support.vllm_server import mrv2_env
@@ -84,12 +87,7 @@ def test_mrv2_compiled_graph_holds_the_backends_collectives_and_no_guard_op(
     recompile, every all-reduce in it the backend's own kernel; that the guard counted each of
     them is the counts test."""
     layers = json.loads((dep.model / "config.json").read_text())["num_hidden_layers"]
-    found = compile_log(dep.server.log_path)
-    assert set(found) == {"0", "1"}, found
-    for tp, r in found.items():
-        assert r["graphs"] == 1 and r["compile_ids"] == 1, (tp, r)
-        assert r["breaks"] == 0 and r["recompiles"] == 0, (tp, r)
-        assert r["guard_ops"] == 0 and r["backend_ops"] == 1 + 2 * layers, (tp, r)
+    assert_one_graph_of_backend_collectives(dep.server.log_path, layers)
 
 
 def test_mrv2_sigstop_of_a_worker_is_named_and_recovery_is_recorded(dep: Deployment) -> None:
