@@ -20,13 +20,13 @@ workers), which is the path the traceparent rides.
 from __future__ import annotations
 
 import secrets
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.support.metrics import value
 from tests.support.otlp_receiver import otlp_receiver
+from tests.support.ready import wait_until
 from tests.support.sidecar import SidecarProcess
 from tests.support.vllm_server import VllmServer
 
@@ -42,17 +42,6 @@ def _attrs(kvs) -> dict:
         kind = v.WhichOneof("value")
         out[kv.key] = getattr(v, kind) if kind else None
     return out
-
-
-def _wait(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        found = predicate()
-        if found:
-            return found
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"no {what} after {timeout}s")
-        time.sleep(0.2)
 
 
 def test_a_requests_traceparent_joins_vllms_span_and_the_guards_request_trace(
@@ -101,8 +90,10 @@ def test_a_requests_traceparent_joins_vllms_span_and_the_guards_request_trace(
                 found = [s for s in receiver.snapshot() if s.name == "llm_request"]
                 return found if len(found) >= len(ids) else None
 
-            roots = _wait(ours, 60, "request traces of all three requests from the sidecar")
-            llm_spans = _wait(vllms, 60, "llm_request spans from vLLM")
+            roots = wait_until(
+                ours, 60, "request traces of all three requests from the sidecar", 0.2
+            )
+            llm_spans = wait_until(vllms, 60, "llm_request spans from vLLM", 0.2)
             metrics = sidecar.metrics_text()
         finally:
             if server is not None:

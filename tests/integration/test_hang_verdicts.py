@@ -10,6 +10,7 @@ timing"); each bound says which.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -24,7 +25,11 @@ import pytest
 
 from tests.support.metrics import value
 from tests.support.ports import free_port
+from tests.support.ready import wait_until as wait_until_every
 from tests.support.sidecar import SidecarProcess
+
+# a verdict changes within a heartbeat: poll at twice the default rate
+wait_until = functools.partial(wait_until_every, interval=0.05)
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(90)
@@ -78,16 +83,6 @@ class Ranks:
                 os.kill(proc.pid, signal.SIGCONT)
                 proc.terminate()
                 proc.wait(10)
-
-
-def wait_until(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.fixture

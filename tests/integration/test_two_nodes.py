@@ -37,6 +37,7 @@ from tests.support.feed import send_incidents_and_probes, send_waves
 from tests.support.otlp_receiver import otlp_receiver
 from tests.support.ports import free_port
 from tests.support.prometheus import PrometheusServer, find_prometheus
+from tests.support.ready import wait_until
 from tests.support.sidecar import SidecarProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,16 +56,6 @@ def get(port: int, path: str) -> tuple[int, dict]:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
-
-
-def wait_until(check, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result:
-            return result
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
-        time.sleep(0.1)
 
 
 def rank(address: str, tp: int, node: str, *extra: str) -> subprocess.Popen:

@@ -1,4 +1,4 @@
-"""Waiting for a child process's HTTP endpoint to answer 200."""
+"""Waiting: for a child process's HTTP endpoint to answer 200, or for any condition to hold."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import subprocess
 import time
 import urllib.request
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 
 def wait_http_ok(
@@ -30,4 +30,16 @@ def wait_http_ok(
             pass
         if time.monotonic() > deadline:
             return "timeout"
+        time.sleep(interval)
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str, interval: float = 0.1) -> Any:
+    """Poll `check()` until it returns something true, and return that; fail the test, naming
+    `what`, once `timeout` seconds have passed without it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result:
+            return result
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
         time.sleep(interval)
